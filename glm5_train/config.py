@@ -1,0 +1,212 @@
+"""GLM-5 model configuration, named after the Hugging Face ``config.json`` of ``zai-org/GLM-5``.
+
+``GLM5Config`` holds exactly the architecture keys of the released config (same names, same
+meaning) so that a ``configs/model/*.yaml`` file and an HF ``config.json`` are interchangeable.
+``to_mcore_config`` maps it onto megatron-core's ``MLATransformerConfig``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+
+# GLM5Config fields that tune training, not the architecture: free to change on resume.
+TRAINING_FIELDS = frozenset({"moe_aux_loss_coeff", "moe_router_bias_update_rate", "name"})
+
+
+@dataclass
+class GLM5Config:
+    """Architecture of a GLM-5 flavour. Field names and meanings follow HF ``config.json``."""
+
+    vocab_size: int = 154880
+    hidden_size: int = 6144
+    num_hidden_layers: int = 78
+    first_k_dense_replace: int = 3
+    intermediate_size: int = 12288
+    moe_intermediate_size: int = 2048
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 8
+    scoring_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 2.5
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 64
+    q_lora_rank: int = 2048
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 192
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 256
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    rope_interleave: bool = True
+    indexer_rope_interleave: bool = True
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 202752
+    tie_word_embeddings: bool = False
+    rms_norm_eps: float = 1e-5
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    initializer_range: float = 0.02
+    num_nextn_predict_layers: int = 1
+    # Training-side knobs that are not part of the HF architecture.
+    moe_aux_loss_coeff: float = 0.0
+    moe_router_bias_update_rate: float = 1e-3
+    name: str = "glm5"
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field, the rule and the fix for an impossible config."""
+        for check in (_check_dense_prefix, _check_routing, _check_attention):
+            check(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "GLM5Config":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"model config: unknown field(s) {unknown}; known fields are the HF "
+                             f"GLM-5 config.json keys: {sorted(known)}")
+        return cls(**values)
+
+    @property
+    def moe_layer_pattern(self) -> list[int]:
+        """1 for an MoE layer, 0 for a dense layer, per decoder layer."""
+        k = self.first_k_dense_replace
+        return [0] * k + [1] * (self.num_hidden_layers - k)
+
+
+def _check_dense_prefix(cfg: GLM5Config) -> None:
+    if not 0 <= cfg.first_k_dense_replace <= cfg.num_hidden_layers:
+        raise ValueError(
+            f"model.first_k_dense_replace={cfg.first_k_dense_replace} must lie in "
+            f"[0, num_hidden_layers={cfg.num_hidden_layers}]: lower it or add layers")
+
+
+def _check_routing(cfg: GLM5Config) -> None:
+    if cfg.scoring_func != "sigmoid":
+        raise ValueError(f"model.scoring_func={cfg.scoring_func!r}: GLM-5 routes with 'sigmoid'")
+    if cfg.topk_method not in ("noaux_tc", "greedy"):
+        raise ValueError(f"model.topk_method={cfg.topk_method!r}: use 'noaux_tc' (GLM-5) or "
+                         "'greedy' (no expert-bias correction)")
+    if not 1 <= cfg.num_experts_per_tok <= cfg.n_routed_experts:
+        raise ValueError(
+            f"model.num_experts_per_tok={cfg.num_experts_per_tok} must be in "
+            f"[1, n_routed_experts={cfg.n_routed_experts}]")
+    if cfg.n_group < 1 or cfg.n_routed_experts % cfg.n_group:
+        raise ValueError(f"model.n_group={cfg.n_group} must divide n_routed_experts="
+                         f"{cfg.n_routed_experts}")
+
+
+def _check_attention(cfg: GLM5Config) -> None:
+    if cfg.num_key_value_heads != cfg.num_attention_heads:
+        raise ValueError(
+            f"model.num_key_value_heads={cfg.num_key_value_heads}: MLA has one KV head per query "
+            f"head; set it to num_attention_heads={cfg.num_attention_heads}")
+    if cfg.qk_rope_head_dim % 2:
+        raise ValueError(f"model.qk_rope_head_dim={cfg.qk_rope_head_dim} must be even (RoPE "
+                         "rotates pairs)")
+    if cfg.hidden_act != "silu":
+        raise ValueError(f"model.hidden_act={cfg.hidden_act!r}: GLM-5 uses 'silu' (SwiGLU)")
+
+
+@dataclass
+class ParallelSizes:
+    """The parallel sizes megatron-core's TransformerConfig needs (subset of ParallelConfig)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    pipeline_model_parallel_layout: str | None = None
+    moe_token_dispatcher_type: str = "alltoall"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def to_mcore_config(model: GLM5Config, par: ParallelSizes,
+                    params_dtype: torch.dtype = torch.float32,
+                    perform_initialization: bool = True) -> MLATransformerConfig:
+    """Map GLM-5's HF-named architecture plus a parallel layout onto megatron-core's config."""
+    model.validate()
+    bf16 = params_dtype == torch.bfloat16
+    kwargs = dict(
+        # Architecture.
+        num_layers=model.num_hidden_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        ffn_hidden_size=model.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=model.attention_bias,
+        hidden_dropout=0.0,
+        attention_dropout=model.attention_dropout,
+        init_method_std=model.initializer_range,
+        # MLA.
+        multi_latent_attention=True,
+        q_lora_rank=model.q_lora_rank,
+        kv_lora_rank=model.kv_lora_rank,
+        qk_head_dim=model.qk_nope_head_dim,
+        qk_pos_emb_head_dim=model.qk_rope_head_dim,
+        v_head_dim=model.v_head_dim,
+        qk_layernorm=True,
+        rope_type="rope",
+        rotary_base=model.rope_theta,
+        # MoE.
+        num_moe_experts=model.n_routed_experts,
+        moe_layer_freq=model.moe_layer_pattern,
+        moe_ffn_hidden_size=model.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=model.n_shared_experts * model.moe_intermediate_size
+        if model.n_shared_experts else None,
+        moe_router_topk=model.num_experts_per_tok,
+        moe_router_score_function="sigmoid",
+        moe_router_topk_scaling_factor=model.routed_scaling_factor,
+        moe_router_enable_expert_bias=model.topk_method == "noaux_tc",
+        moe_router_bias_update_rate=model.moe_router_bias_update_rate,
+        moe_router_num_groups=model.n_group if model.n_group > 1 else None,
+        moe_router_group_topk=model.topk_group if model.n_group > 1 else None,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="seq_aux_loss" if model.moe_aux_loss_coeff else "none",
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type=par.moe_token_dispatcher_type,
+        # Parallelism.
+        tensor_model_parallel_size=par.tensor_model_parallel_size,
+        pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=par.expert_model_parallel_size,
+        expert_tensor_parallel_size=par.expert_tensor_parallel_size or 1,
+        context_parallel_size=par.context_parallel_size,
+        sequence_parallel=par.sequence_parallel,
+        pipeline_model_parallel_layout=par.pipeline_model_parallel_layout,
+        pipeline_dtype=params_dtype,
+        # Numerics and kernels: nothing fused that needs CUDA or TE.
+        params_dtype=params_dtype,
+        bf16=bf16,
+        calculate_per_token_loss=True,
+        perform_initialization=perform_initialization,
+        use_cpu_initialization=True,
+        apply_rope_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        deterministic_mode=False,
+    )
+    kwargs.update(par.extra)
+    return MLATransformerConfig(**kwargs)

@@ -1,0 +1,516 @@
+"""Data pipeline: indexed-dataset writing, the built-in corpus, GPT datasets and the train iterator.
+
+Flow: text (jsonl / plain files) -> ``build_indexed_dataset`` -> ``<prefix>.bin/.idx`` (megatron's
+IndexedDataset format) -> ``build_train_valid_test_datasets`` (megatron's GPTDataset / blend) ->
+``build_train_iterator`` (deterministic micro-batches per data-parallel rank).
+
+With no dataset paths configured, ``ensure_builtin_corpus`` tokenizes the Python standard library's
+own ``.py`` files, so a run works on any machine without downloads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import json
+import os
+import struct
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy
+import torch
+
+_PREPROCESS_HINT = ("python tools/preprocess_data.py --input <docs.jsonl> --output-prefix {prefix} "
+                    "--tokenizer <byte|tokenizer-dir>")
+_SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+
+
+# --------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class DataConfig:
+    """Where training text comes from and how it is turned into samples."""
+
+    paths: list[str] = field(default_factory=list)
+    weights: list[float] | None = None
+    tokenizer: str = "byte"
+    split: str = "98,1,1"
+    builtin_corpus_dir: str = "data/stdlib_corpus"
+    builtin_max_files: int = 400
+    num_workers: int = 0
+    cache_dir: str | None = None
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "DataConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"data config: unknown field(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field, the rule and the fix for an impossible config."""
+        _check_paths_and_weights(self)
+        parse_split(self.split)
+        if not self.tokenizer:
+            raise ValueError("data.tokenizer is empty: use 'byte' or a local HF tokenizer dir")
+        if self.builtin_max_files < 1:
+            raise ValueError(f"data.builtin_max_files={self.builtin_max_files} must be >= 1")
+        if self.num_workers < 0:
+            raise ValueError(f"data.num_workers={self.num_workers} must be >= 0 (0 = main process)")
+
+
+def _check_paths_and_weights(cfg: DataConfig) -> None:
+    if any(not isinstance(p, str) or not p for p in cfg.paths):
+        raise ValueError(f"data.paths={cfg.paths!r}: every entry must be a non-empty dataset "
+                         "prefix (the path without .bin/.idx)")
+    if cfg.weights is None:
+        return
+    if len(cfg.weights) != len(cfg.paths):
+        raise ValueError(f"data.weights has {len(cfg.weights)} entries but data.paths has "
+                         f"{len(cfg.paths)}: give one weight per path, or weights: null")
+    if any(not w > 0 for w in cfg.weights):
+        raise ValueError(f"data.weights={cfg.weights}: blend weights must be > 0; drop a path "
+                         "instead of giving it weight 0")
+
+
+def parse_split(split: str) -> list[float]:
+    """Parse ``"train,valid,test"`` weights (1 to 3 numbers, missing ones are 0)."""
+    try:
+        parts = [float(x) for x in split.split(",")]
+    except ValueError:
+        parts = []
+    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise ValueError(f"data.split={split!r} must be 1-3 comma-separated non-negative numbers "
+                         "with a positive sum, e.g. '98,1,1'")
+    if parts[0] <= 0:
+        raise ValueError(f"data.split={split!r} gives the train split no data: make the first "
+                         "number positive")
+    return parts + [0.0] * (3 - len(parts))
+
+
+# --------------------------------------------------------------------------------------------
+# Writing indexed datasets
+# --------------------------------------------------------------------------------------------
+
+def expand_inputs(inputs: list[str]) -> list[str]:
+    """Expand globs; every plain path must exist and every glob must match. Order is kept."""
+    if not inputs:
+        raise ValueError("no input files given: pass --input FILE [FILE ...] (globs allowed)")
+    files: list[str] = []
+    for spec in inputs:
+        if glob.has_magic(spec):
+            matches = sorted(glob.glob(spec, recursive=True))
+            if not matches:
+                raise FileNotFoundError(f"input glob {spec!r} matches no file: check the pattern")
+            files.extend(matches)
+        elif os.path.isfile(spec):
+            files.append(spec)
+        else:
+            raise FileNotFoundError(f"input file {spec!r} does not exist: check the path")
+    return files
+
+
+def _iter_jsonl(path: str, json_key: str, encoding_errors: str) -> Iterator[str]:
+    """Yield the ``json_key`` string of each non-blank line; errors name file, line and fix."""
+    with open(path, "r", encoding="utf-8", errors=encoding_errors) as f:
+        for lineno, line in _numbered_lines(f, path):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg}): each line must be "
+                                 "one JSON object; fix or delete the line") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get(json_key), str):
+                raise ValueError(f"{path}:{lineno}: no string under key {json_key!r}: add the key "
+                                 "or pass --json-key with the key that holds the text")
+            yield obj[json_key]
+
+
+def _numbered_lines(f, path: str) -> Iterator[tuple[int, str]]:
+    lineno = 0
+    try:
+        for lineno, line in enumerate(f, start=1):
+            yield lineno, line
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}:{lineno + 1}: not UTF-8 ({err.reason}): re-encode the file "
+                         "as UTF-8") from None
+
+
+def _read_text(path: str, encoding_errors: str) -> str:
+    try:
+        with open(path, "r", encoding="utf-8", errors=encoding_errors) as f:
+            return f.read()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 at byte {err.start} ({err.reason}): re-encode the "
+                         "file as UTF-8") from None
+
+
+def iter_documents(files: list[str], json_key: str = "text",
+                   encoding_errors: str = "strict") -> Iterator[str]:
+    """Yield document texts: one per jsonl line (``.jsonl``/``.json``), one per other file."""
+    for path in files:
+        if path.endswith((".jsonl", ".json")):
+            yield from _iter_jsonl(path, json_key, encoding_errors)
+        else:
+            yield _read_text(path, encoding_errors)
+
+
+def build_indexed_dataset(inputs: list[str], output_prefix: str, tokenizer, json_key: str = "text",
+                          append_eod: bool = True,
+                          encoding_errors: str = "strict") -> tuple[int, int]:
+    """Tokenize ``inputs`` into ``<output_prefix>.bin/.idx``; return (documents, tokens).
+
+    One document = one IndexedDataset sequence. Documents that tokenize to nothing are skipped.
+    Output is written under temporary names and renamed at the end, so an error (missing file,
+    bad jsonl line) leaves no ``.bin``/``.idx`` behind and an existing dataset untouched.
+    """
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    files = expand_inputs(inputs)
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    tmp_prefix = f"{output_prefix}.tmp-{os.getpid()}"
+    tmp_bin, tmp_idx = tmp_prefix + ".bin", tmp_prefix + ".idx"
+    builder = IndexedDatasetBuilder(tmp_bin, dtype=DType.optimal_dtype(tokenizer.vocab_size))
+    try:
+        n_docs, n_tokens = _write_documents(builder, iter_documents(files, json_key,
+                                                                    encoding_errors),
+                                            tokenizer, append_eod)
+        if n_docs == 0:
+            raise ValueError(f"inputs {inputs} hold no non-empty document: nothing to train on")
+        builder.finalize(tmp_idx)
+        # .idx last: a reader that sees the .idx sees a complete .bin.
+        os.replace(tmp_bin, output_prefix + ".bin")
+        os.replace(tmp_idx, output_prefix + ".idx")
+    except BaseException:
+        builder.data_file.close()
+        for tmp in (tmp_bin, tmp_idx):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+        raise
+    return n_docs, n_tokens
+
+
+def _write_documents(builder, docs: Iterator[str], tokenizer, append_eod: bool) -> tuple[int, int]:
+    n_docs = n_tokens = 0
+    for text in docs:
+        ids = tokenizer.tokenize(text)
+        if not ids:
+            continue
+        if append_eod:
+            ids = ids + [tokenizer.eod]
+        # numpy converts a long Python list ~3x faster than torch.tensor does.
+        builder.add_item(torch.from_numpy(numpy.array(ids, dtype=numpy.int64)))
+        builder.end_document()
+        n_docs += 1
+        n_tokens += len(ids)
+    return n_docs, n_tokens
+
+
+# --------------------------------------------------------------------------------------------
+# Checking indexed datasets
+# --------------------------------------------------------------------------------------------
+
+def check_dataset_prefix(prefix: str) -> None:
+    """Raise FileNotFoundError / ValueError naming the file and the fix if ``prefix`` is unusable.
+
+    Checks that ``<prefix>.bin`` and ``<prefix>.idx`` exist, that the index parses, holds at least
+    one document, and that the ``.bin`` size matches what the index describes.
+    """
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    hint = _PREPROCESS_HINT.format(prefix=prefix)
+    for suffix in (".idx", ".bin"):
+        if not os.path.isfile(prefix + suffix):
+            raise FileNotFoundError(f"dataset file {prefix + suffix} not found; create the "
+                                    f"dataset with: {hint}")
+    try:
+        _check_idx_layout(prefix + ".idx")
+        ds = IndexedDataset(prefix, multimodal=False, mmap=False)
+        lengths, pointers = ds.index.sequence_lengths, ds.index.sequence_pointers
+        itemsize = ds.index.dtype_size
+        n_seqs = len(lengths)
+    except Exception as err:  # megatron reports corruption via assert / numpy errors
+        raise ValueError(f"dataset index {prefix}.idx is corrupt ({type(err).__name__}: {err}); "
+                         f"delete {prefix}.bin/.idx and re-create them with: {hint}") from err
+    if n_seqs == 0:
+        raise ValueError(f"dataset {prefix} holds no documents; re-create it from non-empty "
+                         f"input with: {hint}")
+    expected = int(pointers[-1]) + int(lengths[-1]) * itemsize
+    actual = os.path.getsize(prefix + ".bin")
+    if actual != expected:
+        raise ValueError(f"dataset data file {prefix}.bin has {actual} bytes but its index "
+                         f"describes {expected} (truncated or mismatched copy); re-create both "
+                         f"with: {hint}")
+
+
+# megatron's .idx layout (indexed_dataset._IndexWriter): magic, <Q version, <B dtype code,
+# <Q sequence count, <Q document count, then int32 lengths, int64 pointers, int64 doc indices.
+_IDX_MAGIC = b"MMIDIDX\x00\x00"
+_IDX_FIXED = struct.Struct("<9sQBQQ")
+
+
+def _check_idx_layout(idx_path: str) -> None:
+    """Validate the .idx header and size before megatron parses it.
+
+    megatron's IndexedDataset fails on a bad header with an assert *and* then raises again from
+    ``__del__`` on the half-built object, so catch the common corruptions here first.
+    """
+    size = os.path.getsize(idx_path)
+    with open(idx_path, "rb") as f:
+        head = f.read(_IDX_FIXED.size)
+    if len(head) < _IDX_FIXED.size:
+        raise ValueError(f"{size}-byte file is shorter than the {_IDX_FIXED.size}-byte header")
+    magic, version, _, n_seqs, n_docs = _IDX_FIXED.unpack(head)
+    if magic != _IDX_MAGIC or version != 1:
+        raise ValueError("not a megatron indexed-dataset index (bad magic or version)")
+    expected = _IDX_FIXED.size + n_seqs * (4 + 8) + n_docs * 8
+    if size < expected:
+        raise ValueError(f"index is {size} bytes, its header announces at least {expected}")
+
+
+# --------------------------------------------------------------------------------------------
+# Built-in corpus (Python standard library sources)
+# --------------------------------------------------------------------------------------------
+
+def builtin_corpus_prefix(cfg: DataConfig) -> str:
+    """Prefix of the built-in corpus for ``cfg``: named after tokenizer, Python and file count,
+    so byte and HF corpora (or different stdlib versions) never collide."""
+    from glm5_train.tokenizer import tokenizer_name
+
+    return _corpus_prefix(cfg, tokenizer_name(cfg.tokenizer))
+
+
+def _corpus_prefix(cfg: DataConfig, tok_name: str) -> str:
+    py = f"py{sys.version_info.major}.{sys.version_info.minor}"
+    return os.path.join(cfg.builtin_corpus_dir, f"stdlib-{py}-{tok_name}-{cfg.builtin_max_files}")
+
+
+def stdlib_source_files(max_files: int) -> list[str]:
+    """First ``max_files`` stdlib ``.py`` files by sorted relative path (no tests/site-packages)."""
+    root = sysconfig.get_paths()["stdlib"]
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+        for name in filenames:
+            if name.endswith(".py"):
+                found.append(os.path.relpath(os.path.join(dirpath, name), root))
+    found.sort(key=lambda rel: rel.replace(os.sep, "/"))
+    return [os.path.join(root, rel) for rel in found[:max_files]]
+
+
+def ensure_builtin_corpus(cfg: DataConfig, tokenizer) -> str:
+    """Build the stdlib corpus once (global rank 0, atomically) and return its prefix.
+
+    Must be called by every rank when torch.distributed is initialised (it contains a barrier).
+    A corpus that already exists and passes ``check_dataset_prefix`` is reused as is.
+    """
+    # Name after the tokenizer actually used (it may have been built from another spec).
+    name = getattr(tokenizer, "name", None)
+    prefix = _corpus_prefix(cfg, name) if name else builtin_corpus_prefix(cfg)
+    error: BaseException | None = None
+    if _global_rank() == 0 and not _prefix_is_valid(prefix):
+        try:
+            # errors="replace": the corpus must build on any interpreter, odd bytes or not.
+            build_indexed_dataset(stdlib_source_files(cfg.builtin_max_files), prefix, tokenizer,
+                                  encoding_errors="replace")
+        except Exception as err:  # re-raised after the barrier so other ranks don't hang
+            error = err
+    _barrier()
+    if error is not None:
+        raise error
+    check_dataset_prefix(prefix)  # other ranks: clear error if rank 0's files aren't visible
+    return prefix
+
+
+def _prefix_is_valid(prefix: str) -> bool:
+    try:
+        check_dataset_prefix(prefix)
+    except (FileNotFoundError, ValueError):
+        return False
+    return True
+
+
+def _global_rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+# --------------------------------------------------------------------------------------------
+# GPT datasets
+# --------------------------------------------------------------------------------------------
+
+def build_train_valid_test_datasets(cfg: DataConfig, tokenizer, seq_length: int, seed: int,
+                                    num_samples: tuple[int, int, int]) -> tuple:
+    """Build (train, valid, test) megatron GPT datasets (a split may be None if its weight is 0).
+
+    ``num_samples`` is the minimum number of samples per split; each sample is a dict of
+    ``tokens``/``labels``/``loss_mask``/``position_ids`` of length ``seq_length`` (labels are
+    tokens shifted left by one). Call on every rank: megatron builds index caches on global
+    rank 0 first, then barriers, then the other ranks load them.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder)
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    cfg.validate()
+    paths = [ensure_builtin_corpus(cfg, tokenizer)] if not cfg.paths else list(cfg.paths)
+    for prefix in paths:
+        check_dataset_prefix(prefix)
+        _check_split_nonempty(prefix, cfg.split)
+    gpt_cfg = _gpt_dataset_config(cfg, tokenizer, paths, seq_length, seed)
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), lambda: True, gpt_cfg)
+    with _single_process_rank_zero():
+        return tuple(builder.build())
+
+
+def _gpt_dataset_config(cfg: DataConfig, tokenizer, paths: list[str], seq_length: int, seed: int):
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    # A single weighted path would only add a pointless BlendedDataset wrapper.
+    weights = list(cfg.weights) if cfg.weights is not None and len(paths) > 1 else None
+    cache_dir = cfg.cache_dir or os.path.join(os.path.dirname(os.path.abspath(paths[0])),
+                                              "index-cache")
+    return GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=(paths, weights),
+        split=cfg.split,
+        path_to_cache=cache_dir,
+        mmap_bin_files=True,
+        tokenizer=tokenizer,
+        reset_position_ids=cfg.reset_position_ids,
+        reset_attention_mask=cfg.reset_attention_mask,
+        eod_mask_loss=cfg.eod_mask_loss,
+        # A dense [1, s, s] mask per sample is only needed when documents are masked from each
+        # other; otherwise megatron's attention builds the causal mask itself from None.
+        create_attention_mask=cfg.reset_attention_mask,
+    )
+
+
+def _check_split_nonempty(prefix: str, split: str) -> None:
+    """Fail fast where megatron would hang: a split with weight > 0 but zero documents.
+
+    GPTDataset keeps adding epochs until it has enough tokens; with 0 documents per epoch that
+    loop never ends. Uses megatron's own rounding of split fractions to document counts.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    n_docs = len(IndexedDataset(prefix, multimodal=False, mmap=False).index.sequence_lengths)
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for name, bookends in zip(("train", "valid", "test"), matrix):
+        # Same rounding as BlendedMegatronDatasetBuilder._build_megatron_dataset_splits.
+        if bookends is not None and (int(round(bookends[1] * float(n_docs)))
+                                     == int(round(bookends[0] * float(n_docs)))):
+            raise ValueError(f"data.split={split!r} gives the {name} split 0 of the {n_docs} "
+                             f"documents in {prefix}: add data, or set that split's weight to 0 "
+                             "(e.g. '100,0,0')")
+
+
+@contextlib.contextmanager
+def _single_process_rank_zero():
+    """Let megatron's BlendedDataset run without torch.distributed.
+
+    megatron-core 0.16 ``BlendedDataset._build_indices`` calls ``torch.distributed.get_rank()``
+    on a cache miss without checking ``is_initialized()``, which raises in a single process.
+    Without a process group the only sensible rank is 0, so report that for the build's duration.
+    """
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        yield
+        return
+    original = dist.get_rank
+    dist.get_rank = lambda *args, **kwargs: 0
+    try:
+        yield
+    finally:
+        dist.get_rank = original
+
+
+# --------------------------------------------------------------------------------------------
+# Train iterator
+# --------------------------------------------------------------------------------------------
+
+class MicroBatchSampler:
+    """Yields the dataset indices of each micro-batch of one data-parallel rank, in order.
+
+    Global batch ``g`` is samples ``[g*GBS, (g+1)*GBS)``; rank ``r`` owns the contiguous slice
+    starting at ``g*GBS + r*(GBS//dp)``, cut into micro-batches of ``MBS``. Iteration starts at
+    global batch ``consumed_samples // GBS`` and stops before a global batch the dataset can't
+    fill, so a DP-n run sees exactly the global batches of a 1-process run.
+    """
+
+    def __init__(self, total_samples: int, micro_batch_size: int, global_batch_size: int,
+                 dp_rank: int, dp_size: int, consumed_samples: int) -> None:
+        _check_batch_layout(micro_batch_size, global_batch_size, dp_rank, dp_size,
+                            consumed_samples)
+        self.total = total_samples
+        self.mbs, self.gbs = micro_batch_size, global_batch_size
+        self.per_rank = global_batch_size // dp_size
+        self.rank_offset = dp_rank * self.per_rank
+        self.first_batch = consumed_samples // global_batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for g in range(self.first_batch, self.total // self.gbs):
+            start = g * self.gbs + self.rank_offset
+            for j in range(self.per_rank // self.mbs):
+                yield list(range(start + j * self.mbs, start + (j + 1) * self.mbs))
+
+    def __len__(self) -> int:
+        return max(0, self.total // self.gbs - self.first_batch) * (self.per_rank // self.mbs)
+
+
+def _check_batch_layout(mbs: int, gbs: int, dp_rank: int, dp_size: int, consumed: int) -> None:
+    if mbs < 1 or dp_size < 1 or gbs % (mbs * dp_size):
+        raise ValueError(f"global_batch_size={gbs} must be a positive multiple of "
+                         f"micro_batch_size*dp_size={mbs}*{dp_size}: adjust the batch sizes")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
+    if consumed < 0 or consumed % gbs:
+        raise ValueError(f"consumed_samples={consumed} must be a non-negative multiple of "
+                         f"global_batch_size={gbs} (steps_done * global_batch_size)")
+
+
+_BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+
+
+def collate_samples(samples: list[dict]) -> dict[str, torch.Tensor]:
+    """Stack per-sample tensors: tokens/labels/position_ids int64 [mbs, seq], loss_mask float
+    [mbs, seq], attention_mask bool [mbs, 1, seq, seq] (True = masked out) when present."""
+    keys = [k for k in _BATCH_KEYS if k in samples[0] and samples[0][k] is not None]
+    return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}
+
+
+def build_train_iterator(dataset, micro_batch_size: int, global_batch_size: int, dp_rank: int,
+                         dp_size: int, consumed_samples: int,
+                         num_workers: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    """Iterator over this rank's micro-batches (see ``MicroBatchSampler`` for the layout).
+
+    Yields dicts from ``collate_samples``; ends when the dataset can't fill the next global
+    batch. Worker processes (``num_workers``) don't change the order.
+    """
+    sampler = MicroBatchSampler(len(dataset), micro_batch_size, global_batch_size, dp_rank,
+                                dp_size, consumed_samples)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                         collate_fn=collate_samples,
+                                         persistent_workers=num_workers > 0)
+    return iter(loader)

@@ -1,0 +1,102 @@
+"""Layout-independent weight initialisation.
+
+megatron-core draws initial weights from per-rank RNG streams, so the same seed gives different
+weights under TP2 than under TP1, and PP ranks consume different amounts of randomness. Parity
+between layouts needs the opposite: every element of every global tensor must get the same value
+whatever rank holds it. We get that from the distributed-checkpoint view of the model: each
+parameter's ``ShardedTensor`` names its global tensor (``key``), its global shape and the offset
+of the local shard. The value of a global tensor is drawn from a generator seeded by
+``(seed, key, index along prepended axes)`` and each rank copies out its own slice.
+
+Memory: one global tensor (without its prepended layer/expert axes) at a time, i.e. bounded by
+the largest single weight (the embedding), never the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+# Output projections of residual branches get megatron's depth-scaled init (std / sqrt(2L)).
+_RESIDUAL_OUTPUTS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight",
+                     "experts.linear_fc2.weight", "shared_experts.linear_fc2.weight")
+
+
+def initialize_weights(chunks: list[torch.nn.Module], seed: int, std: float,
+                       num_layers: int) -> int:
+    """Re-draw every matrix of ``chunks`` so its value depends only on (seed, global key).
+
+    Vectors (norm weights, biases) keep their deterministic constructor values. Returns the
+    number of local tensors written.
+    """
+    written = 0
+    for chunk in chunks:
+        for sharded in _sharded_params(chunk):
+            if sharded.data.dim() < 2:
+                continue
+            _fill_local_shard(sharded, seed, _std_for(sharded.key, std, num_layers))
+            written += 1
+    return written
+
+
+def _sharded_params(chunk: torch.nn.Module) -> list[ShardedTensor]:
+    sharded_sd = chunk.sharded_state_dict()
+    tensors_and_factories, _ = extract_sharded_tensors_and_factories(sharded_sd)
+    params = {id(p) for p in chunk.parameters()}
+    candidates = _build_all(_flatten(tensors_and_factories))
+    return [t for t in candidates if id(t.data) in params or _is_param_view(t, params)]
+
+
+def _build_all(items: list) -> list[ShardedTensor]:
+    """Expand factories (e.g. the SwiGLU fc1, stored as two global tensors) into the sharded
+    tensors they build; those are views of the parameter, so writing them writes the weight."""
+    out: list[ShardedTensor] = []
+    for item in items:
+        if isinstance(item, ShardedTensorFactory):
+            out.extend(_build_all(_flatten(item.build())))
+        else:
+            out.append(item)
+    return out
+
+
+def _flatten(tree) -> list:
+    if isinstance(tree, (ShardedTensor, ShardedTensorFactory)):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _flatten(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _flatten(v)]
+    return []
+
+
+def _is_param_view(sharded: ShardedTensor, params: set[int]) -> bool:
+    base = sharded.data._base if sharded.data is not None else None
+    return base is not None and id(base) in params
+
+
+def _std_for(key: str, std: float, num_layers: int) -> float:
+    if key.endswith(_RESIDUAL_OUTPUTS):
+        return std / math.sqrt(2.0 * num_layers)
+    return std
+
+
+def _fill_local_shard(sharded: ShardedTensor, seed: int, std: float) -> None:
+    """Draw the global tensor for this shard's prepended index and copy out the local slice."""
+    lead = sharded.prepend_axis_num
+    index = tuple(sharded.global_offset[:lead])
+    global_shape = tuple(sharded.global_shape[lead:])
+    generator = torch.Generator().manual_seed(_stable_seed(seed, sharded.key, index))
+    full = torch.randn(global_shape, generator=generator, dtype=torch.float32) * std
+    slices = tuple(slice(off, off + size)
+                   for off, size in zip(sharded.global_offset[lead:], sharded.data.shape))
+    with torch.no_grad():
+        sharded.data.copy_(full[slices].to(sharded.data.dtype))
+
+
+def _stable_seed(seed: int, key: str, index: tuple[int, ...]) -> int:
+    digest = hashlib.sha256(f"{seed}|{key}|{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)

@@ -1,0 +1,108 @@
+"""The whole job's configuration as typed dataclasses, built from the Hydra config tree.
+
+Hydra composes ``configs/`` into a tree; ``JobConfig.from_hydra`` turns it into dataclasses,
+refusing unknown keys (a typo such as ``train.train_iter`` must not be silently ignored).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from glm5_train.checkpoint import CheckpointConfig
+from glm5_train.config import GLM5Config
+from glm5_train.data import DataConfig
+from parallel.layout import ParallelConfig
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class TrainConfig:
+    train_iters: int = 20
+    global_batch_size: int = 8
+    micro_batch_size: int = 1
+    seq_length: int = 128
+    seed: int = 1234
+    params_dtype: str = "fp32"
+    log_interval: int = 1
+    # AdamW with linear warm-up and cosine decay, in optimizer steps.
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_iters: int = 5
+    lr_decay_iters: int | None = None
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.params_dtype]
+
+    def validate(self) -> None:
+        for name in ("train_iters", "global_batch_size", "micro_batch_size", "seq_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name}={getattr(self, name)} must be >= 1")
+        if self.params_dtype not in _DTYPES:
+            raise ValueError(f"train.params_dtype={self.params_dtype!r}: use one of "
+                             f"{sorted(_DTYPES)}")
+        if not 0.0 <= self.min_lr <= self.lr:
+            raise ValueError(f"train.min_lr={self.min_lr} must lie in [0, train.lr={self.lr}]")
+        if self.warmup_iters < 0 or self.warmup_iters > self.train_iters:
+            raise ValueError(f"train.warmup_iters={self.warmup_iters} must lie in "
+                             f"[0, train.train_iters={self.train_iters}]")
+
+
+@dataclass
+class JobConfig:
+    model: GLM5Config = field(default_factory=GLM5Config)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @classmethod
+    def from_hydra(cls, tree: Any) -> "JobConfig":
+        from omegaconf import OmegaConf
+
+        plain = OmegaConf.to_container(tree, resolve=True)
+        plain.pop("hydra", None)
+        job = cls(
+            model=GLM5Config.from_dict(plain.pop("model", {})),
+            parallel=_build(ParallelConfig, "parallel", plain.pop("parallel", {})),
+            train=_build(TrainConfig, "train", plain.pop("train", {})),
+            data=_build(DataConfig, "data", plain.pop("data", {})),
+            checkpoint=_build(CheckpointConfig, "checkpoint", plain.pop("checkpoint", {})),
+        )
+        if plain:
+            raise ValueError(f"unknown config group(s) {sorted(plain)}: known groups are model, "
+                             "parallel, train, data, checkpoint")
+        job.validate()
+        return job
+
+    def validate(self) -> None:
+        self.model.validate()
+        self.train.validate()
+        self.data.validate()
+        _check_checkpoint(self.checkpoint)
+
+
+def _build(kind: type, group: str, values: dict[str, Any]):
+    known = {f.name for f in dataclasses.fields(kind)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{group}: unknown field(s) {unknown}; known: {sorted(known)}")
+    return kind(**values)
+
+
+def _check_checkpoint(ckpt: CheckpointConfig) -> None:
+    if ckpt.save_interval is not None and ckpt.save_interval < 1:
+        raise ValueError(f"checkpoint.save_interval={ckpt.save_interval} must be >= 1 or null")
+    if ckpt.save_interval is not None and not ckpt.save:
+        raise ValueError("checkpoint.save_interval is set but checkpoint.save is not: give "
+                         "checkpoint.save=<directory>")

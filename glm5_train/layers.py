@@ -1,0 +1,77 @@
+"""Small megatron-core-compatible modules for running GLM-5 without Transformer Engine.
+
+megatron-core's local (non-TE) spec cannot build MLA as-is: its ``DotProductAttention`` rejects
+the ``k_channels``/``v_channels`` arguments MLA passes and assumes one head width for Q, K and V,
+and its ``WrappedTorchNorm`` refuses sequence parallelism. These two modules fill those gaps;
+with Transformer Engine installed the TE spec is used instead.
+
+Shape legend: S sequence, B micro-batch, N heads on this rank, Dqk / Dv head widths.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm whose weight is marked for sequence-parallel gradient all-reduce.
+
+    Under sequence parallelism each TP rank normalises a different slice of the sequence, so the
+    weight's gradient is partial and megatron-core all-reduces every parameter flagged
+    ``sequence_parallel`` across the TP group.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
+                 sequence_parallel: bool | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        split = config.sequence_parallel if sequence_parallel is None else sequence_parallel
+        setattr(self.weight, "sequence_parallel", split)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as GLM-5's reference does, then cast back.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).to(x.dtype)
+
+
+class MLACoreAttention(MegatronModule):
+    """Causal softmax attention for MLA, where keys/queries and values have different widths.
+
+    Input ``query`` [S, B, N, Dqk], ``key`` [S, B, N, Dqk], ``value`` [S, B, N, Dv]; returns
+    [S, B, N * Dv]. ``attention_mask`` (megatron convention: True = masked out) restricts the
+    causal mask further, e.g. at packed-document boundaries. Extra keyword arguments (``x``,
+    ``qr`` for DeepSeek Sparse Attention) are the seam where DSA plugs in.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, softmax_scale: float | None = None,
+                 k_channels: int | None = None, v_channels: int | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None, **_: object) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError(
+                f"context_parallel_size={config.context_parallel_size}: the local MLA attention "
+                "runs on one context-parallel rank; install Transformer Engine for CP attention "
+                "or set parallel.context_parallel_size=1")
+        self.softmax_scale = softmax_scale
+        self.v_channels = v_channels
+        self.layer_number = layer_number
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, attn_mask_type=None,
+                packed_seq_params=None, **_: object) -> torch.Tensor:
+        if packed_seq_params is not None:
+            raise NotImplementedError("THD packed sequences need Transformer Engine attention")
+        q_BNSD, k_BNSD, v_BNSD = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        mask = None if attention_mask is None else ~attention_mask
+        out_BNSD = F.scaled_dot_product_attention(
+            q_BNSD, k_BNSD, v_BNSD, attn_mask=mask, is_causal=mask is None,
+            scale=self.softmax_scale)
+        seq, batch = query.shape[0], query.shape[1]
+        return out_BNSD.permute(2, 0, 1, 3).reshape(seq, batch, -1)

@@ -1,0 +1,62 @@
+"""Per-step metrics: one console line and one JSON object in ``<run dir>/metrics.jsonl``.
+
+Only global rank 0 writes. Per-rank memory is gathered from every rank each logged step:
+on CUDA the allocator's peak, on CPU the process's resident set (RSS) and its peak.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+
+
+def rank_memory_bytes() -> tuple[int, int]:
+    """(current, peak) memory of this rank in bytes."""
+    if torch.cuda.is_available():
+        return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+    rss = psutil.Process(os.getpid()).memory_info().rss
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return rss, peak
+
+
+def gather_memory() -> tuple[list[int], list[int]]:
+    """Every rank's (current, peak) memory, in rank order, on every rank."""
+    local = torch.tensor(rank_memory_bytes(), dtype=torch.int64)
+    gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return [int(t[0]) for t in gathered], [int(t[1]) for t in gathered]
+
+
+class MetricsLogger:
+    """Writes the console progress line and appends to metrics.jsonl (rank 0 only)."""
+
+    def __init__(self, run_dir: str, train_iters: int) -> None:
+        self.train_iters = train_iters
+        self.is_writer = dist.get_rank() == 0
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.started = time.monotonic()
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.is_writer:
+            return
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        print(self._console_line(record), flush=True, file=sys.stdout)
+
+    def _console_line(self, r: dict[str, Any]) -> str:
+        step = r["step"]
+        pct = 100.0 * step / max(1, self.train_iters)
+        elapsed = time.monotonic() - self.started
+        peak_mib = max(r.get("mem_peak_bytes", [0])) / 2**20
+        return (f"step {step}/{self.train_iters} ({pct:5.1f}%) | loss {r['loss']:.4f} | "
+                f"grad_norm {r['grad_norm']:.3f} | lr {r['lr']:.3e} | "
+                f"tokens/s {r['tokens_per_s']:.0f} | consumed_tokens {r['consumed_tokens']} | "
+                f"max rank peak {peak_mib:.0f} MiB | elapsed {elapsed:.0f}s")

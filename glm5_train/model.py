@@ -1,0 +1,85 @@
+"""GLM-5 on megatron-core: layer specs and model construction for every pipeline chunk.
+
+Layers: MLA attention everywhere, the first ``first_k_dense_replace`` layers with a dense SwiGLU
+MLP and the rest MoE (sigmoid routing, expert-bias selection, one shared expert, top-k).
+With Transformer Engine installed megatron-core's TE spec is used as is; without it the local
+spec gets the two modules from ``glm5_train.layers`` it lacks.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+from glm5_train.config import GLM5Config
+from glm5_train.layers import MLACoreAttention, RMSNorm
+
+
+def transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def decoder_block_spec(config: MLATransformerConfig, vp_stage: int | None,
+                       pp_rank: int | None = None,
+                       use_te: bool | None = None) -> TransformerBlockSubmodules:
+    """The layer specs of the decoder layers one pipeline chunk builds."""
+    use_te = transformer_engine_available() if use_te is None else use_te
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                       normalization="RMSNorm", vp_stage=vp_stage,
+                                       pp_rank=pp_rank)
+    if use_te:
+        return block
+    return TransformerBlockSubmodules(
+        layer_specs=[_localize_layer(spec) for spec in block.layer_specs], layer_norm=RMSNorm)
+
+
+def _localize_layer(layer: ModuleSpec) -> ModuleSpec:
+    """Swap the local spec's MLA core attention and norms for ones that work without TE."""
+    layer = copy.deepcopy(layer)
+    sub = layer.submodules
+    sub.input_layernorm = RMSNorm
+    sub.pre_mlp_layernorm = RMSNorm
+    attn = sub.self_attention.submodules
+    attn.core_attention = MLACoreAttention
+    attn.q_layernorm = RMSNorm
+    attn.kv_layernorm = RMSNorm
+    return layer
+
+
+def build_model_chunks(model_cfg: GLM5Config, config: MLATransformerConfig,
+                       use_te: bool | None = None) -> list[GPTModel]:
+    """Build this rank's model chunks: one per virtual pipeline stage (one without VPP)."""
+    vpp = config.virtual_pipeline_model_parallel_size
+    stages = range(vpp) if vpp else [None]
+    return [_build_chunk(model_cfg, config, vp, use_te) for vp in stages]
+
+
+def _build_chunk(model_cfg: GLM5Config, config: MLATransformerConfig, vp_stage: int | None,
+                 use_te: bool | None) -> GPTModel:
+    pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=decoder_block_spec(config, vp_stage, use_te=use_te),
+        vocab_size=model_cfg.vocab_size,
+        max_sequence_length=model_cfg.max_position_embeddings,
+        pre_process=pre,
+        post_process=post,
+        parallel_output=True,
+        share_embeddings_and_output_weights=model_cfg.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(model_cfg.rope_theta),
+        vp_stage=vp_stage,
+    )
+
+
+def count_parameters(chunks: list[torch.nn.Module]) -> int:
+    return sum(p.numel() for chunk in chunks for p in chunk.parameters())

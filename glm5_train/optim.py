@@ -1,0 +1,80 @@
+"""megatron-core DDP, optimizer (AdamW) and warm-up + cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+if TYPE_CHECKING:
+    from glm5_train.job_config import TrainConfig
+
+
+def wrap_ddp(chunks: list[torch.nn.Module], config: TransformerConfig,
+             use_distributed_optimizer: bool, overlap_grad_reduce: bool) -> list:
+    """Wrap each chunk in megatron-core's DDP (contiguous fp32 grad buffers)."""
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=use_distributed_optimizer,
+        check_for_nan_in_grad=False,
+        bucket_size=None if not overlap_grad_reduce else 40_000_000,
+    )
+    wrapped = []
+    for index, chunk in enumerate(chunks):
+        # Only the first chunk may skip bucketing; megatron's rule for overlapped grad reduce.
+        wrapped.append(DistributedDataParallel(config=config, ddp_config=ddp_config,
+                                               module=chunk, disable_bucketing=index > 0))
+    return wrapped
+
+
+def attach_schedule_hooks(chunks: list, config: TransformerConfig, optimizer) -> None:
+    """Tell the pipeline schedules how to sync and finalise grads (megatron-core's contract)."""
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    if chunks[0].ddp_config.overlap_grad_reduce:
+        config.grad_sync_func = ([c.start_grad_sync for c in chunks] if len(chunks) > 1
+                                 else chunks[0].start_grad_sync)
+
+
+def build_optimizer(chunks: list, cfg: "TrainConfig", use_distributed_optimizer: bool,
+                    params_dtype: torch.dtype):
+    """AdamW over all chunks (megatron-core splits dense and expert parameters itself)."""
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad,
+        bf16=params_dtype == torch.bfloat16,
+        params_dtype=params_dtype,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(opt_config, chunks)
+
+
+def build_scheduler(optimizer, cfg: "TrainConfig", train_iters: int) -> OptimizerParamScheduler:
+    """Linear warm-up to ``lr`` then cosine decay to ``min_lr``; counted in optimizer steps."""
+    decay = cfg.lr_decay_iters or train_iters
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        lr_warmup_steps=cfg.warmup_iters,
+        lr_decay_steps=max(decay, cfg.warmup_iters + 1),
+        lr_decay_style="cosine",
+        start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay,
+        wd_incr_steps=max(decay, 1),
+        wd_incr_style="constant",
+    )

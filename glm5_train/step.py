@@ -1,0 +1,66 @@
+"""One forward/backward step through megatron-core's pipeline schedules, and its loss.
+
+The loss is a per-token sum: each micro-batch returns (sum of token losses, token count) and
+megatron-core divides gradients by the global token count in ``finalize_model_grads``. That makes
+the loss and gradients of a global batch independent of how it is split over data-parallel ranks
+and micro-batches (a per-micro-batch mean would weigh micro-batches with fewer loss tokens more).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Per-token loss sum over unmasked tokens. ``output_tensor`` [B, S] token losses."""
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = torch.sum(output_tensor.reshape(-1).float() * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach(), num_tokens.float()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
+    """megatron-core forward_step_func: every chunk reads its own aligned iterator."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                   labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def run_step(chunks: list[torch.nn.Module], iterators: list[Iterator], num_microbatches: int,
+             seq_length: int, micro_batch_size: int, forward_only: bool = False) -> list[Any]:
+    """Run the pipeline schedule for one global batch; returns the last stage's loss reports."""
+    schedule = get_forward_backward_func()
+    return schedule(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
+def global_loss(reports: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
+    """Token-weighted loss of the global batch, identical on every rank.
+
+    Only last-stage ranks hold reports. Summing (loss_sum, tokens) over the whole world counts
+    each data-parallel partial once per TP x CP replica; the ratio is unaffected.
+    """
+    totals = torch.zeros(2, dtype=torch.float64)
+    for report in reports:
+        totals += report["lm loss"].double()
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        totals.zero_()
+    dist.all_reduce(totals)
+    replicas = (parallel_state.get_tensor_model_parallel_world_size()
+                * parallel_state.get_context_parallel_world_size())
+    return float(totals[0] / totals[1]), int(round(float(totals[1]) / replicas))

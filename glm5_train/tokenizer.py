@@ -1,0 +1,129 @@
+"""Tokenizers for the data pipeline.
+
+Both classes expose the small interface the pipeline and megatron-core's ``GPTDataset`` use:
+``tokenize(text) -> list[int]``, ``detokenize(ids) -> str`` and the properties ``eod``, ``pad``,
+``vocab_size`` and ``unique_identifiers``.
+
+``unique_identifiers`` is not optional: megatron-core's ``MegatronDataset`` serialises its config
+(tokenizer included) with ``json.dumps(..., default=lambda obj: obj.unique_identifiers)`` to
+derive the cache-file hash, so a tokenizer without it makes dataset construction fail. It must
+also differ between tokenizers so their cached indices never collide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import OrderedDict
+from typing import Iterable
+
+_BYTE_EOD = 256
+_BYTE_PAD = 257
+
+
+class ByteTokenizer:
+    """UTF-8 byte tokenizer: ids 0..255 are bytes, 256 is end-of-document, 257 is padding."""
+
+    def tokenize(self, text: str) -> list[int]:
+        """Return the UTF-8 bytes of ``text`` as token ids (no special tokens added)."""
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """Decode token ids back to text, dropping special ids; invalid UTF-8 becomes U+FFFD."""
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    @property
+    def eod(self) -> int:
+        return _BYTE_EOD
+
+    @property
+    def pad(self) -> int:
+        return _BYTE_PAD
+
+    @property
+    def vocab_size(self) -> int:
+        return 258
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        """Identity used by megatron-core to hash dataset caches."""
+        return OrderedDict([("class", "glm5_train.tokenizer.ByteTokenizer"), ("vocab_size", 258)])
+
+    @property
+    def name(self) -> str:
+        """Short filesystem-safe name, used to name per-tokenizer artefacts."""
+        return "byte"
+
+
+class HFTokenizer:
+    """Wrapper around a local Hugging Face tokenizer directory (``transformers`` required)."""
+
+    def __init__(self, path: str) -> None:
+        if not os.path.isdir(path):
+            raise FileNotFoundError(
+                f"tokenizer directory {path!r} does not exist: pass a local directory holding "
+                "tokenizer files (tokenizer.json / tokenizer_config.json), or use 'byte'")
+        try:
+            from transformers import AutoTokenizer  # optional dependency, import lazily
+        except ImportError as err:
+            raise ImportError(
+                f"tokenizer {path!r} needs the 'transformers' package, which is not installed: "
+                "run `pip install transformers`, or use the 'byte' tokenizer") from err
+        self.path = os.path.abspath(path)
+        self._tok = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        if self._tok.eos_token_id is None:
+            raise ValueError(f"tokenizer {path!r} defines no eos_token: documents need an "
+                             "end-of-document id; set eos_token in tokenizer_config.json")
+
+    def tokenize(self, text: str) -> list[int]:
+        """Return token ids for ``text`` without BOS/EOS (the pipeline appends eod itself)."""
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        """Decode token ids, skipping special tokens."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    @property
+    def eod(self) -> int:
+        return int(self._tok.eos_token_id)
+
+    @property
+    def pad(self) -> int:
+        # Falls back to eod; megatron-core then notices the collision and pads with -1 instead.
+        pad = self._tok.pad_token_id
+        return int(pad) if pad is not None else self.eod
+
+    @property
+    def vocab_size(self) -> int:
+        # len() counts added tokens, unlike the HF ``vocab_size`` attribute.
+        return len(self._tok)
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        """Identity used by megatron-core to hash dataset caches."""
+        return OrderedDict([("class", "glm5_train.tokenizer.HFTokenizer"), ("path", self.path),
+                            ("vocab_size", self.vocab_size)])
+
+    @property
+    def name(self) -> str:
+        """Short filesystem-safe name, used to name per-tokenizer artefacts."""
+        return tokenizer_name(self.path)
+
+
+def tokenizer_name(spec: str) -> str:
+    """Filesystem-safe name for a tokenizer spec, without loading it: ``byte`` or
+    ``hf-<dirname>-<hash of absolute path>`` (the hash keeps same-named directories apart)."""
+    if spec == "byte":
+        return "byte"
+    path = os.path.abspath(spec)
+    base = os.path.basename(path.rstrip(os.sep)) or "hf"
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in base)
+    digest = hashlib.sha1(path.encode("utf-8")).hexdigest()[:8]
+    return f"hf-{safe}-{digest}"
+
+
+def build_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
+    """``"byte"`` -> ByteTokenizer; anything else is a local HF tokenizer directory."""
+    if spec == "byte":
+        return ByteTokenizer()
+    return HFTokenizer(spec)

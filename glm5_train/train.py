@@ -1,0 +1,201 @@
+"""The training job: ``torchrun --nproc-per-node N -m glm5_train.train model=glm5_tiny ...``.
+
+Order of work: validate the whole config and the layout against the world size (before any
+process group exists), install the device layer, create process groups, build data, model,
+optimizer; load a checkpoint if asked; train with megatron-core's pipeline schedules; save.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from glm5_train.job_config import JobConfig
+from glm5_train.run_dir import register_resolvers
+from parallel import device
+from parallel.layout import init_distributed, validate_layout, world_from_env
+
+
+@dataclass
+class Runtime:
+    """Everything a training step needs, built once."""
+
+    job: JobConfig
+    config: object  # megatron-core MLATransformerConfig
+    chunks: list
+    optimizer: object
+    scheduler: object
+    dataset: object
+    dp_rank: int
+    dp_size: int
+
+
+def validate_job(job: JobConfig) -> int:
+    """All checks that need no process group; returns the data-parallel size."""
+    _, world, _ = world_from_env()
+    return validate_layout(job.parallel, job.model, world, job.train.global_batch_size,
+                           job.train.micro_batch_size, job.train.seq_length)
+
+
+def build_runtime(job: JobConfig) -> Runtime:
+    from megatron.core import parallel_state
+
+    from glm5_train.config import to_mcore_config
+    from glm5_train.init_weights import initialize_weights
+    from glm5_train.model import build_model_chunks
+    from glm5_train.optim import (attach_schedule_hooks, build_optimizer, build_scheduler,
+                                  wrap_ddp)
+
+    dataset = _build_dataset(job)
+    config = to_mcore_config(job.model, job.parallel.sizes(), job.train.torch_dtype)
+    chunks = build_model_chunks(job.model, config)
+    initialize_weights(chunks, job.train.seed, job.model.initializer_range,
+                       job.model.num_hidden_layers)
+    chunks = wrap_ddp(chunks, config, job.parallel.use_distributed_optimizer,
+                      job.parallel.overlap_grad_reduce)
+    optimizer = build_optimizer(chunks, job.train, job.parallel.use_distributed_optimizer,
+                                job.train.torch_dtype)
+    scheduler = build_scheduler(optimizer, job.train, job.train.train_iters)
+    attach_schedule_hooks(chunks, config, optimizer)
+    return Runtime(job, config, chunks, optimizer, scheduler, dataset,
+                   parallel_state.get_data_parallel_rank(),
+                   parallel_state.get_data_parallel_world_size())
+
+
+def _build_dataset(job: JobConfig):
+    from glm5_train.data import build_train_valid_test_datasets, ensure_builtin_corpus
+    from glm5_train.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(job.data.tokenizer)
+    if tokenizer.vocab_size > job.model.vocab_size:
+        raise ValueError(
+            f"tokenizer {job.data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
+            f"model.vocab_size={job.model.vocab_size}: raise model.vocab_size or use a smaller "
+            "tokenizer")
+    if not job.data.paths:
+        job.data.paths = [ensure_builtin_corpus(job.data, tokenizer)]
+    samples = job.train.train_iters * job.train.global_batch_size
+    train, _, _ = build_train_valid_test_datasets(
+        job.data, tokenizer, job.train.seq_length, job.train.seed, (samples, 0, 0))
+    return train
+
+
+def _iterators(rt: Runtime, consumed_samples: int) -> list:
+    """One aligned iterator per model chunk: each chunk reads the same micro-batch sequence."""
+    from glm5_train.data import build_train_iterator
+
+    t = rt.job.train
+    return [build_train_iterator(rt.dataset, t.micro_batch_size, t.global_batch_size,
+                                 rt.dp_rank, rt.dp_size, consumed_samples)
+            for _ in rt.chunks]
+
+
+def train_step(rt: Runtime, iterators: list) -> tuple[float, int, float]:
+    """One optimizer step over a global batch: (loss, loss tokens, grad norm)."""
+    from glm5_train.step import global_loss, run_step
+
+    t = rt.job.train
+    for chunk in rt.chunks:
+        chunk.zero_grad_buffer()
+    rt.optimizer.zero_grad()
+    num_micro = t.global_batch_size // (t.micro_batch_size * rt.dp_size)
+    reports = run_step(rt.chunks, iterators, num_micro, t.seq_length, t.micro_batch_size)
+    ok, grad_norm, _ = rt.optimizer.step()
+    if not ok:
+        raise FloatingPointError("optimizer step skipped: non-finite gradients")
+    rt.scheduler.step(increment=1)
+    loss, tokens = global_loss(reports)
+    return loss, tokens, float(grad_norm)
+
+
+def train(job: JobConfig, run_dir: str) -> list[dict]:
+    """Run the whole job in this (already torchrun-launched) process; returns step records."""
+    from glm5_train.checkpoint import TrainState, load_checkpoint, save_checkpoint
+    from glm5_train.metrics import MetricsLogger, gather_memory
+
+    validate_job(job)
+    device.install()
+    init_distributed(job.parallel, job.train.seed)
+    rt = build_runtime(job)
+    state = TrainState()
+    if job.checkpoint.load:
+        state = load_checkpoint(job.checkpoint.load, rt.chunks, rt.optimizer, rt.scheduler,
+                                job.model)
+    logger = MetricsLogger(run_dir, job.train.train_iters)
+    iterators = _iterators(rt, state.consumed_samples)
+    records = []
+    while state.iteration < job.train.train_iters:
+        started = time.perf_counter()
+        loss, tokens, grad_norm = train_step(rt, iterators)
+        elapsed = time.perf_counter() - started
+        state.iteration += 1
+        state.consumed_samples += job.train.global_batch_size
+        batch_tokens = job.train.global_batch_size * job.train.seq_length
+        state.consumed_tokens += batch_tokens
+        record = _record(rt, state, loss, tokens, grad_norm, batch_tokens / elapsed)
+        if state.iteration % job.train.log_interval == 0 or state.iteration == 1:
+            record["mem_rss_bytes"], record["mem_peak_bytes"] = gather_memory()
+            logger.log(record)
+        records.append(record)
+        if _should_save(job, state.iteration):
+            save_checkpoint(job.checkpoint.save, rt.chunks, rt.optimizer, rt.scheduler, state,
+                            job.model)
+    return records
+
+
+def _record(rt: Runtime, state, loss: float, tokens: int, grad_norm: float,
+            tokens_per_s: float) -> dict:
+    return {
+        "step": state.iteration,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": rt.optimizer.param_groups[0]["lr"],
+        "tokens_per_s": tokens_per_s,
+        "consumed_tokens": state.consumed_tokens,
+        "consumed_samples": state.consumed_samples,
+        "loss_tokens": tokens,
+    }
+
+
+def _should_save(job: JobConfig, iteration: int) -> bool:
+    ckpt = job.checkpoint
+    if not ckpt.save:
+        return False
+    at_interval = ckpt.save_interval is not None and iteration % ckpt.save_interval == 0
+    return at_interval or iteration == job.train.train_iters
+
+
+def main() -> None:
+    import hydra
+
+    register_resolvers()
+
+    @hydra.main(version_base=None, config_path=_config_dir(), config_name="config")
+    def _run(tree) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        job = JobConfig.from_hydra(tree)
+        run_dir = HydraConfig.get().runtime.output_dir
+        try:
+            train(job, run_dir)
+        finally:
+            _shutdown()
+
+    _run()
+
+
+def _config_dir() -> str:
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def _shutdown() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

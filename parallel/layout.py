@@ -1,0 +1,192 @@
+"""Parallel layout: the config users write, its validation, and process-group creation.
+
+Field names are megatron-core's. The data-parallel size is derived from the world size. Every
+rule is checked by ``validate_layout`` before any process group exists, and each error names the
+value, the rule and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from glm5_train.config import GLM5Config, ParallelSizes
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    pipeline_model_parallel_layout: str | None = None
+    moe_token_dispatcher_type: str = "alltoall"
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    backend: str | None = None  # None: nccl with CUDA, gloo without
+
+    @property
+    def model_parallel_size(self) -> int:
+        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                * self.context_parallel_size)
+
+    def world_size_needed(self, data_parallel_size: int = 1) -> int:
+        return self.model_parallel_size * data_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // self.model_parallel_size
+
+    def sizes(self) -> ParallelSizes:
+        return ParallelSizes(
+            tensor_model_parallel_size=self.tensor_model_parallel_size,
+            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
+            expert_model_parallel_size=self.expert_model_parallel_size,
+            expert_tensor_parallel_size=self.expert_tensor_parallel_size,
+            context_parallel_size=self.context_parallel_size,
+            sequence_parallel=self.sequence_parallel,
+            pipeline_model_parallel_layout=self.pipeline_model_parallel_layout,
+            moe_token_dispatcher_type=self.moe_token_dispatcher_type,
+        )
+
+
+class LayoutError(ValueError):
+    """An impossible parallel layout, found before any process group is created."""
+
+
+def validate_layout(par: ParallelConfig, model: GLM5Config, world_size: int,
+                    global_batch_size: int, micro_batch_size: int, seq_length: int) -> int:
+    """Check every layout rule; return the data-parallel size. Raises LayoutError."""
+    _check_positive(par)
+    dp = _check_world(par, world_size)
+    _check_tensor(par, model)
+    _check_pipeline(par, model)
+    _check_experts(par, model, dp)
+    _check_sequence(par, seq_length)
+    _check_batch(global_batch_size, micro_batch_size, dp)
+    return dp
+
+
+def _check_positive(par: ParallelConfig) -> None:
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "expert_model_parallel_size", "context_parallel_size"):
+        value = getattr(par, name)
+        if not isinstance(value, int) or value < 1:
+            raise LayoutError(f"parallel.{name}={value!r} must be a positive integer")
+
+
+def _check_world(par: ParallelConfig, world_size: int) -> int:
+    mp = par.model_parallel_size
+    if world_size % mp:
+        raise LayoutError(
+            f"world size {world_size} is not divisible by tensor x pipeline x context parallel "
+            f"= {par.tensor_model_parallel_size} x {par.pipeline_model_parallel_size} x "
+            f"{par.context_parallel_size} = {mp}: launch a multiple of {mp} processes "
+            f"(e.g. --nproc-per-node {mp}) or shrink the layout")
+    return world_size // mp
+
+
+def _check_tensor(par: ParallelConfig, model: GLM5Config) -> None:
+    tp = par.tensor_model_parallel_size
+    for name in ("num_attention_heads", "index_n_heads"):
+        value = getattr(model, name)
+        if value % tp:
+            raise LayoutError(
+                f"model.{name}={value} is not divisible by parallel.tensor_model_parallel_size="
+                f"{tp}: pick a TP size that divides {value}")
+    if par.sequence_parallel and tp == 1:
+        raise LayoutError("parallel.sequence_parallel=true needs tensor_model_parallel_size > 1 "
+                          "(it splits the sequence across TP ranks): set it to false or raise TP")
+
+
+def _check_pipeline(par: ParallelConfig, model: GLM5Config) -> None:
+    pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
+    if vpp is not None and (vpp < 1 or (vpp > 1 and pp == 1)):
+        raise LayoutError(
+            f"parallel.virtual_pipeline_model_parallel_size={vpp} needs "
+            "pipeline_model_parallel_size > 1 and a value >= 2: set it to null or raise PP")
+    if par.pipeline_model_parallel_layout:
+        return  # megatron-core validates explicit layouts against num_layers itself
+    stages = pp * (vpp or 1)
+    layers = model.num_hidden_layers
+    if layers % stages:
+        raise LayoutError(
+            f"model.num_hidden_layers={layers} cannot be placed evenly on pipeline x virtual "
+            f"stages = {pp} x {vpp or 1} = {stages}: choose PP x VPP dividing {layers}, or give "
+            "parallel.pipeline_model_parallel_layout (e.g. 'Et|tt|t|tL') for an uneven split")
+
+
+def _check_experts(par: ParallelConfig, model: GLM5Config, dp: int) -> None:
+    ep = par.expert_model_parallel_size
+    if model.n_routed_experts % ep:
+        raise LayoutError(
+            f"model.n_routed_experts={model.n_routed_experts} is not divisible by "
+            f"parallel.expert_model_parallel_size={ep}: pick an EP size dividing it")
+    etp = par.expert_tensor_parallel_size or 1
+    expert_dp_world = par.tensor_model_parallel_size * par.context_parallel_size * dp
+    if expert_dp_world % (ep * etp):
+        raise LayoutError(
+            f"expert_model_parallel_size x expert_tensor_parallel_size = {ep} x {etp} must divide "
+            f"tensor x context x data parallel = {expert_dp_world} (the ranks of one pipeline "
+            "stage): lower EP or launch more data-parallel ranks")
+
+
+def _check_sequence(par: ParallelConfig, seq_length: int) -> None:
+    split = par.tensor_model_parallel_size if par.sequence_parallel else 1
+    split *= 2 * par.context_parallel_size if par.context_parallel_size > 1 else 1
+    if seq_length % split:
+        raise LayoutError(
+            f"train.seq_length={seq_length} must be divisible by {split} (sequence parallel "
+            "splits by TP, context parallel by 2 x CP): pad or change seq_length")
+
+
+def _check_batch(global_batch_size: int, micro_batch_size: int, dp: int) -> None:
+    if micro_batch_size < 1 or global_batch_size % (micro_batch_size * dp):
+        raise LayoutError(
+            f"train.global_batch_size={global_batch_size} must be a multiple of "
+            f"train.micro_batch_size x data-parallel size = {micro_batch_size} x {dp}: "
+            f"use e.g. global_batch_size={micro_batch_size * dp * max(1, global_batch_size // max(1, micro_batch_size * dp))}")
+
+
+def world_from_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment; 1 process without it."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+            int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def init_distributed(par: ParallelConfig, seed: int) -> None:
+    """Create the default group and megatron-core's parallel groups; seed its RNG tracker."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    rank, world, local_rank = world_from_env()
+    backend = par.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(backend=backend, rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=par.tensor_model_parallel_size,
+        pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
+        context_parallel_size=par.context_parallel_size,
+        expert_model_parallel_size=par.expert_model_parallel_size,
+        expert_tensor_parallel_size=par.expert_tensor_parallel_size,
+    )
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
