@@ -66,10 +66,10 @@ def _model_sharded(chunks: list) -> dict[str, Any]:
 def _sharded_state(chunks, optimizer, scheduler, state: TrainState, model_cfg: GLM5Config,
                    is_loading: bool) -> dict[str, Any]:
     model_sd = _model_sharded(chunks)
-    flat_model_sd = {k: v for sd in model_sd.values() for k, v in sd.items()}
     return {
         "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(flat_model_sd, is_loading=is_loading),
+        # The optimizer maps its params to sharded tensors by walking the nested model dict.
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
         "scheduler": scheduler.state_dict(),
         "train_state": dataclasses.asdict(state),
         "model_config": dataclasses.asdict(model_cfg),

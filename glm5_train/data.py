@@ -122,8 +122,9 @@ def expand_inputs(inputs: list[str]) -> list[str]:
 
 def _iter_jsonl(path: str, json_key: str, encoding_errors: str) -> Iterator[str]:
     """Yield the ``json_key`` string of each non-blank line; errors name file, line and fix."""
-    with open(path, "r", encoding="utf-8", errors=encoding_errors) as f:
-        for lineno, line in _numbered_lines(f, path):
+    with open(path, "rb") as f:  # bytes, so a decode error gets its exact line number
+        for lineno, raw in enumerate(f, start=1):
+            line = _decode(raw, f"{path}:{lineno}", encoding_errors)
             if not line.strip():
                 continue
             try:
@@ -137,22 +138,18 @@ def _iter_jsonl(path: str, json_key: str, encoding_errors: str) -> Iterator[str]
             yield obj[json_key]
 
 
-def _numbered_lines(f, path: str) -> Iterator[tuple[int, str]]:
-    lineno = 0
-    try:
-        for lineno, line in enumerate(f, start=1):
-            yield lineno, line
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path}:{lineno + 1}: not UTF-8 ({err.reason}): re-encode the file "
-                         "as UTF-8") from None
-
-
 def _read_text(path: str, encoding_errors: str) -> str:
+    # Bytes in, so the document is exactly the file (no newline translation).
+    with open(path, "rb") as f:
+        return _decode(f.read(), path, encoding_errors)
+
+
+def _decode(raw: bytes, where: str, encoding_errors: str) -> str:
+    """UTF-8 decode (a leading BOM is dropped); ``where`` names the file/line in errors."""
     try:
-        with open(path, "r", encoding="utf-8", errors=encoding_errors) as f:
-            return f.read()
+        return raw.decode("utf-8-sig", errors=encoding_errors)
     except UnicodeDecodeError as err:
-        raise ValueError(f"{path}: not UTF-8 at byte {err.start} ({err.reason}): re-encode the "
+        raise ValueError(f"{where}: not UTF-8 at byte {err.start} ({err.reason}): re-encode the "
                          "file as UTF-8") from None
 
 

@@ -20,7 +20,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from glm5_train.config import GLM5Config
-from glm5_train.layers import MLACoreAttention, RMSNorm
+from glm5_train.layers import MLACoreAttention, MLADownProjection, RMSNorm
 
 
 def transformer_engine_available() -> bool:
@@ -49,6 +49,8 @@ def _localize_layer(layer: ModuleSpec) -> ModuleSpec:
     sub.pre_mlp_layernorm = RMSNorm
     attn = sub.self_attention.submodules
     attn.core_attention = MLACoreAttention
+    attn.linear_q_down_proj = MLADownProjection
+    attn.linear_kv_down_proj = MLADownProjection
     attn.q_layernorm = RMSNorm
     attn.kv_layernorm = RMSNorm
     return layer

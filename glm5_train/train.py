@@ -177,10 +177,10 @@ def main() -> None:
 
         job = JobConfig.from_hydra(tree)
         run_dir = HydraConfig.get().runtime.output_dir
-        try:
-            train(job, run_dir)
-        finally:
-            _shutdown()
+        train(job, run_dir)
+        # Only on success: after a failure the other ranks may never reach a barrier, and
+        # torchrun tears the job down anyway.
+        _shutdown()
 
     _run()
 

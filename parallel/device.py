@@ -176,7 +176,30 @@ class _CpuTorch:
         wrapped = self.__dict__.get("_wrapped", {})
         if name in wrapped:
             return wrapped[name]
+        if name == "distributed":
+            return _GLOO_DISTRIBUTED
         return getattr(torch, name)
+
+
+def _as_list(sizes: Any) -> Any:
+    return sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes
+
+
+class _GlooDistributed:
+    """``torch.distributed`` as the MoE all-to-all needs it on gloo: gloo's binding wants the
+    split sizes as Python lists, megatron-core passes CPU tensors."""
+
+    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None,
+                          group=None, async_op=False):
+        return torch.distributed.all_to_all_single(
+            output, input, _as_list(output_split_sizes), _as_list(input_split_sizes),
+            group=group, async_op=async_op)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.distributed, name)
+
+
+_GLOO_DISTRIBUTED = _GlooDistributed()
 
 
 class Uncompiled:
@@ -246,6 +269,7 @@ CUDA_LITERAL_MODULES: tuple[str, ...] = (
     "megatron.core.transformer.moe.router",
     "megatron.core.transformer.multi_token_prediction",
     "megatron.core.utils",
+    "megatron.core.tensor_parallel.mappings",  # all_to_all_single split sizes (gloo)
 )
 
 

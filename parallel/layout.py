@@ -42,18 +42,35 @@ class ParallelConfig:
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // self.model_parallel_size
 
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel size; unset means 1 with expert parallelism (as GLM-5 runs),
+        and TP without it: megatron-core treats expert weights as dense parameters when EP=1,
+        so their TP split must then match the dense one."""
+        if self.expert_tensor_parallel_size is not None:
+            return self.expert_tensor_parallel_size
+        return 1 if self.expert_model_parallel_size > 1 else self.tensor_model_parallel_size
+
     def sizes(self) -> ParallelSizes:
         return ParallelSizes(
             tensor_model_parallel_size=self.tensor_model_parallel_size,
             pipeline_model_parallel_size=self.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
             expert_model_parallel_size=self.expert_model_parallel_size,
-            expert_tensor_parallel_size=self.expert_tensor_parallel_size,
+            expert_tensor_parallel_size=self.expert_tp,
             context_parallel_size=self.context_parallel_size,
             sequence_parallel=self.sequence_parallel,
             pipeline_model_parallel_layout=self.pipeline_model_parallel_layout,
             moe_token_dispatcher_type=self.moe_token_dispatcher_type,
+            extra={"batch_p2p_comm": not self.uses_gloo},
         )
+
+    @property
+    def uses_gloo(self) -> bool:
+        # With gloo at PP=2 the interleaved schedule's batched p2p matches two same-shape
+        # messages between the same pair of ranks out of order (wrong losses from micro-batch
+        # 2 on); unbatched send/recv is exact.
+        return (self.backend or ("nccl" if torch.cuda.is_available() else "gloo")) == "gloo"
 
 
 class LayoutError(ValueError):
@@ -128,7 +145,13 @@ def _check_experts(par: ParallelConfig, model: GLM5Config, dp: int) -> None:
         raise LayoutError(
             f"model.n_routed_experts={model.n_routed_experts} is not divisible by "
             f"parallel.expert_model_parallel_size={ep}: pick an EP size dividing it")
-    etp = par.expert_tensor_parallel_size or 1
+    etp = par.expert_tp
+    if ep == 1 and etp != par.tensor_model_parallel_size:
+        raise LayoutError(
+            f"parallel.expert_tensor_parallel_size={etp} differs from tensor_model_parallel_size="
+            f"{par.tensor_model_parallel_size} with expert_model_parallel_size=1: megatron-core "
+            "then reduces expert gradients as dense ones and they come out wrong; leave it null "
+            "or set expert_model_parallel_size > 1")
     expert_dp_world = par.tensor_model_parallel_size * par.context_parallel_size * dp
     if expert_dp_world % (ep * etp):
         raise LayoutError(
@@ -179,7 +202,7 @@ def init_distributed(par: ParallelConfig, seed: int) -> None:
         virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
         context_parallel_size=par.context_parallel_size,
         expert_model_parallel_size=par.expert_model_parallel_size,
-        expert_tensor_parallel_size=par.expert_tensor_parallel_size,
+        expert_tensor_parallel_size=par.expert_tp,
     )
     model_parallel_cuda_manual_seed(seed)
 

@@ -16,6 +16,8 @@ def _te_installed() -> bool:
 
 
 def _fixes_without_te() -> tuple[Redirect, ...]:
+    from glm5_train.layers import MLADownProjection
+
     return (
         # moe_utils imports te_general_gemm inside a try block and never binds it on ImportError;
         # every router forward then raises NameError. None selects its torch fallback.
@@ -25,6 +27,11 @@ def _fixes_without_te() -> tuple[Redirect, ...]:
         # an isinstance(..., TELinear) check against a MagicMock raises TypeError.
         Redirect("megatron.core.transformer.multi_latent_attention", "HAVE_TE", False,
                  "MagicMock TELinear breaks isinstance in MLA.__init__"),
+        # The local MLA spec's ColumnParallelLinear down projections drop other TP ranks'
+        # gradient of the shared RoPE key (see MLADownProjection). MLA accepts only `Linear`
+        # (modelopt's, None without TE), TELinear or ColumnParallelLinear there.
+        Redirect("megatron.core.transformer.multi_latent_attention", "Linear", MLADownProjection,
+                 "replicated down projections: correct RoPE-key gradients under TP"),
     )
 
 

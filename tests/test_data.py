@@ -82,6 +82,32 @@ def test_build_tokenizer_errors(tmp_path):
             HFTokenizer(str(tmp_path))
 
 
+def test_hf_tokenizer_wrapper_with_stub(tmp_path, monkeypatch):
+    """The HF wrapper's interface, against a stand-in for transformers.AutoTokenizer."""
+    import types
+
+    class StubTok:
+        eos_token_id, pad_token_id = 2, None
+
+        def encode(self, text, add_special_tokens=True):
+            return [10 + len(w) for w in text.split()]
+
+        def decode(self, ids, skip_special_tokens=False):
+            return " ".join("x" * (i - 10) for i in ids if i != self.eos_token_id)
+
+        def __len__(self):
+            return 100
+
+    stub = types.SimpleNamespace(AutoTokenizer=types.SimpleNamespace(
+        from_pretrained=lambda path, local_files_only: StubTok()))
+    monkeypatch.setitem(sys.modules, "transformers", stub)
+    tok = build_tokenizer(str(tmp_path))
+    assert tok.tokenize("ab cde") == [12, 13] and tok.detokenize([12, 2, 13]) == "xx xxx"
+    assert (tok.eod, tok.pad, tok.vocab_size) == (2, 2, 100)
+    assert tok.name.startswith(f"hf-{tmp_path.name}-")
+    json.dumps(tok.unique_identifiers)  # megatron hashes it into cache names
+
+
 # ------------------------------------------------------------------------------------ preprocess
 
 def test_preprocess_tool_jsonl_and_text(tmp_path):
@@ -134,6 +160,9 @@ def test_missing_or_empty_inputs(tmp_path):
         D.build_indexed_dataset([str(tmp_path / "missing.jsonl")], str(tmp_path / "x"), tok)
     with pytest.raises(FileNotFoundError, match="matches no file"):
         D.build_indexed_dataset([str(tmp_path / "*.jsonl")], str(tmp_path / "x"), tok)
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1\.txt: not UTF-8 at byte 3"):
+        D.build_indexed_dataset([str(tmp_path / "latin1.txt")], str(tmp_path / "x"), tok)
     with pytest.raises(ValueError, match="no input files"):
         D.build_indexed_dataset([], str(tmp_path / "x"), tok)
     assert not glob.glob(str(tmp_path / "x*"))
@@ -183,7 +212,8 @@ def test_builtin_corpus_built_once(corpus_cfg):
     assert len(docs) == 100
     first = tok.detokenize(docs[0].tolist())
     src = D.stdlib_source_files(1)[0]
-    assert first == open(src, encoding="utf-8", errors="replace").read()
+    with open(src, "rb") as f:
+        assert first == f.read().decode("utf-8-sig", errors="replace")
 
 
 def test_split_too_small_is_an_error_not_a_hang(tmp_path):
@@ -281,6 +311,7 @@ def test_iterator_rejects_bad_layout(datasets):
 # ------------------------------------------------------------------------------------ multi-rank
 
 def _two_rank_worker(rank, root, init_file, out_file):
+    torch.set_num_threads(1)  # forked child: don't touch the parent's OpenMP pool
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                          world_size=2)
@@ -297,9 +328,10 @@ def _two_rank_worker(rank, root, init_file, out_file):
 def test_two_ranks_build_corpus_and_indices_concurrently(tmp_path):
     """Both ranks call the builders at once on empty dirs: rank 0 builds, rank 1 waits; each
     rank then gets its slice of the same global batch a single process sees."""
-    torch.multiprocessing.spawn(
+    # fork: children inherit the imported modules (spawn would re-import megatron, ~10 s).
+    torch.multiprocessing.start_processes(
         _two_rank_worker, args=(str(tmp_path), str(tmp_path / "init"), str(tmp_path / "out")),
-        nprocs=2, join=True)
+        nprocs=2, join=True, start_method="fork")
     cfg = D.DataConfig(builtin_corpus_dir=str(tmp_path / "corpus"), builtin_max_files=60,
                        split="100,0,0", cache_dir=str(tmp_path / "cache"))
     train, _, _ = D.build_train_valid_test_datasets(cfg, ByteTokenizer(), SEQ, 5, (32, 0, 0))
