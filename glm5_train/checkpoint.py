@@ -69,11 +69,29 @@ def _sharded_state(chunks, optimizer, scheduler, state: TrainState, model_cfg: G
     return {
         "model": model_sd,
         # The optimizer maps its params to sharded tensors by walking the nested model dict.
-        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
+        "optimizer": optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading,
+            metadata={"distrib_optim_sharding_type": "fully_reshardable"}),
         "scheduler": scheduler.state_dict(),
         "train_state": dataclasses.asdict(state),
         "model_config": dataclasses.asdict(model_cfg),
     }
+
+
+def _use_in_process_results_queue() -> None:
+    """Save synchronously without megatron-core's multiprocessing Manager.
+
+    The torch_dist writer collects write results through a queue it creates with a *spawned*
+    Manager process on first use: 10-15 s per training process (it re-imports the entry module)
+    and a hard requirement on a ``__main__`` guard. We save synchronously, so the results are
+    put and taken by this process and a plain queue carries them.
+    """
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def save_checkpoint(root: str, chunks, optimizer, scheduler, state: TrainState,
@@ -86,6 +104,7 @@ def save_checkpoint(root: str, chunks, optimizer, scheduler, state: TrainState,
         os.makedirs(partial)
     dist.barrier()
     sharded = _sharded_state(chunks, optimizer, scheduler, state, model_cfg, is_loading=False)
+    _use_in_process_results_queue()
     dist_checkpointing.save(sharded, partial)
     dist.barrier()
     if dist.get_rank() == 0:

@@ -90,6 +90,7 @@ class JobConfig:
         self.train.validate()
         self.data.validate()
         _check_checkpoint(self.checkpoint)
+        _check_distributed_optimizer_checkpoint(self.parallel, self.checkpoint)
 
 
 def _build(kind: type, group: str, values: dict[str, Any]):
@@ -106,3 +107,21 @@ def _check_checkpoint(ckpt: CheckpointConfig) -> None:
     if ckpt.save_interval is not None and not ckpt.save:
         raise ValueError("checkpoint.save_interval is set but checkpoint.save is not: give "
                          "checkpoint.save=<directory>")
+
+
+def fused_adam_available() -> bool:
+    import importlib.util
+
+    return any(importlib.util.find_spec(m) is not None for m in ("transformer_engine", "apex"))
+
+
+def _check_distributed_optimizer_checkpoint(par: ParallelConfig, ckpt: CheckpointConfig) -> None:
+    # megatron-core 0.16.1's distributed-optimizer checkpoint path with torch's Adam (no TE or
+    # Apex fused Adam) cannot be restored exactly: a resumed run diverges from the uninterrupted
+    # one after the first step. Refuse rather than write checkpoints that do not resume.
+    if par.use_distributed_optimizer and (ckpt.save or ckpt.load) and not fused_adam_available():
+        raise ValueError(
+            "parallel.use_distributed_optimizer=true with checkpoint.save/load needs Transformer "
+            "Engine or Apex (fused Adam); with torch's Adam megatron-core 0.16.1 does not resume "
+            "it exactly. Set parallel.use_distributed_optimizer=false, or checkpoint.save=null "
+            "and checkpoint.load=null")

@@ -122,9 +122,14 @@ class MLADownProjection(MegatronModule):
                            metadata: dict | None = None):
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+        from megatron.core import parallel_state
+
         state = self.state_dict(prefix="", keep_vars=True)
+        # Replicated over TP and DP: both groups set the replica id, so exactly one rank writes.
+        dp_cp = (metadata or {}).get("dp_cp_group") or parallel_state.get_data_parallel_group(
+            with_context_parallel=True)
         return make_sharded_tensors_for_checkpoint(state, prefix, {}, sharded_offsets,
-                                                   tp_group=self.tp_group)
+                                                   tp_group=self.tp_group, dp_cp_group=dp_cp)
 
 
 def _world(group) -> int:

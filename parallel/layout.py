@@ -30,6 +30,9 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     backend: str | None = None  # None: nccl with CUDA, gloo without
+    # Optional: the launcher starts TP x PP x CP x this many processes; when set, the job checks
+    # the world size agrees. Null: derived from the world size.
+    data_parallel_size: int | None = None
 
     @property
     def model_parallel_size(self) -> int:
@@ -100,6 +103,11 @@ def _check_positive(par: ParallelConfig) -> None:
 
 def _check_world(par: ParallelConfig, world_size: int) -> int:
     mp = par.model_parallel_size
+    if par.data_parallel_size is not None and world_size != mp * par.data_parallel_size:
+        raise LayoutError(
+            f"world size {world_size} != TP x PP x CP x parallel.data_parallel_size = {mp} x "
+            f"{par.data_parallel_size}: launch {mp * par.data_parallel_size} processes (the "
+            "launcher in launch/ does) or set parallel.data_parallel_size=null")
     if world_size % mp:
         raise LayoutError(
             f"world size {world_size} is not divisible by tensor x pipeline x context parallel "

@@ -1,0 +1,63 @@
+"""Launch the training job on this machine with as many processes as the layout needs.
+
+    python -m launch.local [hydra overrides...]
+
+Composes the same Hydra config the job will see, derives ``--nproc-per-node`` as
+TP x PP x CP x DP (DP = ``parallel.data_parallel_size``, default 1), validates the layout, then
+runs ``torchrun --standalone`` on ``glm5_train.train`` with the overrides unchanged. All ranks
+get one run directory through ``GLM5_RUN_ID``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def compose_job(overrides: list[str]):
+    """The JobConfig the training job would build from these overrides."""
+    from hydra import compose, initialize_config_dir
+
+    from glm5_train.job_config import JobConfig
+    from glm5_train.run_dir import register_resolvers
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=os.path.join(REPO, "configs"), version_base=None):
+        tree = compose("config", overrides=[*overrides, "checkpoint.save=null"])
+    return JobConfig.from_hydra(tree)
+
+
+def nproc_for(job) -> int:
+    par = job.parallel
+    return par.model_parallel_size * (par.data_parallel_size or 1)
+
+
+def torchrun_command(nproc: int, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", "-m", "glm5_train.train", *overrides]
+
+
+def main(argv: list[str]) -> int:
+    from parallel.layout import validate_layout
+
+    job = compose_job(argv)
+    nproc = nproc_for(job)
+    t = job.train
+    validate_layout(job.parallel, job.model, nproc, t.global_batch_size, t.micro_batch_size,
+                    t.seq_length)
+    cmd = torchrun_command(nproc, argv)
+    env = dict(os.environ)
+    env.setdefault("GLM5_RUN_ID", time.strftime("%Y-%m-%d_%H-%M-%S") + f"_{os.getpid()}")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    print(f"launch: {nproc} processes: {shlex.join(cmd)}", flush=True)
+    os.execvpe(cmd[0], cmd, env)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, REPO)
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,213 @@
+"""Tests for tools/count_params.py: the CLI as a user runs it (subprocess), and its formula.
+
+The tool builds the real megatron-core model (meta device) and counts it; these tests check the
+count against the released GLM-5 checkpoint and, for the tiny model, against a model built for
+real on CPU in a separate process by the training code path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(REPO, "tools", "count_params.py")
+LAST_LINE = re.compile(r"total_params=(\d+) active_params=(\d+)")
+MISSING = re.compile(r"^missing vs HF layout: indexer=(\d+) expert_bias=(\d+) mtp=(\d+)$", re.M)
+
+HF_MAIN = 743_911_218_432
+HF_MTP = 9_952_920_576
+HF_TOTAL = 753_864_139_008
+HF_ACTIVE = 41_784_728_832
+HF_ACTIVE_NO_EMBED = 39_881_563_392
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("count_params", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, TOOL, *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+
+
+def last_line(proc: subprocess.CompletedProcess) -> tuple[int, int]:
+    line = proc.stdout.rstrip("\n").split("\n")[-1]
+    match = LAST_LINE.fullmatch(line)
+    assert match, f"last line {line!r} is not 'total_params=<N> active_params=<M>'"
+    return int(match.group(1)), int(match.group(2))
+
+
+def missing(proc: subprocess.CompletedProcess) -> dict[str, int]:
+    match = MISSING.search(proc.stdout)
+    assert match, proc.stdout
+    return dict(zip(("indexer", "expert_bias", "mtp"), map(int, match.groups())))
+
+
+@pytest.fixture(scope="module")
+def tool():
+    return _load_tool()
+
+
+@pytest.fixture(scope="module")
+def big() -> subprocess.CompletedProcess:
+    proc = run_tool("model=glm5_744b")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module")
+def tiny() -> subprocess.CompletedProcess:
+    proc = run_tool("model=glm5_tiny")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+# ------------------------------------------------------------------------------ the CLI output
+
+
+@pytest.mark.parametrize("flavour", ["tiny", "big"])
+def test_last_line_format_and_formula_match(flavour, request):
+    proc = request.getfixturevalue(flavour)
+    total, active = last_line(proc)
+    assert 0 < active < total
+    assert "built model matches the formula: yes" in proc.stdout
+    assert "MISMATCH" not in proc.stdout
+
+
+def test_744b_reconciles_with_released_checkpoint(big):
+    total, active = last_line(big)
+    extra = missing(big)
+    assert total + extra["indexer"] + extra["expert_bias"] == HF_MAIN
+    assert extra["mtp"] == HF_MTP
+    assert total + sum(extra.values()) == HF_TOTAL
+    assert active + extra["indexer"] + extra["expert_bias"] == HF_ACTIVE
+    assert "reconciliation with the released GLM-5 checkpoint" in big.stdout
+    assert "built on meta device" in big.stdout
+
+
+def test_744b_component_breakdown(big):
+    """Spot-check rows against shapes of the HF checkpoint (shared/glm5_reference.md)."""
+    rows = {line.split()[0]: line for line in big.stdout.splitlines() if line.strip()}
+    assert "[16384, 2048]" in rows["q_up"] and "78" in rows["q_up"].split()
+    assert "[28672, 512]" in rows["kv_up"]
+    assert "256 x ([4096, 6144] + [6144, 2048])" in rows["routed_experts"]
+    assert "expert_bias: 75 x 256 = 19,200" in big.stdout
+
+
+def test_tiny_has_no_reconciliation_but_reports_missing(tiny):
+    assert "reconciliation" not in tiny.stdout
+    assert missing(tiny)["indexer"] > 0
+
+
+# ------------------------------------------------- meta count == a model really built on CPU
+
+REAL_BUILD = r"""
+import os, sys, warnings
+warnings.filterwarnings("ignore")
+sys.path.insert(0, sys.argv[1])
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from parallel import device
+device.install()
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from glm5_train.config import GLM5Config, ParallelSizes, to_mcore_config
+from glm5_train.model import build_model_chunks, count_parameters
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[3], rank=0, world_size=1)
+parallel_state.initialize_model_parallel(1, 1)
+model_parallel_cuda_manual_seed(1)
+cfg = GLM5Config.from_dict(OmegaConf.to_container(OmegaConf.load(sys.argv[2])))
+chunks = build_model_chunks(cfg, to_mcore_config(cfg, ParallelSizes()))
+params = [p for c in chunks for p in c.parameters()]
+assert all(p.device.type == "cpu" and p.abs().sum() > 0 for p in params[:4])
+print(count_parameters(chunks))
+"""
+
+
+def test_tiny_meta_count_equals_real_cpu_model(tiny, tmp_path):
+    yaml = os.path.join(REPO, "configs", "model", "glm5_tiny.yaml")
+    proc = subprocess.run([sys.executable, "-c", REAL_BUILD, REPO, yaml, str(tmp_path / "pg")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    real = int(proc.stdout.split()[-1])
+    assert last_line(tiny)[0] == real
+
+
+def test_tiny_materialize_matches_meta(tiny):
+    proc = run_tool("model=glm5_tiny", "--materialize")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "built on CPU (materialized)" in proc.stdout
+    assert last_line(proc) == last_line(tiny)
+
+
+# --------------------------------------------------------------------- overrides and errors
+
+
+def test_overrides_change_the_model(tool):
+    proc = run_tool("model=glm5_tiny", "model.num_hidden_layers=6",
+                    "model.first_k_dense_replace=2", "model.topk_method=greedy")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cfg = tool.GLM5Config.from_dict({**_tiny_dict(), "num_hidden_layers": 6,
+                                     "first_k_dense_replace": 2, "topk_method": "greedy"})
+    expected = tool.formula_totals(cfg)
+    assert last_line(proc) == (expected.total, expected.active)
+    assert missing(proc)["expert_bias"] == 0
+
+
+def test_materialize_refuses_large_models():
+    proc = run_tool("model=glm5_744b", "--materialize")
+    assert proc.returncode == 2
+    assert "drop --materialize" in proc.stderr
+
+
+def test_unknown_field_is_a_usage_error():
+    proc = run_tool("model=glm5_tiny", "model.no_such_field=1")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("count_params: error:")
+
+
+# --------------------------------------------------------------------------- the formula alone
+
+
+def _tiny_dict() -> dict:
+    from omegaconf import OmegaConf
+
+    path = os.path.join(REPO, "configs", "model", "glm5_tiny.yaml")
+    return OmegaConf.to_container(OmegaConf.load(path))
+
+
+def test_formula_reproduces_released_numbers(tool):
+    cfg = tool.GLM5Config()  # the dataclass defaults are GLM-5 744B
+    assert tool.matches_reference_shapes(cfg)
+    main = tool.hf_main_totals(cfg)
+    assert main.total == HF_MAIN
+    assert main.active == HF_ACTIVE
+    assert main.active_no_embed == HF_ACTIVE_NO_EMBED
+    assert tool.mtp_params(cfg) == HF_MTP
+    assert main.total + tool.missing_vs_hf(cfg)["mtp"] == HF_TOTAL
+
+
+def test_reference_shapes_detects_a_changed_shape(tool):
+    cfg = tool.GLM5Config(num_hidden_layers=77)
+    assert not tool.matches_reference_shapes(cfg)
+    assert tool.matches_reference_shapes(tool.GLM5Config(rope_theta=10_000.0))
+
+
+def test_unknown_parameter_name_is_reported(tool):
+    with pytest.raises(ValueError, match="fits no component"):
+        tool._classify("self_attention.core_attention.indexer.wk.weight", tool.LAYER_RULES)

@@ -1,0 +1,382 @@
+"""Tests for the device layer (``parallel/device.py``): megatron-core on CPU + gloo.
+
+* every redirect still fits the installed torch / megatron-core (an upgrade that removes a target,
+  or binds a name we bind, fails here);
+* a tiny real training step, with every CUDA entry point that is not redirected poisoned and a
+  TorchFunctionMode watching for CUDA devices, reaches no CUDA-only call;
+* a 2-rank EP2 job (MoE all-to-all over gloo, the split-size redirect) trains;
+* ``install()`` is idempotent and redirects exactly what ``all_redirects()`` lists.
+
+Checks that depend on install state run in fresh subprocesses, so this process stays clean.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from tests.parity import run_job  # noqa: E402
+
+SUBPROCESS_TIMEOUT = 300
+CPU_ONLY = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="with CUDA present install() applies only the TE-absence fixes; CPU-only checks")
+
+
+def _run_python(args: list[str], marker: str) -> tuple[dict | None, subprocess.CompletedProcess]:
+    """Run ``python <args>`` from the repo root; parse the JSON printed after ``marker``."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=SUBPROCESS_TIMEOUT)
+    report = None
+    for line in proc.stdout.splitlines():
+        if line.startswith(marker + " "):
+            report = json.loads(line[len(marker) + 1:])
+    return report, proc
+
+
+def _tail(proc: subprocess.CompletedProcess, chars: int = 4000) -> str:
+    return f"rc={proc.returncode}\n--- stdout\n{proc.stdout[-chars:]}\n--- stderr\n{proc.stderr[-chars:]}"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ------------------------------------------------------------------- the list: stale, install
+
+_LIST_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from parallel import device
+
+redirects = device.all_redirects()
+report = {"installed_before": device.installed(), "stale": [],
+          "targets": [r.target for r in redirects],
+          "cuda_available": torch.cuda.is_available()}
+for r in redirects:
+    try:
+        reason = device.stale_reason(r)
+    except Exception as exc:  # the owner module / class itself is gone
+        reason = f"{r.target}: owner {r.module} does not resolve ({type(exc).__name__}: {exc})"
+    if reason:
+        report["stale"].append(reason)
+if not report["stale"]:
+    from parallel import mcore_fixes
+    report["fix_targets"] = [r.target for r in mcore_fixes.FIXES]
+    report["install1"] = device.install()
+    report["install2"] = device.install()
+    report["installed_after"] = device.installed()
+    not_replaced = []
+    expected = set(report["installed_after"])
+    for r in redirects:
+        if r.target not in expected:
+            continue
+        value = getattr(device.resolve_owner(r.module), r.attr)
+        if isinstance(r.replacement, device.Uncompiled):
+            if hasattr(value, "_torchdynamo_orig_callable"):
+                not_replaced.append(f"{r.target}: still torch.compile'd")
+        elif value is not r.replacement:
+            not_replaced.append(f"{r.target}: holds {value!r}, not the replacement")
+    report["not_replaced"] = not_replaced
+    t = torch.ones(2)
+    plain = t.type()
+    with torch.device("cpu"):  # torch's DeviceContext is a TorchFunctionMode
+        report["tensor_type"] = [plain, t.type()]
+print("DEVICE_LIST_REPORT " + json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def list_report() -> dict:
+    report, proc = _run_python(["-c", _LIST_SCRIPT, REPO], "DEVICE_LIST_REPORT")
+    assert proc.returncode == 0 and report is not None, _tail(proc)
+    return report
+
+
+def test_every_redirect_fits_installed_versions(list_report):
+    """Before install, no entry of all_redirects() is stale for this torch / megatron-core."""
+    assert list_report["installed_before"] == [], "a fresh process must start uninstalled"
+    assert not list_report["stale"], (
+        "device layer entries no longer fit the installed torch / megatron-core:\n  "
+        + "\n  ".join(list_report["stale"]))
+    targets = list_report["targets"]
+    duplicates = sorted({t for t in targets if targets.count(t) > 1})
+    assert not duplicates, f"targets listed twice in all_redirects(): {duplicates}"
+
+
+def test_install_is_idempotent_and_complete(list_report):
+    if list_report["stale"]:
+        pytest.skip("stale entries: see test_every_redirect_fits_installed_versions")
+    assert list_report["install1"] == list_report["install2"] == list_report["installed_after"]
+    if list_report["cuda_available"]:
+        expected = sorted(list_report["fix_targets"])  # with CUDA only the TE-absence fixes
+    else:
+        expected = sorted(set(list_report["targets"]))
+    installed = list_report["installed_after"]
+    assert installed == expected, (
+        f"installed but not listed: {sorted(set(installed) - set(expected))}; "
+        f"listed but not installed: {sorted(set(expected) - set(installed))}")
+    assert not list_report["not_replaced"], "\n".join(list_report["not_replaced"])
+
+
+# ------------------------------------------------------ no CUDA-only call on the training path
+
+_POISON_SCRIPT = r'''
+"""Train the tiny model for 2 steps with every non-redirected CUDA entry point poisoned."""
+import inspect, json, os, sys, traceback
+
+REPO, RUN_DIR, PORT = sys.argv[1], sys.argv[2], sys.argv[3]
+sys.path.insert(0, REPO)
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                  MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT)
+
+import torch
+import torch.cuda.nvtx
+import torch.cuda.random
+from torch.overrides import TorchFunctionMode
+
+HITS = {}
+_DEPTH = [0]  # calls made by a poisoned original itself are not recorded again
+
+
+def record(kind, what):
+    frames = traceback.extract_stack()[:-2]  # drop record() and the poison / mode frame
+    lines = [f"{f.filename}:{f.lineno} in {f.name}" for f in frames[-8:]]
+    key = f"{kind}|{what}|{lines[-1] if lines else '?'}"
+    entry = HITS.setdefault(key, {"kind": kind, "what": what, "count": 0, "stack": lines})
+    entry["count"] += 1
+
+
+# Exemption, the only one: torch.cuda.is_available() is the query that our code
+# (device.install, layout.init_distributed, metrics) and megatron-core use to pick gloo and to
+# skip GPU-only branches; on a CPU build it answers False without touching a driver.
+EXEMPT = {"torch.cuda.is_available"}
+
+
+def poisoned(qualname, original):
+    def call(*args, **kwargs):
+        if _DEPTH[0] == 0:
+            record("torch.cuda call", qualname)
+        _DEPTH[0] += 1
+        try:
+            # Record, then behave exactly as a CPU build of torch would (which cannot do CUDA
+            # work: the originals raise or report no device), so megatron-core takes the same
+            # path as in production and every hit on the way is listed, not just the first.
+            return original(*args, **kwargs)
+        finally:
+            _DEPTH[0] -= 1
+
+    if isinstance(original, type):
+        # A class stays a class, so isinstance / issubclass checks against it keep working.
+        return type(original.__name__, (), {"__new__": lambda cls, *a, **k: call(*a, **k),
+                                             "__qualname__": qualname})
+    call.__name__ = getattr(original, "__name__", qualname)
+    call.__qualname__ = qualname
+    return call
+
+
+# Poison before megatron-core is imported, so names it binds at import (`from torch.cuda import
+# x`) are poisoned too; install() then replaces the redirected ones, and only those.
+POISONED = {}
+for module in (torch.cuda, torch.cuda.random, torch.cuda.nvtx):
+    for name in dir(module):
+        value = getattr(module, name)
+        qualname = f"{module.__name__}.{name}"
+        if name.startswith("_") or inspect.ismodule(value) or not callable(value):
+            continue
+        if not str(getattr(value, "__module__", "")).startswith("torch.cuda"):
+            continue  # typing / functools / contextlib re-exports
+        if isinstance(value, type) and issubclass(value, BaseException):
+            continue  # exception types are caught (except OutOfMemoryError), never called
+        if qualname in EXEMPT:
+            continue
+        replacement = poisoned(qualname, value)
+        setattr(module, name, replacement)
+        POISONED[qualname] = (module, name, replacement)
+
+
+def cuda_like(device, int_is_cuda):
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return int_is_cuda and isinstance(device, int) and not isinstance(device, bool)
+
+
+# The C methods, captured before install() redirects Tensor.cuda / Tensor.type. When a C Tensor
+# method dispatches to a mode, torch hands it the method as looked up on torch.Tensor *now* (the
+# redirect, once installed), so both are matched.
+ORIGINAL = {name: getattr(torch.Tensor, name)
+            for name in ("cuda", "to", "type", "pin_memory", "record_stream")}
+
+
+def is_tensor_method(func, name):
+    return func is ORIGINAL[name] or func is getattr(torch.Tensor, name)
+
+
+class CudaDeviceRecorder(TorchFunctionMode):
+    """Records torch calls aimed at a CUDA device (it changes nothing)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        what = self.cuda_use(func, args, kwargs)
+        if what:
+            record("cuda device in a torch call", what)
+        if func is not ORIGINAL["type"] and func is torch.Tensor.type:
+            # The redirected Tensor.type re-dispatches here from inside itself; calling it again
+            # would rename twice ('torch.cuda.cuda.FloatTensor', a device.py bug under any
+            # TorchFunctionMode, see test_tensor_type_under_a_torch_function_mode). Run the
+            # C method so that this recorder stays transparent.
+            return ORIGINAL["type"](*args, **kwargs)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def cuda_use(func, args, kwargs):
+        if func is torch.device:
+            # Building a device object does no CUDA work (torch.distributed maps backends by
+            # torch.device("cuda"); megatron's RNG tracker builds one it only indexes the
+            # redirected default_generators with). Using it in a factory or .to() is a hit below.
+            return None
+        name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+        for method in ("cuda", "pin_memory", "record_stream"):
+            if is_tensor_method(func, method):
+                return f"Tensor.{method}()"
+        if "device" in kwargs and cuda_like(kwargs["device"], int_is_cuda=True):
+            return f"{name}(device={kwargs['device']!r})"
+        if kwargs.get("pin_memory") is True:
+            return f"{name}(pin_memory=True)"
+        for arg in args:
+            if cuda_like(arg, int_is_cuda=False):
+                return f"{name}({arg!r})"
+        if is_tensor_method(func, "to") and len(args) > 1 and cuda_like(args[1], True):
+            return f"{name}({args[1]!r})"  # t.to(0) means cuda:0
+        if is_tensor_method(func, "type") and len(args) > 1 and "cuda" in str(args[1]):
+            return f"{name}({args[1]!r})"
+        return None
+
+
+report = {"hits": [], "poisoned_after_install": [], "canaries": {}, "status": "not run"}
+try:
+    from hydra import compose, initialize_config_dir
+
+    from glm5_train.job_config import JobConfig
+    from glm5_train.run_dir import register_resolvers
+    from glm5_train.train import train
+    from parallel import device
+
+    device.install()  # train() installs too (idempotent); here so the canaries see it
+    report["poisoned_after_install"] = sorted(
+        q for q, (module, name, replacement) in POISONED.items()
+        if getattr(module, name) is replacement)
+
+    # Canaries: both detectors must fire, or an empty hit list would prove nothing.
+    torch.cuda.device_count()
+    report["canaries"]["poison"] = any("device_count" in h["what"] for h in HITS.values())
+    with CudaDeviceRecorder():
+        try:
+            torch.empty(1, device="cuda")
+        except Exception:
+            pass
+        try:
+            torch.ones(1).to("cuda")
+        except Exception:
+            pass
+    report["canaries"]["mode"] = sum(h["kind"].startswith("cuda device") for h in HITS.values())
+    HITS.clear()
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=os.path.join(REPO, "configs"), version_base=None):
+        tree = compose("config", overrides=[
+            "model=glm5_tiny", "parallel=single", "train.train_iters=2",
+            "train.warmup_iters=1", "train.global_batch_size=2", "train.seq_length=32",
+            "checkpoint.save=null"])
+    job = JobConfig.from_hydra(tree)
+    with CudaDeviceRecorder():
+        records = train(job, RUN_DIR)
+    report["steps"] = len(records)
+    report["losses"] = [r["loss"] for r in records]
+    report["status"] = "ok"
+except BaseException:
+    report["status"] = "failed:\n" + traceback.format_exc()
+finally:
+    report["hits"] = sorted(HITS.values(), key=lambda h: -h["count"])
+    print("DEVICE_POISON_REPORT " + json.dumps(report), flush=True)
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+sys.exit(0 if report["status"] == "ok" else 1)
+'''
+
+
+def _format_hits(hits: list[dict]) -> str:
+    blocks = []
+    for hit in hits:
+        stack = "\n      ".join(hit["stack"])
+        blocks.append(f"  {hit['what']}  x{hit['count']}  [{hit['kind']}]\n      {stack}")
+    return "\n".join(blocks)
+
+
+@CPU_ONLY
+def test_no_unredirected_cuda_call_in_a_training_step(tmp_path):
+    script = tmp_path / "poisoned_step.py"
+    script.write_text(_POISON_SCRIPT)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    report, proc = _run_python([str(script), REPO, str(run_dir), str(_free_port())],
+                               "DEVICE_POISON_REPORT")
+    assert report is not None, _tail(proc)
+    # The detectors work: a poisoned call and a cuda-device torch call were both caught.
+    assert report["canaries"] == {"poison": True, "mode": 2}, report["canaries"]
+    # Poisoning covers the non-redirected CUDA API and install() replaced the redirected part.
+    still = set(report["poisoned_after_install"])
+    assert "torch.cuda.device_count" in still and "torch.cuda.nvtx.range_push" in still
+    assert "torch.cuda.current_device" not in still and "torch.cuda.Stream" not in still
+    assert not report["hits"], (
+        "CUDA-only calls on the CPU training path (redirect them in parallel/device.py):\n"
+        + _format_hits(report["hits"]))
+    assert report["status"] == "ok", report["status"] + "\n" + _tail(proc)
+    assert report["steps"] == 2 and all(math.isfinite(x) for x in report["losses"])
+
+
+# -------------------------------------------------------------- gloo all-to-all under EP2
+
+@CPU_ONLY
+def test_ep2_job_trains_over_gloo_all_to_all(tmp_path):
+    """2 ranks, EP2: the MoE alltoall dispatcher sends tensor split sizes, which gloo only takes
+    as lists (the mappings.torch view); the job must train both steps."""
+    result = run_job(2, ["parallel=ep2", "train.train_iters=2", "train.warmup_iters=1",
+                         "train.global_batch_size=2", "train.seq_length=32"],
+                     str(tmp_path), timeout=SUBPROCESS_TIMEOUT)
+    assert [r["step"] for r in result.records] == [1, 2], result.log[-3000:]
+    for record in result.records:
+        assert math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]), record
+
+
+# ------------------------------------------------------------------ known device.py defect
+
+@CPU_ONLY
+@pytest.mark.xfail(strict=True, reason=(
+    "device._tensor_type renames twice when a TorchFunctionMode is active (torch re-dispatches "
+    "the C Tensor.type to the redirect itself): 'torch.cuda.cuda.FloatTensor'. Fix it in "
+    "parallel/device.py, then drop this mark."))
+def test_tensor_type_under_a_torch_function_mode(list_report):
+    """Tensor.type() must name the same type with a TorchFunctionMode active (torch's own
+    ``with torch.device(...)`` context is one)."""
+    if list_report["stale"]:
+        pytest.skip("stale entries: see test_every_redirect_fits_installed_versions")
+    assert list_report["tensor_type"] == ["torch.cuda.FloatTensor"] * 2

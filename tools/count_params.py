@@ -1,0 +1,626 @@
+"""Count GLM-5's parameters on the real megatron-core model, built on the meta device.
+
+Examples::
+
+    python tools/count_params.py model=glm5_744b
+    python tools/count_params.py model=glm5_tiny model.num_hidden_layers=6
+    python tools/count_params.py model=glm5_tiny --materialize   # allocate on CPU (small configs)
+
+The model is built in this one process exactly as training builds it (``to_mcore_config`` +
+``build_model_chunks``, world size 1, no parallelism) but under ``torch.device("meta")`` with
+``perform_initialization=False``, so GLM-5 744B costs no memory. Parameters are counted from the
+built modules and grouped per component; the same numbers come from a closed-form formula over
+the ``GLM5Config`` fields and the two must agree. Then the count is reconciled with the released
+Hugging Face checkpoint, which also holds the DSA lightning indexer, the router's
+``e_score_correction_bias`` (a buffer in megatron-core) and the MTP layer.
+
+The last line of output is always ``total_params=<N> active_params=<M>``: the built model's
+total, and its per-token active count (routed experts counted num_experts_per_tok /
+n_routed_experts of them) including embedding and output head. Exit status 0 when the built
+model matches the formula (and, for GLM-5 744B's shapes, the released counts), 1 otherwise,
+2 for a bad command line or config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import os
+import re
+import socket
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+
+# Runnable as a script from anywhere: make the repo root importable.
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
+
+# megatron-core warns at import about optional GPU libraries that counting never uses.
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+warnings.filterwarnings("ignore", message="Apex is not installed")
+warnings.filterwarnings("ignore", message="full scope is deprecated")
+
+from glm5_train.config import GLM5Config  # noqa: E402
+
+CONFIG_DIR = os.path.join(_REPO_ROOT, "configs")
+REFERENCE_FLAVOUR = "glm5_744b"
+
+# The released zai-org/GLM-5 safetensors (see shared/glm5_reference.md).
+HF_MAIN_PARAMS = 743_911_218_432      # embedding, 78 layers, final norm, output head
+HF_MTP_PARAMS = 9_952_920_576         # model.layers.78.*
+HF_TOTAL_PARAMS = 753_864_139_008
+HF_ACTIVE_PARAMS = 41_784_728_832     # main model, 8 of 256 routed experts, with embedding+head
+HF_ACTIVE_NO_EMBED_PARAMS = 39_881_563_392
+
+# The GLM5Config fields that decide a tensor shape or the active fraction.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "first_k_dense_replace",
+                "intermediate_size", "moe_intermediate_size", "n_routed_experts",
+                "n_shared_experts", "num_experts_per_tok", "topk_method", "num_attention_heads",
+                "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim", "index_n_heads", "index_head_dim", "tie_word_embeddings",
+                "num_nextn_predict_layers")
+
+# --materialize allocates every weight: refuse beyond this many bytes (bf16).
+MATERIALIZE_LIMIT_BYTES = 2 << 30
+PARAMS_DTYPE_NAME = "bf16"
+
+
+# ----------------------------------------------------------------------------------------------
+# The formula: megatron-core's parameters of one GLM-5 flavour, from the config alone.
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Term:
+    """One component: ``repeat`` copies of the tensors ``shapes`` (megatron-core layout)."""
+
+    key: str
+    module: str
+    shapes: tuple[tuple[int, ...], ...]
+    repeat: int = 1
+
+    @property
+    def count(self) -> int:
+        return self.repeat * sum(math.prod(s) for s in self.shapes)
+
+    @property
+    def shape_text(self) -> str:
+        text = " + ".join("[" + ", ".join(str(d) for d in s) + "]" for s in self.shapes)
+        if self.repeat == 1:
+            return text
+        return f"{self.repeat} x " + (f"({text})" if len(self.shapes) > 1 else text)
+
+
+def top_terms(cfg: GLM5Config) -> list[Term]:
+    """Embedding, output head and final norm (an untied head; a tied one has no tensor)."""
+    V, H = cfg.vocab_size, cfg.hidden_size
+    head = () if cfg.tie_word_embeddings else ((V, H),)
+    return [Term("embedding", "embedding.word_embeddings", ((V, H),)),
+            Term("output_head", "output_layer", head),
+            Term("final_norm", "decoder.final_layernorm", ((H,),))]
+
+
+def attention_terms(cfg: GLM5Config) -> list[Term]:
+    """MLA. No biases: GLM-5 has attention_bias=false (the down projections require it)."""
+    H, N = cfg.hidden_size, cfg.num_attention_heads
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    if cfg.q_lora_rank:
+        q = [Term("q_down", "linear_q_down_proj", ((cfg.q_lora_rank, H),)),
+             Term("q_norm", "q_layernorm", ((cfg.q_lora_rank,),)),
+             Term("q_up", "linear_q_up_proj", ((N * qk, cfg.q_lora_rank),))]
+    else:
+        q = [Term("q_up", "linear_q_proj", ((N * qk, H),))]
+    kv_up = N * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return q + [
+        Term("kv_down", "linear_kv_down_proj", ((cfg.kv_lora_rank + cfg.qk_rope_head_dim, H),)),
+        Term("kv_norm", "kv_layernorm", ((cfg.kv_lora_rank,),)),
+        Term("kv_up", "linear_kv_up_proj", ((kv_up, cfg.kv_lora_rank),)),
+        Term("o_proj", "linear_proj", ((H, N * cfg.v_head_dim),)),
+    ]
+
+
+def _swiglu(hidden: int, ffn: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    # megatron fuses gate and up into one linear_fc1 [2 * ffn, hidden].
+    return ((2 * ffn, hidden), (hidden, ffn))
+
+
+def layer_terms(cfg: GLM5Config, moe: bool) -> list[Term]:
+    """One decoder layer: attention, its two norms, and a dense MLP or an MoE block."""
+    H = cfg.hidden_size
+    terms = attention_terms(cfg) + [Term("input_norm", "input_layernorm", ((H,),)),
+                                    Term("pre_mlp_norm", "pre_mlp_layernorm", ((H,),))]
+    if not moe:
+        return terms + [Term("dense_mlp", "mlp.linear_fc1 + linear_fc2",
+                             _swiglu(H, cfg.intermediate_size))]
+    E, F = cfg.n_routed_experts, cfg.moe_intermediate_size
+    terms += [Term("router", "mlp.router", ((E, H),)),
+              Term("routed_experts", "mlp.experts", _swiglu(H, F), repeat=E)]
+    if cfg.n_shared_experts:
+        terms.append(Term("shared_expert", "mlp.shared_experts",
+                          _swiglu(H, cfg.n_shared_experts * F)))
+    return terms
+
+
+def indexer_params(cfg: GLM5Config) -> int:
+    """One layer's DSA lightning indexer in HF's layout: wq_b, wk, k_norm (weight, bias),
+    weights_proj."""
+    q_in = cfg.q_lora_rank or cfg.hidden_size
+    return (cfg.index_n_heads * cfg.index_head_dim * q_in + cfg.index_head_dim * cfg.hidden_size
+            + 2 * cfg.index_head_dim + cfg.index_n_heads * cfg.hidden_size)
+
+
+def expert_bias_params(cfg: GLM5Config) -> int:
+    """One MoE layer's ``e_score_correction_bias`` (noaux_tc routing only)."""
+    return cfg.n_routed_experts if cfg.topk_method == "noaux_tc" else 0
+
+
+def hf_moe_layer_params(cfg: GLM5Config) -> int:
+    """One MoE layer as HF stores it: megatron's layer plus indexer plus expert bias."""
+    return (sum(t.count for t in layer_terms(cfg, moe=True)) + indexer_params(cfg)
+            + expert_bias_params(cfg))
+
+
+def mtp_params(cfg: GLM5Config) -> int:
+    """HF's MTP layers: a full MoE layer each plus eh_proj [H, 2H] and enorm, hnorm,
+    shared_head.norm; embedding and output head are shared with the main model."""
+    H = cfg.hidden_size
+    return cfg.num_nextn_predict_layers * (hf_moe_layer_params(cfg) + 2 * H * H + 3 * H)
+
+
+@dataclass(frozen=True)
+class Totals:
+    """Total and per-token active parameters, with and without embedding + output head."""
+
+    total: int
+    active: int
+    embed_head: int
+
+    @property
+    def total_no_embed(self) -> int:
+        return self.total - self.embed_head
+
+    @property
+    def active_no_embed(self) -> int:
+        return self.active - self.embed_head
+
+
+def active_routed(cfg: GLM5Config, routed: int) -> int:
+    """The routed-expert parameters one token uses: num_experts_per_tok of n_routed_experts."""
+    per_expert, rest = divmod(routed, cfg.n_routed_experts)
+    if rest:
+        raise ValueError(f"routed-expert parameters {routed} do not split evenly over "
+                         f"n_routed_experts={cfg.n_routed_experts}")
+    return per_expert * cfg.num_experts_per_tok
+
+
+def formula_totals(cfg: GLM5Config) -> Totals:
+    """The megatron-core model's totals, from the config alone."""
+    pattern = cfg.moe_layer_pattern
+    top = {t.key: t.count for t in top_terms(cfg)}
+    total = sum(top.values())
+    routed = 0
+    for moe in pattern:
+        terms = {t.key: t.count for t in layer_terms(cfg, bool(moe))}
+        total += sum(terms.values())
+        routed += terms.get("routed_experts", 0)
+    active = total - routed + active_routed(cfg, routed)
+    return Totals(total, active, top["embedding"] + top["output_head"])
+
+
+def hf_main_totals(cfg: GLM5Config) -> Totals:
+    """HF's main model (no MTP): the megatron model plus indexers and expert biases."""
+    meg = formula_totals(cfg)
+    extra = missing_vs_hf(cfg)
+    added = extra["indexer"] + extra["expert_bias"]
+    return Totals(meg.total + added, meg.active + added, meg.embed_head)
+
+
+def missing_vs_hf(cfg: GLM5Config) -> dict[str, int]:
+    """HF checkpoint tensors the megatron model does not hold as parameters."""
+    n_moe = sum(cfg.moe_layer_pattern)
+    return {"indexer": cfg.num_hidden_layers * indexer_params(cfg),
+            "expert_bias": n_moe * expert_bias_params(cfg),
+            "mtp": mtp_params(cfg)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Counting the built model.
+# ----------------------------------------------------------------------------------------------
+
+# Parameter name (after ``decoder.layers.<i>.``) -> component. First match wins. TE's fused
+# layer-norm weights (``*.layer_norm_weight``) are listed so a TE build counts the same way.
+LAYER_RULES: tuple[tuple[str, str], ...] = (
+    (r"self_attention\.linear_q_up_proj\.layer_norm_", "q_norm"),
+    (r"self_attention\.linear_kv_up_proj\.layer_norm_", "kv_norm"),
+    (r"self_attention\.linear_qkv\.layer_norm_", "input_norm"),
+    (r"mlp\.linear_fc1\.layer_norm_", "pre_mlp_norm"),
+    (r"self_attention\.linear_q_down_proj\.", "q_down"),
+    (r"self_attention\.q_layernorm\.", "q_norm"),
+    (r"self_attention\.linear_q_(up_)?proj\.", "q_up"),
+    (r"self_attention\.linear_kv_down_proj\.", "kv_down"),
+    (r"self_attention\.kv_layernorm\.", "kv_norm"),
+    (r"self_attention\.linear_kv_up_proj\.", "kv_up"),
+    (r"self_attention\.linear_proj\.", "o_proj"),
+    (r"input_layernorm\.", "input_norm"),
+    (r"pre_mlp_layernorm\.", "pre_mlp_norm"),
+    (r"mlp\.router\.", "router"),
+    (r"mlp\.experts\.", "routed_experts"),
+    (r"mlp\.shared_experts\.", "shared_expert"),
+    (r"mlp\.linear_fc[12]\.", "dense_mlp"),
+)
+TOP_RULES: tuple[tuple[str, str], ...] = (
+    (r"embedding\.", "embedding"),
+    (r"output_layer\.", "output_head"),
+    (r"decoder\.final_layernorm\.", "final_norm"),
+)
+_LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+
+@dataclass
+class Built:
+    """Parameter counts of a built model, per component."""
+
+    top: dict[str, int] = field(default_factory=dict)
+    layers: dict[int, dict[str, int]] = field(default_factory=dict)
+    # State-dict buffers (persistent, not parameters): name with layer index as <i> -> (n, numel)
+    buffers: dict[str, tuple[int, int]] = field(default_factory=dict)
+    devices: set[str] = field(default_factory=set)
+
+
+def _classify(name: str, rules: tuple[tuple[str, str], ...]) -> str:
+    for pattern, key in rules:
+        if re.match(pattern, name):
+            return key
+    raise ValueError(f"parameter {name!r} fits no component of tools/count_params.py: a module "
+                     "was added to the model (DSA indexer? MTP?); add a rule and a formula term")
+
+
+def count_built(chunks) -> Built:
+    """Group every parameter of the model chunks by component (and decoder layer)."""
+    built = Built()
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            built.devices.add(param.device.type)
+            match = _LAYER_NAME.fullmatch(name)
+            if match:
+                layer = built.layers.setdefault(int(match.group(1)), {})
+                key = _classify(match.group(2), LAYER_RULES)
+                layer[key] = layer.get(key, 0) + param.numel()
+            else:
+                key = _classify(name, TOP_RULES)
+                built.top[key] = built.top.get(key, 0) + param.numel()
+        _count_buffers(chunk, built.buffers)
+    return built
+
+
+def _count_buffers(chunk, into: dict[str, tuple[int, int]]) -> None:
+    for module_name, module in chunk.named_modules():
+        skip = getattr(module, "_non_persistent_buffers_set", set())
+        for name, buf in module.named_buffers(recurse=False):
+            if name in skip or buf is None:
+                continue
+            key = re.sub(r"\.\d+\.", ".<i>.", f"{module_name}.{name}")
+            n, numel = into.get(key, (0, 0))
+            into[key] = (n + 1, numel + buf.numel())
+
+
+def built_totals(cfg: GLM5Config, built: Built) -> Totals:
+    total = sum(built.top.values()) + sum(sum(layer.values()) for layer in built.layers.values())
+    routed = sum(layer.get("routed_experts", 0) for layer in built.layers.values())
+    embed_head = built.top.get("embedding", 0) + built.top.get("output_head", 0)
+    return Totals(total, total - routed + active_routed(cfg, routed), embed_head)
+
+
+# ----------------------------------------------------------------------------------------------
+# Building the model: one process, world size 1, meta device.
+# ----------------------------------------------------------------------------------------------
+
+
+def compose_model_config(overrides: list[str]) -> GLM5Config:
+    """Compose ``configs/`` with Hydra and return the ``model`` node as a GLM5Config."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from glm5_train.run_dir import register_resolvers
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        tree = compose(config_name="config", overrides=overrides)
+    # Only the model node: checkpoint.save interpolates ${hydra:...}, unset outside a Hydra run.
+    cfg = GLM5Config.from_dict(OmegaConf.to_container(tree.model, resolve=True))
+    cfg.validate()
+    return cfg
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def single_process_group():
+    """A world-size-1 gloo group plus megatron-core's parallel state (all sizes 1)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    port = _free_port()
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        model_parallel_cuda_manual_seed(1)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def build_chunks(cfg: GLM5Config, materialize: bool):
+    """Build the model as training does. On meta (default) nothing is allocated: megatron's
+    ``use_cpu_initialization`` path creates its weights with ``torch.empty`` and no device,
+    which the meta default device captures; initialization is skipped."""
+    import torch
+
+    from glm5_train.config import ParallelSizes, to_mcore_config
+    from glm5_train.model import build_model_chunks
+
+    mcore = to_mcore_config(cfg, ParallelSizes(), torch.bfloat16,
+                            perform_initialization=materialize)
+    where = contextlib.nullcontext() if materialize else torch.device("meta")
+    with where:
+        return build_model_chunks(cfg, mcore)
+
+
+def check_materialize_size(cfg: GLM5Config) -> None:
+    n = formula_totals(cfg).total
+    if 2 * n > MATERIALIZE_LIMIT_BYTES:
+        raise ValueError(
+            f"--materialize would allocate {n:,} parameters ({2 * n / 2**30:.1f} GiB in bf16), "
+            f"over the {MATERIALIZE_LIMIT_BYTES / 2**30:.0f} GiB limit for this check: drop "
+            "--materialize to count on the meta device")
+
+
+# ----------------------------------------------------------------------------------------------
+# Report.
+# ----------------------------------------------------------------------------------------------
+
+ATTENTION_KEYS = ("q_down", "q_norm", "q_up", "kv_down", "kv_norm", "kv_up", "o_proj")
+NORM_KEYS = ("input_norm", "pre_mlp_norm")
+MLP_KEYS = ("dense_mlp", "router", "routed_experts", "shared_expert")
+SECTIONS = (("attention (MLA)", ATTENTION_KEYS), ("layer norms", NORM_KEYS),
+            ("MLP / MoE", MLP_KEYS))
+ROW = "{:<17}{:<30}{:<34}{:>16}{:>7}{:>19}{:>19}  {}"
+
+
+def _n(value: int) -> str:
+    return f"{value:,}"
+
+
+def _ok(a: int, b: int) -> str:
+    return "ok" if a == b else f"MISMATCH ({a - b:+,})"
+
+
+class Report:
+    """Collects output lines and whether every check passed."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.ok = True
+
+    def add(self, line: str = "") -> None:
+        self.lines.append(line)
+
+    def check(self, a: int, b: int) -> str:
+        self.ok &= a == b
+        return _ok(a, b)
+
+
+def _component_rows(cfg: GLM5Config, built: Built, rep: Report) -> None:
+    pattern = cfg.moe_layer_pattern
+    per_kind = {moe: {t.key: t for t in layer_terms(cfg, bool(moe))} for moe in (0, 1)}
+    rep.add(ROW.format("component", "megatron module", "shape (megatron layout)", "per layer",
+                       "layers", "built", "formula", "match"))
+    for term in top_terms(cfg):
+        b = built.top.get(term.key, 0)
+        rep.add(ROW.format(term.key, term.module, term.shape_text or "(tied)", "", "", _n(b),
+                           _n(term.count), rep.check(b, term.count)))
+    for title, keys in SECTIONS:
+        rep.add(f"-- {title}")
+        for key in keys:
+            layers = [i for i, moe in enumerate(pattern) if key in per_kind[moe]]
+            if not layers:
+                continue
+            term = per_kind[pattern[layers[0]]][key]
+            b = sum(built.layers.get(i, {}).get(key, 0) for i in layers)
+            f = sum(per_kind[pattern[i]][key].count for i in layers)
+            rep.add(ROW.format("  " + key, term.module, term.shape_text, _n(term.count),
+                               len(layers), _n(b), _n(f), rep.check(b, f)))
+
+
+def _layer_rows(cfg: GLM5Config, built: Built, rep: Report) -> None:
+    pattern = cfg.moe_layer_pattern
+    rep.add()
+    rep.add("per layer kind (built = formula checked for every layer, component by component):")
+    for moe, kind in ((0, "dense"), (1, "MoE")):
+        idx = [i for i, m in enumerate(pattern) if m == moe]
+        if not idx:
+            continue
+        expected = {t.key: t.count for t in layer_terms(cfg, bool(moe))}
+        bad = [i for i in idx if built.layers.get(i, {}) != expected]
+        b = sum(sum(built.layers.get(i, {}).values()) for i in idx)
+        f = len(idx) * sum(expected.values())
+        status = rep.check(b, f) if not bad else f"MISMATCH in layers {bad}"
+        rep.ok &= not bad
+        rep.add(f"  {kind:<6} layers {_span(idx):<9} {len(idx):>3} x {_n(sum(expected.values())):>17}"
+                f" = built {_n(b):>19}  formula {_n(f):>19}  {status}")
+    extra = sorted(set(built.layers) - set(range(len(pattern))))
+    if extra:
+        rep.ok = False
+        rep.add(f"  MISMATCH: built decoder layers {extra} beyond num_hidden_layers={len(pattern)}")
+
+
+def _span(idx: list[int]) -> str:
+    return f"{idx[0]}-{idx[-1]}" if len(idx) > 1 else str(idx[0])
+
+
+def _total_rows(cfg: GLM5Config, b: Totals, f: Totals, rep: Report) -> None:
+    rep.add()
+    frac = f"{cfg.num_experts_per_tok}/{cfg.n_routed_experts} routed experts"
+    rep.add(f"totals (megatron model as built; active = {frac} per token):")
+    for label, bv, fv in (("total", b.total, f.total),
+                          ("total without embedding+head", b.total_no_embed, f.total_no_embed),
+                          ("active", b.active, f.active),
+                          ("active without embedding+head", b.active_no_embed,
+                           f.active_no_embed)):
+        rep.add(f"  {label:<31} built {_n(bv):>19}  formula {_n(fv):>19}  {rep.check(bv, fv)}")
+
+
+def _hf_differences(cfg: GLM5Config, built: Built, rep: Report) -> None:
+    missing = missing_vs_hf(cfg)
+    n_moe = sum(cfg.moe_layer_pattern)
+    rep.add()
+    rep.add("megatron-core modules vs the HF checkpoint's tensors:")
+    rep.add("  same counts, other names (megatron = HF):")
+    rep.add("    linear_q_down_proj = q_a_proj, q_layernorm = q_a_layernorm, linear_q_up_proj = "
+            "q_b_proj, linear_kv_down_proj = kv_a_proj_with_mqa (latent + rope key), "
+            "kv_layernorm = kv_a_layernorm,")
+    rep.add("    linear_kv_up_proj = kv_b_proj, linear_proj = o_proj, pre_mlp_layernorm = "
+            "post_attention_layernorm, mlp.router = mlp.gate, mlp.experts.local_experts.<j> = "
+            "mlp.experts.<j>,")
+    rep.add("    linear_fc1 = [gate_proj; up_proj] fused in one tensor (dense MLP, routed and "
+            "shared experts), linear_fc2 = down_proj")
+    rep.add("  the router weight is allocated in fp32, then cast to params_dtype like every "
+            "other weight")
+    for name, (n, numel) in sorted(built.buffers.items()):
+        rep.add(f"  buffer, not a parameter: {name}: {n} x {numel // max(n, 1)} = {_n(numel)}"
+                + ("  (HF: mlp.gate.e_score_correction_bias, a tensor in the safetensors)"
+                   if name.endswith("router.expert_bias") else ""))
+    bias_buffers = sum(numel for name, (_, numel) in built.buffers.items()
+                       if name.endswith("router.expert_bias"))
+    rep.add(f"  expert bias: built buffers {_n(bias_buffers)}, formula {n_moe} MoE layers x "
+            f"{expert_bias_params(cfg)} = {_n(missing['expert_bias'])}  "
+            f"{rep.check(bias_buffers, missing['expert_bias'])}")
+    rep.add(f"  not built yet: DSA lightning indexer ({cfg.num_hidden_layers} layers x "
+            f"{_n(indexer_params(cfg))}: wq_b [{cfg.index_n_heads * cfg.index_head_dim}, "
+            f"{cfg.q_lora_rank}], wk [{cfg.index_head_dim}, {cfg.hidden_size}], k_norm weight+bias "
+            f"2 x [{cfg.index_head_dim}], weights_proj [{cfg.index_n_heads}, {cfg.hidden_size}])")
+    rep.add(f"  not built yet: MTP ({cfg.num_nextn_predict_layers} x (MoE layer with indexer and "
+            f"expert bias {_n(hf_moe_layer_params(cfg))} + eh_proj [{cfg.hidden_size}, "
+            f"{2 * cfg.hidden_size}] + enorm, hnorm, shared_head.norm 3 x [{cfg.hidden_size}]))")
+    rep.add("missing vs HF layout: " + " ".join(f"{k}={v}" for k, v in missing.items()))
+
+
+def matches_reference_shapes(cfg: GLM5Config) -> bool:
+    """True when ``cfg`` has the tensor shapes of configs/model/glm5_744b.yaml."""
+    from omegaconf import OmegaConf
+
+    path = os.path.join(CONFIG_DIR, "model", f"{REFERENCE_FLAVOUR}.yaml")
+    ref = GLM5Config.from_dict(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
+    return all(getattr(cfg, f) == getattr(ref, f) for f in SHAPE_FIELDS)
+
+
+def _reconciliation(cfg: GLM5Config, b: Totals, rep: Report) -> None:
+    missing = missing_vs_hf(cfg)
+    main = b.total + missing["indexer"] + missing["expert_bias"]
+    active = b.active + missing["indexer"] + missing["expert_bias"]
+    rep.add()
+    rep.add(f"reconciliation with the released GLM-5 checkpoint ({REFERENCE_FLAVOUR} shapes):")
+    rows = (
+        ("built (megatron)", b.total, None),
+        ("+ indexer (formula)", missing["indexer"], None),
+        ("+ e_score_correction_bias", missing["expert_bias"], None),
+        ("= HF main model", main, HF_MAIN_PARAMS),
+        ("+ MTP layer (formula)", missing["mtp"], HF_MTP_PARAMS),
+        ("= HF total", main + missing["mtp"], HF_TOTAL_PARAMS),
+        ("HF active (main)", active, HF_ACTIVE_PARAMS),
+        ("HF active without embedding+head", active - b.embed_head, HF_ACTIVE_NO_EMBED_PARAMS),
+    )
+    for label, value, released in rows:
+        tail = "" if released is None else f"  released {_n(released):>19}  {rep.check(value, released)}"
+        rep.add(f"  {label:<33}{_n(value):>19}{tail}")
+    rep.add("  missing from the built model: the DSA indexer in every layer, the expert bias as "
+            "a parameter (it is a buffer), and the MTP layer")
+
+
+def build_report(cfg: GLM5Config, built: Built, header: list[str]) -> Report:
+    rep = Report()
+    for line in header:
+        rep.add(line)
+    rep.add()
+    _component_rows(cfg, built, rep)
+    _layer_rows(cfg, built, rep)
+    b, f = built_totals(cfg, built), formula_totals(cfg)
+    _total_rows(cfg, b, f, rep)
+    rep.add(f"built model matches the formula: {'yes' if rep.ok else 'NO'}")
+    _hf_differences(cfg, built, rep)
+    if matches_reference_shapes(cfg):
+        _reconciliation(cfg, b, rep)
+    rep.add(f"total_params={b.total} active_params={b.active}")
+    return rep
+
+
+def _header(cfg: GLM5Config, materialize: bool, seconds: float, built: Built) -> list[str]:
+    import megatron.core
+
+    from glm5_train.model import transformer_engine_available
+
+    spec = "Transformer Engine spec" if transformer_engine_available() else "local spec (no TE)"
+    where = "CPU (materialized)" if materialize else "meta device (no memory)"
+    n_dense = cfg.first_k_dense_replace
+    return [
+        f"GLM-5 parameter count: model={cfg.name}, megatron-core {megatron.core.__version__}, "
+        f"{spec}, TP1 PP1 EP1, built on {where} in {seconds:.1f} s "
+        f"(parameter devices: {','.join(sorted(built.devices))}; {PARAMS_DTYPE_NAME})",
+        f"{cfg.num_hidden_layers} layers = {n_dense} dense + {cfg.num_hidden_layers - n_dense} "
+        f"MoE; {cfg.n_routed_experts} routed experts ({cfg.num_experts_per_tok} per token) + "
+        f"{cfg.n_shared_experts} shared; vocab {cfg.vocab_size}, hidden {cfg.hidden_size}",
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point.
+# ----------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("overrides", nargs="*",
+                   help="Hydra overrides, e.g. model=glm5_744b model.num_hidden_layers=4")
+    p.add_argument("--materialize", action="store_true",
+                   help="build on CPU with real (initialized) weights instead of meta; small "
+                        "configs only")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = compose_model_config(args.overrides)
+        if args.materialize:
+            check_materialize_size(cfg)
+    except Exception as err:  # Hydra's and our config errors: all a user can fix
+        print(f"count_params: error: {err}", file=sys.stderr)
+        return 2
+    from parallel import device
+
+    device.install()
+    start = time.perf_counter()
+    with single_process_group():
+        chunks = build_chunks(cfg, args.materialize)
+        seconds = time.perf_counter() - start
+        built = count_built(chunks)
+    rep = build_report(cfg, built, _header(cfg, args.materialize, seconds, built))
+    print("\n".join(rep.lines), flush=True)
+    return 0 if rep.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
