@@ -42,9 +42,6 @@ class ParallelConfig:
     def world_size_needed(self, data_parallel_size: int = 1) -> int:
         return self.model_parallel_size * data_parallel_size
 
-    def data_parallel_size(self, world_size: int) -> int:
-        return world_size // self.model_parallel_size
-
     @property
     def expert_tp(self) -> int:
         """Expert tensor-parallel size; unset means 1 with expert parallelism (as GLM-5 runs),

@@ -1,0 +1,88 @@
+"""Bad layouts and configs fail before any process group exists, naming value, rule and fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from glm5_train.config import GLM5Config
+from launch.local import compose_job, nproc_for
+from parallel.layout import LayoutError, ParallelConfig, validate_layout
+from tests.parity import REPO
+
+TINY = dict(vocab_size=320, hidden_size=128, num_hidden_layers=4, first_k_dense_replace=1,
+            intermediate_size=256, moe_intermediate_size=64, n_routed_experts=8,
+            num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64,
+            kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+            index_n_heads=4, index_head_dim=32)
+
+
+def check(par: ParallelConfig, world: int, gbs: int = 8, mbs: int = 1, seq: int = 64,
+          **model):
+    return validate_layout(par, GLM5Config(**{**TINY, **model}), world, gbs, mbs, seq)
+
+
+@pytest.mark.parametrize("par,world,fragment", [
+    (ParallelConfig(tensor_model_parallel_size=3), 3, "num_attention_heads=4 is not divisible"),
+    (ParallelConfig(pipeline_model_parallel_size=3), 3, "num_hidden_layers=4 cannot be placed"),
+    (ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=4), 2,
+     "pipeline x virtual stages = 2 x 4 = 8"),
+    (ParallelConfig(expert_model_parallel_size=3), 3, "n_routed_experts=8 is not divisible"),
+    (ParallelConfig(tensor_model_parallel_size=2), 3, "world size 3 is not divisible"),
+    (ParallelConfig(tensor_model_parallel_size=2, data_parallel_size=2), 2,
+     "world size 2 != TP x PP x CP x parallel.data_parallel_size"),
+    (ParallelConfig(sequence_parallel=True), 1, "sequence_parallel=true needs"),
+    (ParallelConfig(expert_model_parallel_size=4), 2, "must divide tensor x context x data"),
+    (ParallelConfig(tensor_model_parallel_size=2, expert_tensor_parallel_size=1), 2,
+     "expert_tensor_parallel_size=1 differs"),
+    (ParallelConfig(virtual_pipeline_model_parallel_size=2), 1, "needs pipeline_model_parallel"),
+])
+def test_impossible_layouts_are_named(par, world, fragment):
+    with pytest.raises(LayoutError) as err:
+        check(par, world)
+    assert fragment in str(err.value)
+
+
+def test_batch_must_split_over_data_parallel():
+    with pytest.raises(LayoutError, match="global_batch_size=6 must be a multiple"):
+        check(ParallelConfig(), 4, gbs=6)
+
+
+def test_valid_layout_returns_data_parallel_size():
+    assert check(ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                virtual_pipeline_model_parallel_size=2,
+                                expert_model_parallel_size=2), 8) == 2
+
+
+def test_unknown_config_keys_are_refused():
+    with pytest.raises(ValueError, match=r"train: unknown field\(s\) \['train_iter'\]"):
+        compose_job(["+train.train_iter=3"])
+    with pytest.raises(ValueError, match="unknown field"):
+        GLM5Config.from_dict({"hidden_sise": 3})
+
+
+def test_model_rules():
+    with pytest.raises(ValueError, match="num_key_value_heads=2: MLA"):
+        GLM5Config(**{**TINY, "num_key_value_heads": 2}).validate()
+    with pytest.raises(ValueError, match="first_k_dense_replace=9"):
+        GLM5Config(**{**TINY, "first_k_dense_replace": 9}).validate()
+
+
+def test_launcher_derives_process_count():
+    assert nproc_for(compose_job([])) == 8  # the main job: TP2 x PP2 x VPP2 x DP2 (+EP2)
+    assert nproc_for(compose_job(["parallel=tp2_pp2"])) == 4
+    assert nproc_for(compose_job(["parallel=single"])) == 1
+
+
+def test_bad_layout_fails_before_process_groups(tmp_path):
+    # World size 2 with TP=3: the job must stop with the layout message and no gloo traffic.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "glm5_train.train", "parallel=single", "parallel.tensor_model_parallel_size=3",
+           "checkpoint.save=null", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "world size 2 is not divisible by tensor x pipeline x context parallel" in (
+        proc.stdout + proc.stderr)
+    assert not (tmp_path / "metrics.jsonl").exists()
