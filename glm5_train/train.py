@@ -166,15 +166,28 @@ def _should_save(job: JobConfig, iteration: int) -> bool:
     return at_interval or iteration == job.train.train_iters
 
 
+def quiet_megatron() -> None:
+    """megatron-core logs every parameter name at INFO and warns at import that TE/Apex are
+    absent (expected on CPU); keep the console to our progress lines and real problems."""
+    import logging
+    import warnings
+
+    for pattern in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
+        warnings.filterwarnings("ignore", message=pattern)
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+
+
 def main() -> None:
     import hydra
 
     register_resolvers()
+    quiet_megatron()
 
     @hydra.main(version_base=None, config_path=_config_dir(), config_name="config")
     def _run(tree) -> None:
         from hydra.core.hydra_config import HydraConfig
 
+        quiet_megatron()  # Hydra has just (re)configured logging
         job = JobConfig.from_hydra(tree)
         run_dir = HydraConfig.get().runtime.output_dir
         train(job, run_dir)

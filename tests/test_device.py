@@ -47,7 +47,8 @@ def _run_python(args: list[str], marker: str) -> tuple[dict | None, subprocess.C
 
 
 def _tail(proc: subprocess.CompletedProcess, chars: int = 4000) -> str:
-    return f"rc={proc.returncode}\n--- stdout\n{proc.stdout[-chars:]}\n--- stderr\n{proc.stderr[-chars:]}"
+    return (f"rc={proc.returncode}\n--- stdout\n{proc.stdout[-chars:]}\n"
+            f"--- stderr\n{proc.stderr[-chars:]}")
 
 
 def _free_port() -> int:

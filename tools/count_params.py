@@ -333,8 +333,28 @@ def compose_model_config(overrides: list[str]) -> GLM5Config:
         tree = compose(config_name="config", overrides=overrides)
     # Only the model node: checkpoint.save interpolates ${hydra:...}, unset outside a Hydra run.
     cfg = GLM5Config.from_dict(OmegaConf.to_container(tree.model, resolve=True))
+    check_field_types(cfg)
     cfg.validate()
     return cfg
+
+
+NULLABLE_FIELDS = frozenset({"q_lora_rank"})  # HF null: a full-rank query projection
+
+
+def check_field_types(cfg: GLM5Config) -> None:
+    """Hydra passes a mistyped override (model.hidden_size=abc) through as a string: stop it
+    here, before it fails deep inside megatron-core."""
+    defaults = GLM5Config()
+    for f in dataclasses.fields(cfg):
+        value, want = getattr(cfg, f.name), type(getattr(defaults, f.name))
+        if value is None and f.name in NULLABLE_FIELDS:
+            continue
+        ok = isinstance(value, want) and (want is bool or not isinstance(value, bool))
+        if want is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok:
+            raise ValueError(f"model.{f.name}={value!r}: expected type {want.__name__} like the "
+                             f"default {getattr(defaults, f.name)!r}")
 
 
 def _free_port() -> int:
@@ -459,7 +479,8 @@ def _layer_rows(cfg: GLM5Config, built: Built, rep: Report) -> None:
         f = len(idx) * sum(expected.values())
         status = rep.check(b, f) if not bad else f"MISMATCH in layers {bad}"
         rep.ok &= not bad
-        rep.add(f"  {kind:<6} layers {_span(idx):<9} {len(idx):>3} x {_n(sum(expected.values())):>17}"
+        each = _n(sum(expected.values()))
+        rep.add(f"  {kind:<6} layers {_span(idx):<9} {len(idx):>3} x {each:>17}"
                 f" = built {_n(b):>19}  formula {_n(f):>19}  {status}")
     extra = sorted(set(built.layers) - set(range(len(pattern))))
     if extra:
@@ -544,7 +565,8 @@ def _reconciliation(cfg: GLM5Config, b: Totals, rep: Report) -> None:
         ("HF active without embedding+head", active - b.embed_head, HF_ACTIVE_NO_EMBED_PARAMS),
     )
     for label, value, released in rows:
-        tail = "" if released is None else f"  released {_n(released):>19}  {rep.check(value, released)}"
+        tail = ("" if released is None
+                else f"  released {_n(released):>19}  {rep.check(value, released)}")
         rep.add(f"  {label:<33}{_n(value):>19}{tail}")
     rep.add("  missing from the built model: the DSA indexer in every layer, the expert bias as "
             "a parameter (it is a buffer), and the MTP layer")
@@ -576,12 +598,12 @@ def _header(cfg: GLM5Config, materialize: bool, seconds: float, built: Built) ->
     where = "CPU (materialized)" if materialize else "meta device (no memory)"
     n_dense = cfg.first_k_dense_replace
     return [
-        f"GLM-5 parameter count: model={cfg.name}, megatron-core {megatron.core.__version__}, "
-        f"{spec}, TP1 PP1 EP1, built on {where} in {seconds:.1f} s "
-        f"(parameter devices: {','.join(sorted(built.devices))}; {PARAMS_DTYPE_NAME})",
-        f"{cfg.num_hidden_layers} layers = {n_dense} dense + {cfg.num_hidden_layers - n_dense} "
-        f"MoE; {cfg.n_routed_experts} routed experts ({cfg.num_experts_per_tok} per token) + "
-        f"{cfg.n_shared_experts} shared; vocab {cfg.vocab_size}, hidden {cfg.hidden_size}",
+        (f"GLM-5 parameter count: model={cfg.name}, megatron-core {megatron.core.__version__}, "
+         f"{spec}, TP1 PP1 EP1, built on {where} in {seconds:.1f} s "
+         f"(parameter devices: {','.join(sorted(built.devices))}; {PARAMS_DTYPE_NAME})"),
+        (f"{cfg.num_hidden_layers} layers = {n_dense} dense + {cfg.num_hidden_layers - n_dense} "
+         f"MoE; {cfg.n_routed_experts} routed experts ({cfg.num_experts_per_tok} per token) + "
+         f"{cfg.n_shared_experts} shared; vocab {cfg.vocab_size}, hidden {cfg.hidden_size}"),
     ]
 
 
@@ -601,12 +623,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     args = parse_args(argv)
     try:
         cfg = compose_model_config(args.overrides)
         if args.materialize:
             check_materialize_size(cfg)
-    except Exception as err:  # Hydra's and our config errors: all a user can fix
+    except (HydraException, OmegaConfBaseException, ValueError) as err:  # all a user can fix
         print(f"count_params: error: {err}", file=sys.stderr)
         return 2
     from parallel import device
