@@ -66,6 +66,9 @@ def _model_sharded(chunks: list) -> dict[str, Any]:
 def _sharded_state(chunks, optimizer, scheduler, state: TrainState, model_cfg: GLM5Config,
                    is_loading: bool) -> dict[str, Any]:
     model_sd = _model_sharded(chunks)
+    if optimizer is None:  # weights only (e.g. imported from Hugging Face)
+        return {"model": model_sd, "train_state": dataclasses.asdict(state),
+                "model_config": dataclasses.asdict(model_cfg), "weights_only": True}
     return {
         "model": model_sd,
         # The optimizer maps its params to sharded tensors by walking the nested model dict.
@@ -96,7 +99,10 @@ def _use_in_process_results_queue() -> None:
 
 def save_checkpoint(root: str, chunks, optimizer, scheduler, state: TrainState,
                     model_cfg: GLM5Config) -> str:
-    """Write a complete checkpoint for ``state.iteration``; returns its directory."""
+    """Write a complete checkpoint for ``state.iteration``; returns its directory.
+
+    With ``optimizer=None`` only the weights are written (a starting point, such as an HF
+    import): loading it starts training at step 0 with a fresh optimizer."""
     final = iteration_dir(root, state.iteration)
     partial = final + ".partial"
     if dist.get_rank() == 0:
@@ -132,14 +138,22 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler,
             "checkpoint.save, or drop checkpoint.load to start from scratch")
     path = iteration_dir(root, iteration)
     check_model_config(path, model_cfg)
+    if is_weights_only(path):
+        optimizer = scheduler = None
     sharded = _sharded_state(chunks, optimizer, scheduler, TrainState(), model_cfg,
                              is_loading=True)
     loaded = dist_checkpointing.load(sharded, path)
     for i, chunk in enumerate(chunks):
         _unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"])
+    if optimizer is None:
+        return TrainState()
     optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["scheduler"])
     return TrainState(**loaded["train_state"])
+
+
+def is_weights_only(path: str) -> bool:
+    return bool(dist_checkpointing.load_common_state_dict(path).get("weights_only", False))
 
 
 def check_model_config(path: str, model_cfg: GLM5Config) -> None:

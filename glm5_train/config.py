@@ -166,6 +166,11 @@ def to_mcore_config(model: GLM5Config, par: ParallelSizes,
         qk_layernorm=True,
         rope_type="rope",
         rotary_base=model.rope_theta,
+        # DSA: makes MLA hand the hidden states and query latent to the core attention.
+        experimental_attention_variant="dsa",
+        dsa_indexer_n_heads=model.index_n_heads,
+        dsa_indexer_head_dim=model.index_head_dim,
+        dsa_indexer_topk=model.index_topk,
         # MoE.
         num_moe_experts=model.n_routed_experts,
         moe_layer_freq=model.moe_layer_pattern,

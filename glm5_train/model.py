@@ -20,25 +20,36 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from glm5_train.config import GLM5Config
-from glm5_train.layers import MLACoreAttention, MLADownProjection, RMSNorm
+from glm5_train.dsa import DSACoreAttention
+from glm5_train.layers import MLADownProjection, RMSNorm
 
 
 def transformer_engine_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def decoder_block_spec(config: MLATransformerConfig, vp_stage: int | None,
-                       pp_rank: int | None = None,
+def decoder_block_spec(model_cfg: GLM5Config, config: MLATransformerConfig,
+                       vp_stage: int | None, pp_rank: int | None = None,
                        use_te: bool | None = None) -> TransformerBlockSubmodules:
     """The layer specs of the decoder layers one pipeline chunk builds."""
     use_te = transformer_engine_available() if use_te is None else use_te
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                        normalization="RMSNorm", vp_stage=vp_stage,
                                        pp_rank=pp_rank)
-    if use_te:
-        return block
+    layers = block.layer_specs if use_te else [_localize_layer(s) for s in block.layer_specs]
     return TransformerBlockSubmodules(
-        layer_specs=[_localize_layer(spec) for spec in block.layer_specs], layer_norm=RMSNorm)
+        layer_specs=[_with_dsa(spec, model_cfg) for spec in layers],
+        layer_norm=block.layer_norm if use_te else RMSNorm)
+
+
+def _with_dsa(layer: ModuleSpec, model_cfg: GLM5Config) -> ModuleSpec:
+    """GLM-5 runs DeepSeek Sparse Attention in every layer (TE and local specs alike)."""
+    layer = copy.deepcopy(layer)
+    layer.submodules.self_attention.submodules.core_attention = ModuleSpec(
+        module=DSACoreAttention,
+        params=dict(dsa_n_heads=model_cfg.index_n_heads, dsa_head_dim=model_cfg.index_head_dim,
+                    dsa_topk=model_cfg.index_topk, rope_theta=model_cfg.rope_theta))
+    return layer
 
 
 def _localize_layer(layer: ModuleSpec) -> ModuleSpec:
@@ -48,7 +59,6 @@ def _localize_layer(layer: ModuleSpec) -> ModuleSpec:
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm
     attn = sub.self_attention.submodules
-    attn.core_attention = MLACoreAttention
     attn.linear_q_down_proj = MLADownProjection
     attn.linear_kv_down_proj = MLADownProjection
     attn.q_layernorm = RMSNorm
@@ -70,7 +80,7 @@ def _build_chunk(model_cfg: GLM5Config, config: MLATransformerConfig, vp_stage: 
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     return GPTModel(
         config=config,
-        transformer_layer_spec=decoder_block_spec(config, vp_stage, use_te=use_te),
+        transformer_layer_spec=decoder_block_spec(model_cfg, config, vp_stage, use_te=use_te),
         vocab_size=model_cfg.vocab_size,
         max_sequence_length=model_cfg.max_position_embeddings,
         pre_process=pre,

@@ -38,20 +38,27 @@ def validate_job(job: JobConfig) -> int:
                            job.train.micro_batch_size, job.train.seq_length)
 
 
-def build_runtime(job: JobConfig) -> Runtime:
-    from megatron.core import parallel_state
-
+def build_model(job: JobConfig) -> tuple[object, list]:
+    """(megatron-core config, this rank's initialised model chunks), process groups existing."""
     from glm5_train.config import to_mcore_config
     from glm5_train.init_weights import initialize_weights
     from glm5_train.model import build_model_chunks
-    from glm5_train.optim import (attach_schedule_hooks, build_optimizer, build_scheduler,
-                                  wrap_ddp)
 
-    dataset = _build_dataset(job)
     config = to_mcore_config(job.model, job.parallel.sizes(), job.train.torch_dtype)
     chunks = build_model_chunks(job.model, config)
     initialize_weights(chunks, job.train.seed, job.model.initializer_range,
                        job.model.num_hidden_layers)
+    return config, chunks
+
+
+def build_runtime(job: JobConfig) -> Runtime:
+    from megatron.core import parallel_state
+
+    from glm5_train.optim import (attach_schedule_hooks, build_optimizer, build_scheduler,
+                                  wrap_ddp)
+
+    dataset = _build_dataset(job)
+    config, chunks = build_model(job)
     chunks = wrap_ddp(chunks, config, job.parallel.use_distributed_optimizer,
                       job.parallel.overlap_grad_reduce)
     optimizer = build_optimizer(chunks, job.train, job.parallel.use_distributed_optimizer,

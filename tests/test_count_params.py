@@ -183,6 +183,11 @@ def test_unknown_field_is_a_usage_error(tool, capsys):
     assert capsys.readouterr().err.startswith("count_params: error:")
 
 
+def test_mistyped_override_is_a_usage_error(tool, capsys):
+    assert tool.main(["model=glm5_tiny", "model.hidden_size=abc"]) == 2
+    assert "model.hidden_size='abc'" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- the formula alone
 
 

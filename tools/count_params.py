@@ -106,7 +106,8 @@ def top_terms(cfg: GLM5Config) -> list[Term]:
 
 
 def attention_terms(cfg: GLM5Config) -> list[Term]:
-    """MLA. No biases: GLM-5 has attention_bias=false (the down projections require it)."""
+    """MLA plus the DSA lightning indexer. No biases: GLM-5 has attention_bias=false (the down
+    projections require it); the indexer's key norm is a LayerNorm with weight and bias."""
     H, N = cfg.hidden_size, cfg.num_attention_heads
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     if cfg.q_lora_rank:
@@ -121,7 +122,17 @@ def attention_terms(cfg: GLM5Config) -> list[Term]:
         Term("kv_norm", "kv_layernorm", ((cfg.kv_lora_rank,),)),
         Term("kv_up", "linear_kv_up_proj", ((kv_up, cfg.kv_lora_rank),)),
         Term("o_proj", "linear_proj", ((H, N * cfg.v_head_dim),)),
+        indexer_term(cfg),
     ]
+
+
+def indexer_term(cfg: GLM5Config) -> Term:
+    """One layer's DSA lightning indexer, same layout in megatron and HF: wq_b, wk,
+    k_norm (weight, bias), weights_proj."""
+    Hi, Di, H = cfg.index_n_heads, cfg.index_head_dim, cfg.hidden_size
+    q_in = cfg.q_lora_rank or H
+    return Term("indexer", "core_attention.indexer", ((Hi * Di, q_in), (Di, H), (Di,), (Di,),
+                                                      (Hi, H)))
 
 
 def _swiglu(hidden: int, ffn: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -129,29 +140,27 @@ def _swiglu(hidden: int, ffn: int) -> tuple[tuple[int, int], tuple[int, int]]:
     return ((2 * ffn, hidden), (hidden, ffn))
 
 
-def layer_terms(cfg: GLM5Config, moe: bool) -> list[Term]:
-    """One decoder layer: attention, its two norms, and a dense MLP or an MoE block."""
+def layer_terms(cfg: GLM5Config, moe: bool, absent: frozenset[str] = frozenset()) -> list[Term]:
+    """One decoder layer: attention, its two norms, and a dense MLP or an MoE block, less the
+    ``absent`` components (those of ``PENDING`` the model does not build yet)."""
     H = cfg.hidden_size
     terms = attention_terms(cfg) + [Term("input_norm", "input_layernorm", ((H,),)),
                                     Term("pre_mlp_norm", "pre_mlp_layernorm", ((H,),))]
     if not moe:
-        return terms + [Term("dense_mlp", "mlp.linear_fc1 + linear_fc2",
-                             _swiglu(H, cfg.intermediate_size))]
-    E, F = cfg.n_routed_experts, cfg.moe_intermediate_size
-    terms += [Term("router", "mlp.router", ((E, H),)),
-              Term("routed_experts", "mlp.experts", _swiglu(H, F), repeat=E)]
-    if cfg.n_shared_experts:
-        terms.append(Term("shared_expert", "mlp.shared_experts",
-                          _swiglu(H, cfg.n_shared_experts * F)))
-    return terms
+        terms.append(Term("dense_mlp", "mlp.linear_fc1 + linear_fc2",
+                          _swiglu(H, cfg.intermediate_size)))
+    else:
+        E, F = cfg.n_routed_experts, cfg.moe_intermediate_size
+        terms += [Term("router", "mlp.router", ((E, H),)),
+                  Term("routed_experts", "mlp.experts", _swiglu(H, F), repeat=E)]
+        if cfg.n_shared_experts:
+            terms.append(Term("shared_expert", "mlp.shared_experts",
+                              _swiglu(H, cfg.n_shared_experts * F)))
+    return [t for t in terms if t.key not in absent]
 
 
 def indexer_params(cfg: GLM5Config) -> int:
-    """One layer's DSA lightning indexer in HF's layout: wq_b, wk, k_norm (weight, bias),
-    weights_proj."""
-    q_in = cfg.q_lora_rank or cfg.hidden_size
-    return (cfg.index_n_heads * cfg.index_head_dim * q_in + cfg.index_head_dim * cfg.hidden_size
-            + 2 * cfg.index_head_dim + cfg.index_n_heads * cfg.hidden_size)
+    return indexer_term(cfg).count
 
 
 def expert_bias_params(cfg: GLM5Config) -> int:
@@ -160,9 +169,9 @@ def expert_bias_params(cfg: GLM5Config) -> int:
 
 
 def hf_moe_layer_params(cfg: GLM5Config) -> int:
-    """One MoE layer as HF stores it: megatron's layer plus indexer plus expert bias."""
-    return (sum(t.count for t in layer_terms(cfg, moe=True)) + indexer_params(cfg)
-            + expert_bias_params(cfg))
+    """One MoE layer as HF stores it: megatron's full layer (indexer included) plus the
+    expert bias."""
+    return sum(t.count for t in layer_terms(cfg, moe=True)) + expert_bias_params(cfg)
 
 
 def mtp_params(cfg: GLM5Config) -> int:
@@ -198,14 +207,14 @@ def active_routed(cfg: GLM5Config, routed: int) -> int:
     return per_expert * cfg.num_experts_per_tok
 
 
-def formula_totals(cfg: GLM5Config) -> Totals:
-    """The megatron-core model's totals, from the config alone."""
+def formula_totals(cfg: GLM5Config, absent: frozenset[str] = frozenset()) -> Totals:
+    """The megatron-core model's totals, from the config alone, without ``absent`` components."""
     pattern = cfg.moe_layer_pattern
     top = {t.key: t.count for t in top_terms(cfg)}
     total = sum(top.values())
     routed = 0
     for moe in pattern:
-        terms = {t.key: t.count for t in layer_terms(cfg, bool(moe))}
+        terms = {t.key: t.count for t in layer_terms(cfg, bool(moe), absent)}
         total += sum(terms.values())
         routed += terms.get("routed_experts", 0)
     active = total - routed + active_routed(cfg, routed)
@@ -213,18 +222,18 @@ def formula_totals(cfg: GLM5Config) -> Totals:
 
 
 def hf_main_totals(cfg: GLM5Config) -> Totals:
-    """HF's main model (no MTP): the megatron model plus indexers and expert biases."""
+    """HF's main model (no MTP): the full megatron model (indexer included) plus the expert
+    biases, which megatron keeps as buffers."""
     meg = formula_totals(cfg)
-    extra = missing_vs_hf(cfg)
-    added = extra["indexer"] + extra["expert_bias"]
-    return Totals(meg.total + added, meg.active + added, meg.embed_head)
+    bias = sum(cfg.moe_layer_pattern) * expert_bias_params(cfg)
+    return Totals(meg.total + bias, meg.active + bias, meg.embed_head)
 
 
-def missing_vs_hf(cfg: GLM5Config) -> dict[str, int]:
+def missing_vs_hf(cfg: GLM5Config, absent: frozenset[str] = frozenset()) -> dict[str, int]:
     """HF checkpoint tensors the megatron model does not hold as parameters."""
     n_moe = sum(cfg.moe_layer_pattern)
-    return {"indexer": cfg.num_hidden_layers * indexer_params(cfg),
-            "expert_bias": n_moe * expert_bias_params(cfg),
+    indexer = cfg.num_hidden_layers * indexer_params(cfg) if "indexer" in absent else 0
+    return {"indexer": indexer, "expert_bias": n_moe * expert_bias_params(cfg),
             "mtp": mtp_params(cfg)}
 
 
@@ -235,6 +244,7 @@ def missing_vs_hf(cfg: GLM5Config) -> dict[str, int]:
 # Parameter name (after ``decoder.layers.<i>.``) -> component. First match wins. TE's fused
 # layer-norm weights (``*.layer_norm_weight``) are listed so a TE build counts the same way.
 LAYER_RULES: tuple[tuple[str, str], ...] = (
+    (r"self_attention\.core_attention\.indexer\.", "indexer"),
     (r"self_attention\.linear_q_up_proj\.layer_norm_", "q_norm"),
     (r"self_attention\.linear_kv_up_proj\.layer_norm_", "kv_norm"),
     (r"self_attention\.linear_qkv\.layer_norm_", "input_norm"),
@@ -277,7 +287,7 @@ def _classify(name: str, rules: tuple[tuple[str, str], ...]) -> str:
         if re.match(pattern, name):
             return key
     raise ValueError(f"parameter {name!r} fits no component of tools/count_params.py: a module "
-                     "was added to the model (DSA indexer? MTP?); add a rule and a formula term")
+                     "was added to the model (MTP?); add a rule and a formula term")
 
 
 def count_built(chunks) -> Built:
@@ -307,6 +317,15 @@ def _count_buffers(chunk, into: dict[str, tuple[int, int]]) -> None:
             key = re.sub(r"\.\d+\.", ".<i>.", f"{module_name}.{name}")
             n, numel = into.get(key, (0, 0))
             into[key] = (n + 1, numel + buf.numel())
+
+
+# HF components the megatron model may not build yet (an absent one is reported as missing).
+PENDING = frozenset({"indexer"})
+
+
+def absent_components(built: Built) -> frozenset[str]:
+    """The PENDING components that no built layer has."""
+    return frozenset(k for k in PENDING if not any(k in layer for layer in built.layers.values()))
 
 
 def built_totals(cfg: GLM5Config, built: Built) -> Totals:
@@ -415,7 +434,7 @@ def check_materialize_size(cfg: GLM5Config) -> None:
 ATTENTION_KEYS = ("q_down", "q_norm", "q_up", "kv_down", "kv_norm", "kv_up", "o_proj")
 NORM_KEYS = ("input_norm", "pre_mlp_norm")
 MLP_KEYS = ("dense_mlp", "router", "routed_experts", "shared_expert")
-SECTIONS = (("attention (MLA)", ATTENTION_KEYS), ("layer norms", NORM_KEYS),
+SECTIONS = (("attention (MLA)", ATTENTION_KEYS), ("DSA", ("indexer",)), ("layer norms", NORM_KEYS),
             ("MLP / MoE", MLP_KEYS))
 ROW = "{:<17}{:<30}{:<34}{:>16}{:>7}{:>19}{:>19}  {}"
 
@@ -443,7 +462,7 @@ class Report:
         return _ok(a, b)
 
 
-def _component_rows(cfg: GLM5Config, built: Built, rep: Report) -> None:
+def _component_rows(cfg: GLM5Config, built: Built, absent: frozenset[str], rep: Report) -> None:
     pattern = cfg.moe_layer_pattern
     per_kind = {moe: {t.key: t for t in layer_terms(cfg, bool(moe))} for moe in (0, 1)}
     rep.add(ROW.format("component", "megatron module", "shape (megatron layout)", "per layer",
@@ -461,11 +480,12 @@ def _component_rows(cfg: GLM5Config, built: Built, rep: Report) -> None:
             term = per_kind[pattern[layers[0]]][key]
             b = sum(built.layers.get(i, {}).get(key, 0) for i in layers)
             f = sum(per_kind[pattern[i]][key].count for i in layers)
+            status = "not built: missing vs HF" if key in absent else rep.check(b, f)
             rep.add(ROW.format("  " + key, term.module, term.shape_text, _n(term.count),
-                               len(layers), _n(b), _n(f), rep.check(b, f)))
+                               len(layers), _n(b), _n(f), status))
 
 
-def _layer_rows(cfg: GLM5Config, built: Built, rep: Report) -> None:
+def _layer_rows(cfg: GLM5Config, built: Built, absent: frozenset[str], rep: Report) -> None:
     pattern = cfg.moe_layer_pattern
     rep.add()
     rep.add("per layer kind (built = formula checked for every layer, component by component):")
@@ -473,7 +493,7 @@ def _layer_rows(cfg: GLM5Config, built: Built, rep: Report) -> None:
         idx = [i for i, m in enumerate(pattern) if m == moe]
         if not idx:
             continue
-        expected = {t.key: t.count for t in layer_terms(cfg, bool(moe))}
+        expected = {t.key: t.count for t in layer_terms(cfg, bool(moe), absent)}
         bad = [i for i in idx if built.layers.get(i, {}) != expected]
         b = sum(sum(built.layers.get(i, {}).values()) for i in idx)
         f = len(idx) * sum(expected.values())
@@ -492,10 +512,12 @@ def _span(idx: list[int]) -> str:
     return f"{idx[0]}-{idx[-1]}" if len(idx) > 1 else str(idx[0])
 
 
-def _total_rows(cfg: GLM5Config, b: Totals, f: Totals, rep: Report) -> None:
+def _total_rows(cfg: GLM5Config, b: Totals, f: Totals, absent: frozenset[str],
+                rep: Report) -> None:
     rep.add()
     frac = f"{cfg.num_experts_per_tok}/{cfg.n_routed_experts} routed experts"
-    rep.add(f"totals (megatron model as built; active = {frac} per token):")
+    without = f"; formula without {', '.join(sorted(absent))}" if absent else ""
+    rep.add(f"totals (megatron model as built; active = {frac} per token{without}):")
     for label, bv, fv in (("total", b.total, f.total),
                           ("total without embedding+head", b.total_no_embed, f.total_no_embed),
                           ("active", b.active, f.active),
@@ -504,8 +526,8 @@ def _total_rows(cfg: GLM5Config, b: Totals, f: Totals, rep: Report) -> None:
         rep.add(f"  {label:<31} built {_n(bv):>19}  formula {_n(fv):>19}  {rep.check(bv, fv)}")
 
 
-def _hf_differences(cfg: GLM5Config, built: Built, rep: Report) -> None:
-    missing = missing_vs_hf(cfg)
+def _hf_differences(cfg: GLM5Config, built: Built, absent: frozenset[str], rep: Report) -> None:
+    missing = missing_vs_hf(cfg, absent)
     n_moe = sum(cfg.moe_layer_pattern)
     rep.add()
     rep.add("megatron-core modules vs the HF checkpoint's tensors:")
@@ -529,10 +551,14 @@ def _hf_differences(cfg: GLM5Config, built: Built, rep: Report) -> None:
     rep.add(f"  expert bias: built buffers {_n(bias_buffers)}, formula {n_moe} MoE layers x "
             f"{expert_bias_params(cfg)} = {_n(missing['expert_bias'])}  "
             f"{rep.check(bias_buffers, missing['expert_bias'])}")
-    rep.add(f"  not built yet: DSA lightning indexer ({cfg.num_hidden_layers} layers x "
-            f"{_n(indexer_params(cfg))}: wq_b [{cfg.index_n_heads * cfg.index_head_dim}, "
-            f"{cfg.q_lora_rank}], wk [{cfg.index_head_dim}, {cfg.hidden_size}], k_norm weight+bias "
-            f"2 x [{cfg.index_head_dim}], weights_proj [{cfg.index_n_heads}, {cfg.hidden_size}])")
+    indexer = (f"DSA lightning indexer ({cfg.num_hidden_layers} layers x "
+               f"{_n(indexer_params(cfg))}: wq_b, wk, k_norm weight+bias, weights_proj = "
+               f"{indexer_term(cfg).shape_text})")
+    if "indexer" in absent:
+        rep.add(f"  not built yet: {indexer}")
+    else:
+        rep.add(f"  built: {indexer}; self_attention.core_attention.indexer.* = HF "
+                "self_attn.indexer.*, same names and shapes")
     rep.add(f"  not built yet: MTP ({cfg.num_nextn_predict_layers} x (MoE layer with indexer and "
             f"expert bias {_n(hf_moe_layer_params(cfg))} + eh_proj [{cfg.hidden_size}, "
             f"{2 * cfg.hidden_size}] + enorm, hnorm, shared_head.norm 3 x [{cfg.hidden_size}]))")
@@ -548,16 +574,18 @@ def matches_reference_shapes(cfg: GLM5Config) -> bool:
     return all(getattr(cfg, f) == getattr(ref, f) for f in SHAPE_FIELDS)
 
 
-def _reconciliation(cfg: GLM5Config, b: Totals, rep: Report) -> None:
-    missing = missing_vs_hf(cfg)
+def _reconciliation(cfg: GLM5Config, b: Totals, absent: frozenset[str], rep: Report) -> None:
+    missing = missing_vs_hf(cfg, absent)
     main = b.total + missing["indexer"] + missing["expert_bias"]
     active = b.active + missing["indexer"] + missing["expert_bias"]
     rep.add()
     rep.add(f"reconciliation with the released GLM-5 checkpoint ({REFERENCE_FLAVOUR} shapes):")
+    indexer_row = (("+ indexer, not built (formula)", missing["indexer"], None),) \
+        if "indexer" in absent else ()
     rows = (
         ("built (megatron)", b.total, None),
-        ("+ indexer (formula)", missing["indexer"], None),
-        ("+ e_score_correction_bias", missing["expert_bias"], None),
+        *indexer_row,
+        ("+ e_score_correction_bias (buffer)", missing["expert_bias"], None),
         ("= HF main model", main, HF_MAIN_PARAMS),
         ("+ MTP layer (formula)", missing["mtp"], HF_MTP_PARAMS),
         ("= HF total", main + missing["mtp"], HF_TOTAL_PARAMS),
@@ -568,8 +596,9 @@ def _reconciliation(cfg: GLM5Config, b: Totals, rep: Report) -> None:
         tail = ("" if released is None
                 else f"  released {_n(released):>19}  {rep.check(value, released)}")
         rep.add(f"  {label:<33}{_n(value):>19}{tail}")
-    rep.add("  missing from the built model: the DSA indexer in every layer, the expert bias as "
-            "a parameter (it is a buffer), and the MTP layer")
+    lacking = (["the DSA indexer in every layer"] if "indexer" in absent else []) + [
+        "the expert bias as a parameter (it is a buffer)", "the MTP layer"]
+    rep.add("  missing from the built model: " + ", ".join(lacking))
 
 
 def build_report(cfg: GLM5Config, built: Built, header: list[str]) -> Report:
@@ -577,14 +606,15 @@ def build_report(cfg: GLM5Config, built: Built, header: list[str]) -> Report:
     for line in header:
         rep.add(line)
     rep.add()
-    _component_rows(cfg, built, rep)
-    _layer_rows(cfg, built, rep)
-    b, f = built_totals(cfg, built), formula_totals(cfg)
-    _total_rows(cfg, b, f, rep)
+    absent = absent_components(built)
+    _component_rows(cfg, built, absent, rep)
+    _layer_rows(cfg, built, absent, rep)
+    b, f = built_totals(cfg, built), formula_totals(cfg, absent)
+    _total_rows(cfg, b, f, absent, rep)
     rep.add(f"built model matches the formula: {'yes' if rep.ok else 'NO'}")
-    _hf_differences(cfg, built, rep)
+    _hf_differences(cfg, built, absent, rep)
     if matches_reference_shapes(cfg):
-        _reconciliation(cfg, b, rep)
+        _reconciliation(cfg, b, absent, rep)
     rep.add(f"total_params={b.total} active_params={b.active}")
     return rep
 

@@ -1,0 +1,155 @@
+"""DeepSeek Sparse Attention as GLM-5 uses it: lightning indexer + attention over top-k keys.
+
+Per query t and earlier key s (``../shared/glm5_reference.md`` section 2, and HF transformers'
+``GlmMoeDsaIndexer``, whose conventions we follow so weights import unchanged):
+
+    q[t,h] = wq_b(qr[t])                       indexer query from the normed MLA query latent
+    k[s]   = LayerNorm(wk(x[s]))               one key shared by all indexer heads
+    RoPE on the first ``qk_rope_head_dim`` dims of q and k, interleaved pairs (GLM-5)
+    w[t,h] = weights_proj(x[t])[h] * H^-0.5
+    I[t,s] = sum_h w[t,h] * ReLU(q[t,h] . k[s] * D^-0.5),   causal, then top-k (deterministic)
+
+The main MLA attention then attends only to the selected keys. megatron-core's experimental
+``dsa.py`` is not used: no spec builder reaches it without Transformer Engine, its reference
+attention materialises dense [b, h, s, s] scores, and its Hadamard rotation needs CUDA.
+
+Tensor parallelism: indexer weights are replicated on every TP rank and each rank computes the
+same selection on the full sequence (gathered under sequence parallelism), so the selection is
+identical across ranks and each rank attends with its own heads. The indexer's gradient comes
+from the indexer KL loss (a later stage); top-k itself passes no gradient.
+
+Shape legend: B batch, S sequence, T query chunk, K top-k, N attention heads (this rank),
+Hi / Di indexer heads / head width, D head widths.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from glm5_train.layers import MLACoreAttention
+
+# Query rows per indexer / sparse-attention chunk: bounds the [B, T, Hi, S] score and the
+# [B, N, T, K, D] gathered keys instead of materialising them for the whole sequence.
+QUERY_CHUNK = 1024
+
+
+def interleaved_rope(x_BSHD: torch.Tensor, positions_S: torch.Tensor, rope_dim: int,
+                     theta: float) -> torch.Tensor:
+    """RoPE on the first ``rope_dim`` dims of the last axis, pairs (x0,x1),(x2,x3) rotated
+    together; rotated dims come out de-interleaved (evens then odds), as in HF's GLM-5 code —
+    dot products are unaffected because q and k get the same layout."""
+    rot, rest = x_BSHD[..., :rope_dim], x_BSHD[..., rope_dim:]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    angles_SF = positions_S.float()[:, None] * inv_freq[None, :]
+    cos = angles_SF.cos()[None, :, None, :].to(x_BSHD.dtype)
+    sin = angles_SF.sin()[None, :, None, :].to(x_BSHD.dtype)
+    even, odd = rot[..., 0::2], rot[..., 1::2]
+    rotated = torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+    return torch.cat([rotated, rest], dim=-1)
+
+
+class DSAIndexer(torch.nn.Module):
+    """The lightning indexer. Parameter names match HF's ``self_attn.indexer.*``."""
+
+    def __init__(self, config: TransformerConfig, n_heads: int, head_dim: int, topk: int,
+                 rope_dim: int, rope_theta: float) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = n_heads, head_dim, topk
+        self.rope_dim, self.rope_theta = rope_dim, rope_theta
+        dtype = config.params_dtype
+        self.wq_b = torch.nn.Linear(config.q_lora_rank, n_heads * head_dim, bias=False, dtype=dtype)
+        self.wk = torch.nn.Linear(config.hidden_size, head_dim, bias=False, dtype=dtype)
+        self.k_norm = torch.nn.LayerNorm(head_dim, eps=1e-6, dtype=dtype)
+        self.weights_proj = torch.nn.Linear(config.hidden_size, n_heads, bias=False, dtype=dtype)
+
+    def scores(self, x_BSH: torch.Tensor, qr_BSQ: torch.Tensor,
+               allowed_BSS: torch.Tensor | None = None) -> torch.Tensor:
+        """Index scores I [B, S, S] in fp32, -inf where causality or ``allowed`` forbids."""
+        batch, seq, _ = x_BSH.shape
+        positions = torch.arange(seq, device=x_BSH.device)
+        q_BSHD = self.wq_b(qr_BSQ).view(batch, seq, self.n_heads, self.head_dim)
+        q_BSHD = interleaved_rope(q_BSHD, positions, self.rope_dim, self.rope_theta)
+        k_BSD = self.k_norm(self.wk(x_BSH)).unsqueeze(2)
+        k_BSD = interleaved_rope(k_BSD, positions, self.rope_dim, self.rope_theta).squeeze(2)
+        w_BSH = self.weights_proj(x_BSH).float() * self.n_heads ** -0.5
+        scale = self.head_dim ** -0.5
+        chunks = []
+        for start in range(0, seq, QUERY_CHUNK):
+            q_BTHD = q_BSHD[:, start:start + QUERY_CHUNK].float()
+            logits_BTHS = torch.einsum("bthd,bsd->bths", q_BTHD, k_BSD.float()) * scale
+            chunks.append(torch.einsum("bth,bths->bts", w_BSH[:, start:start + QUERY_CHUNK],
+                                       F.relu(logits_BTHS)))
+        index_BSS = torch.cat(chunks, dim=1)
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=x_BSH.device).tril()
+        allowed = causal if allowed_BSS is None else allowed_BSS & causal
+        return index_BSS.masked_fill(~allowed, float("-inf"))
+
+    def select(self, index_BSS: torch.Tensor) -> torch.Tensor:
+        """Deterministic top-k key indices [B, S, K], K = min(index_topk, S)."""
+        return index_BSS.topk(min(self.topk, index_BSS.shape[-1]), dim=-1).indices
+
+
+class DSACoreAttention(MLACoreAttention):
+    """MLA core attention restricted to the indexer's top-k keys per query."""
+
+    def __init__(self, config: TransformerConfig, *args, dsa_n_heads: int, dsa_head_dim: int,
+                 dsa_topk: int, rope_theta: float, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.indexer = DSAIndexer(config, dsa_n_heads, dsa_head_dim, dsa_topk,
+                                  config.qk_pos_emb_head_dim, rope_theta)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, attn_mask_type=None,
+                packed_seq_params=None, x: torch.Tensor | None = None,
+                qr: torch.Tensor | None = None, **_: object) -> torch.Tensor:
+        if packed_seq_params is not None:
+            raise NotImplementedError("THD packed sequences need Transformer Engine attention")
+        seq = query.shape[0]
+        if self.indexer.topk >= seq:
+            # Every causal key is selected: sparse attention is exactly dense causal attention.
+            return super().forward(query, key, value, attention_mask)
+        allowed_BSS = None if attention_mask is None else ~attention_mask[:, 0]
+        with torch.no_grad():
+            index_BSS = self.indexer.scores(*self._indexer_inputs(x, qr), allowed_BSS)
+            topk_BSK = self.indexer.select(index_BSS)
+            valid_BSK = index_BSS.gather(-1, topk_BSK) > float("-inf")
+        return sparse_attention(query, key, value, topk_BSK, valid_BSK, self.softmax_scale)
+
+    def _indexer_inputs(self, x: torch.Tensor, qr: torch.Tensor):
+        """[S(/TP), B, *] inputs -> full-sequence [B, S, *] on every TP rank."""
+        if self.config.sequence_parallel:
+            from megatron.core.tensor_parallel.mappings import (
+                gather_from_sequence_parallel_region)
+
+            # Replicated computation: the backward must split, not sum, the gradient.
+            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
+            qr = gather_from_sequence_parallel_region(qr, tensor_parallel_output_grad=False)
+        return x.transpose(0, 1), qr.transpose(0, 1)
+
+
+def sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     topk_BSK: torch.Tensor, valid_BSK: torch.Tensor,
+                     softmax_scale: float) -> torch.Tensor:
+    """Softmax attention of each query over its own K keys only: O(S K) work, not O(S^2).
+
+    ``query``/``key`` [S, B, N, Dqk], ``value`` [S, B, N, Dv]; returns [S, B, N * Dv].
+    """
+    seq, batch, heads, _ = query.shape
+    k_BSND, v_BSND = key.transpose(0, 1), value.transpose(0, 1)
+    batch_idx = torch.arange(batch, device=query.device)[:, None, None]
+    outs = []
+    for start in range(0, seq, QUERY_CHUNK):
+        idx_BTK = topk_BSK[:, start:start + QUERY_CHUNK]
+        q_BTND = query[start:start + QUERY_CHUNK].transpose(0, 1)
+        k_BTKND = k_BSND[batch_idx, idx_BTK]
+        v_BTKND = v_BSND[batch_idx, idx_BTK]
+        logits_BTNK = torch.einsum("btnd,btknd->btnk", q_BTND.float(), k_BTKND.float())
+        logits_BTNK = logits_BTNK * softmax_scale
+        mask_BT1K = ~valid_BSK[:, start:start + QUERY_CHUNK, None, :]
+        probs_BTNK = logits_BTNK.masked_fill(mask_BT1K, float("-inf")).softmax(-1)
+        out_BTND = torch.einsum("btnk,btknd->btnd", probs_BTNK.to(value.dtype), v_BTKND)
+        outs.append(out_BTND)
+    out_BSND = torch.cat(outs, dim=1)
+    return out_BSND.transpose(0, 1).reshape(seq, batch, -1)
