@@ -105,12 +105,15 @@ def test_744b_component_breakdown(big):
     assert "[16384, 2048]" in rows["q_up"] and "78" in rows["q_up"].split()
     assert "[28672, 512]" in rows["kv_up"]
     assert "256 x ([4096, 6144] + [6144, 2048])" in rows["routed_experts"]
+    assert "[4096, 2048] + [128, 6144] + [128] + [128] + [32, 6144]" in rows["indexer"]
     assert "expert_bias: 75 x 256 = 19,200" in big.stdout
 
 
-def test_tiny_has_no_reconciliation_but_reports_missing(tiny):
+def test_tiny_has_no_reconciliation_but_reports_missing(tiny, tool):
     assert "reconciliation" not in tiny.stdout
-    assert missing(tiny)["indexer"] > 0
+    cfg = tool.GLM5Config.from_dict(_tiny_dict())
+    assert missing(tiny)["mtp"] == tool.mtp_params(cfg) > 0
+    assert missing(tiny)["expert_bias"] == 3 * 8
 
 
 # ------------------------------------------------- meta count == a model really built on CPU
@@ -217,4 +220,45 @@ def test_reference_shapes_detects_a_changed_shape(tool):
 
 def test_unknown_parameter_name_is_reported(tool):
     with pytest.raises(ValueError, match="fits no component"):
-        tool._classify("self_attention.core_attention.indexer.wk.weight", tool.LAYER_RULES)
+        tool._classify("self_attention.core_attention.new_module.weight", tool.LAYER_RULES)
+    with pytest.raises(ValueError, match="fits no component"):
+        tool._classify("mtp.layers.0.eh_proj.weight", tool.TOP_RULES)
+    assert tool._classify("self_attention.core_attention.indexer.wk.weight",
+                          tool.LAYER_RULES) == "indexer"
+
+
+# ----------------------------------------------- the report on synthetic counts (no model build)
+
+
+def _synthetic_built(tool, cfg, absent=frozenset(), drop_layer=None):
+    """Counts as a model matching the formula would give, less ``absent`` components."""
+    built = tool.Built(top={t.key: t.count for t in tool.top_terms(cfg)})
+    for i, moe in enumerate(cfg.moe_layer_pattern):
+        if i != drop_layer:
+            built.layers[i] = {t.key: t.count for t in tool.layer_terms(cfg, bool(moe), absent)}
+    n_moe = sum(cfg.moe_layer_pattern)
+    built.buffers["decoder.layers.<i>.mlp.router.expert_bias"] = (n_moe,
+                                                                  n_moe * cfg.n_routed_experts)
+    return built
+
+
+@pytest.mark.parametrize("absent", [frozenset(), frozenset({"indexer"})])
+def test_report_reconciles_with_or_without_the_indexer(tool, absent):
+    """The DSA indexer may or may not be built yet: both must reconcile with the release."""
+    cfg = tool.GLM5Config()
+    rep = tool.build_report(cfg, _synthetic_built(tool, cfg, absent), ["header"])
+    text = "\n".join(rep.lines)
+    assert rep.ok, text
+    total, active = map(int, LAST_LINE.fullmatch(rep.lines[-1]).groups())
+    extra = missing(subprocess.CompletedProcess([], 0, stdout=text))
+    assert extra["indexer"] == (731_008_512 if absent else 0)
+    assert total + extra["indexer"] + extra["expert_bias"] == HF_MAIN
+    assert active + extra["indexer"] + extra["expert_bias"] == HF_ACTIVE
+    assert ("not built: missing vs HF" in text) == bool(absent)
+
+
+def test_report_flags_a_missing_layer(tool):
+    cfg = tool.GLM5Config.from_dict(_tiny_dict())
+    rep = tool.build_report(cfg, _synthetic_built(tool, cfg, drop_layer=2), ["header"])
+    assert not rep.ok
+    assert "MISMATCH in layers [2]" in "\n".join(rep.lines)

@@ -368,13 +368,9 @@ def test_ep2_job_trains_over_gloo_all_to_all(tmp_path):
         assert math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]), record
 
 
-# ------------------------------------------------------------------ known device.py defect
+# ------------------------------------------------------------ Tensor.type under a mode
 
 @CPU_ONLY
-@pytest.mark.xfail(strict=True, reason=(
-    "device._tensor_type renames twice when a TorchFunctionMode is active (torch re-dispatches "
-    "the C Tensor.type to the redirect itself): 'torch.cuda.cuda.FloatTensor'. Fix it in "
-    "parallel/device.py, then drop this mark."))
 def test_tensor_type_under_a_torch_function_mode(list_report):
     """Tensor.type() must name the same type with a TorchFunctionMode active (torch's own
     ``with torch.device(...)`` context is one)."""

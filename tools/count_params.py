@@ -436,7 +436,7 @@ NORM_KEYS = ("input_norm", "pre_mlp_norm")
 MLP_KEYS = ("dense_mlp", "router", "routed_experts", "shared_expert")
 SECTIONS = (("attention (MLA)", ATTENTION_KEYS), ("DSA", ("indexer",)), ("layer norms", NORM_KEYS),
             ("MLP / MoE", MLP_KEYS))
-ROW = "{:<17}{:<30}{:<34}{:>16}{:>7}{:>19}{:>19}  {}"
+ROW = "{:<17}{:<30}{:<%d}{:>16}{:>7}{:>19}{:>19}  {}"  # %d: the widest shape text + 2
 
 
 def _n(value: int) -> str:
@@ -465,11 +465,13 @@ class Report:
 def _component_rows(cfg: GLM5Config, built: Built, absent: frozenset[str], rep: Report) -> None:
     pattern = cfg.moe_layer_pattern
     per_kind = {moe: {t.key: t for t in layer_terms(cfg, bool(moe))} for moe in (0, 1)}
-    rep.add(ROW.format("component", "megatron module", "shape (megatron layout)", "per layer",
+    terms = top_terms(cfg) + [t for kind in per_kind.values() for t in kind.values()]
+    row = ROW % (max(len(t.shape_text) for t in terms) + 2)
+    rep.add(row.format("component", "megatron module", "shape (megatron layout)", "per layer",
                        "layers", "built", "formula", "match"))
     for term in top_terms(cfg):
         b = built.top.get(term.key, 0)
-        rep.add(ROW.format(term.key, term.module, term.shape_text or "(tied)", "", "", _n(b),
+        rep.add(row.format(term.key, term.module, term.shape_text or "(tied)", "", "", _n(b),
                            _n(term.count), rep.check(b, term.count)))
     for title, keys in SECTIONS:
         rep.add(f"-- {title}")
@@ -481,7 +483,7 @@ def _component_rows(cfg: GLM5Config, built: Built, absent: frozenset[str], rep: 
             b = sum(built.layers.get(i, {}).get(key, 0) for i in layers)
             f = sum(per_kind[pattern[i]][key].count for i in layers)
             status = "not built: missing vs HF" if key in absent else rep.check(b, f)
-            rep.add(ROW.format("  " + key, term.module, term.shape_text, _n(term.count),
+            rep.add(row.format("  " + key, term.module, term.shape_text, _n(term.count),
                                len(layers), _n(b), _n(f), status))
 
 

@@ -1,0 +1,48 @@
+"""Forward-only logits through megatron-core's pipeline schedules, in any layout.
+
+Used to check the model against outside implementations (HF transformers) and by tools.
+The returned logits are the full vocabulary (gathered over TP) in fp32.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+
+def _store_logits(output_BSV: torch.Tensor):
+    # Logits come out [B, S, V/TP] with the vocab split over TP ranks.
+    full = gather_from_tensor_model_parallel_region(output_BSV).float()
+    return torch.zeros(()), torch.ones((), dtype=torch.int), {"logits": full.detach()}
+
+
+def _forward_step(data_iterator, model):
+    tokens = next(data_iterator)
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    output = model(tokens, positions, None)
+    return output, _store_logits
+
+
+def compute_logits(chunks: list, tokens_BS: torch.Tensor) -> torch.Tensor | None:
+    """Logits [B, S, V] for ``tokens_BS`` (one micro-batch) on last-stage ranks, else None."""
+    for chunk in chunks:
+        chunk.eval()
+    iterators = [iter([tokens_BS]) for _ in chunks]
+    schedule = get_forward_backward_func()
+    with torch.no_grad():
+        stored = schedule(
+            forward_step_func=_forward_step,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=1,
+            seq_length=tokens_BS.shape[1],
+            micro_batch_size=tokens_BS.shape[0],
+            forward_only=True,
+        )
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    return stored[0]["logits"]
