@@ -67,7 +67,7 @@ class GLM5Config:
 
     def validate(self) -> None:
         """Raise ValueError naming the field, the rule and the fix for an impossible config."""
-        for check in (_check_dense_prefix, _check_routing, _check_attention):
+        for check in (_check_types, _check_dense_prefix, _check_routing, _check_attention):
             check(self)
 
     @classmethod
@@ -84,6 +84,26 @@ class GLM5Config:
         """1 for an MoE layer, 0 for a dense layer, per decoder layer."""
         k = self.first_k_dense_replace
         return [0] * k + [1] * (self.num_hidden_layers - k)
+
+
+# Fields that may be null (HF: a model without a query latent has q_lora_rank null).
+NULLABLE_FIELDS = frozenset({"q_lora_rank"})
+
+
+def _check_types(cfg: GLM5Config) -> None:
+    """Hydra passes a mistyped override (model.hidden_size=abc) through as a string: stop it
+    here, before it fails deep inside megatron-core."""
+    defaults = GLM5Config()
+    for f in dataclasses.fields(cfg):
+        value, want = getattr(cfg, f.name), type(getattr(defaults, f.name))
+        if value is None and f.name in NULLABLE_FIELDS:
+            continue
+        ok = isinstance(value, want) and (want is bool or not isinstance(value, bool))
+        if want is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok:
+            raise ValueError(f"model.{f.name}={value!r}: expected type {want.__name__} like the "
+                             f"default {getattr(defaults, f.name)!r}")
 
 
 def _check_dense_prefix(cfg: GLM5Config) -> None:

@@ -30,9 +30,15 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from glm5_train.layers import MLACoreAttention
 
-# Query rows per indexer / sparse-attention chunk: bounds the [B, T, Hi, S] score and the
-# [B, N, T, K, D] gathered keys instead of materialising them for the whole sequence.
-QUERY_CHUNK = 1024
+# Working-set budget (elements) for one query chunk: bounds the indexer's [B, T, Hi, S] scores
+# and the sparse attention's gathered [B, T, K, N, D] keys and values instead of materialising
+# them for the whole sequence (at 202K tokens either would be hundreds of GB).
+CHUNK_ELEMENTS = 1 << 25
+
+
+def query_chunk(per_row_elements: int) -> int:
+    """Query rows per chunk so that a chunk holds about CHUNK_ELEMENTS elements."""
+    return max(1, CHUNK_ELEMENTS // max(1, per_row_elements))
 
 
 def interleaved_rope(x_BSHD: torch.Tensor, positions_S: torch.Tensor, rope_dim: int,
@@ -75,11 +81,12 @@ class DSAIndexer(torch.nn.Module):
         k_BSD = interleaved_rope(k_BSD, positions, self.rope_dim, self.rope_theta).squeeze(2)
         w_BSH = self.weights_proj(x_BSH).float() * self.n_heads ** -0.5
         scale = self.head_dim ** -0.5
+        rows = query_chunk(batch * self.n_heads * seq)
         chunks = []
-        for start in range(0, seq, QUERY_CHUNK):
-            q_BTHD = q_BSHD[:, start:start + QUERY_CHUNK].float()
+        for start in range(0, seq, rows):
+            q_BTHD = q_BSHD[:, start:start + rows].float()
             logits_BTHS = torch.einsum("bthd,bsd->bths", q_BTHD, k_BSD.float()) * scale
-            chunks.append(torch.einsum("bth,bths->bts", w_BSH[:, start:start + QUERY_CHUNK],
+            chunks.append(torch.einsum("bth,bths->bts", w_BSH[:, start:start + rows],
                                        F.relu(logits_BTHS)))
         index_BSS = torch.cat(chunks, dim=1)
         causal = torch.ones(seq, seq, dtype=torch.bool, device=x_BSH.device).tril()
@@ -139,15 +146,16 @@ def sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     seq, batch, heads, _ = query.shape
     k_BSND, v_BSND = key.transpose(0, 1), value.transpose(0, 1)
     batch_idx = torch.arange(batch, device=query.device)[:, None, None]
+    rows = query_chunk(batch * topk_BSK.shape[-1] * heads * (key.shape[-1] + value.shape[-1]))
     outs = []
-    for start in range(0, seq, QUERY_CHUNK):
-        idx_BTK = topk_BSK[:, start:start + QUERY_CHUNK]
-        q_BTND = query[start:start + QUERY_CHUNK].transpose(0, 1)
+    for start in range(0, seq, rows):
+        idx_BTK = topk_BSK[:, start:start + rows]
+        q_BTND = query[start:start + rows].transpose(0, 1)
         k_BTKND = k_BSND[batch_idx, idx_BTK]
         v_BTKND = v_BSND[batch_idx, idx_BTK]
         logits_BTNK = torch.einsum("btnd,btknd->btnk", q_BTND.float(), k_BTKND.float())
         logits_BTNK = logits_BTNK * softmax_scale
-        mask_BT1K = ~valid_BSK[:, start:start + QUERY_CHUNK, None, :]
+        mask_BT1K = ~valid_BSK[:, start:start + rows, None, :]
         probs_BTNK = logits_BTNK.masked_fill(mask_BT1K, float("-inf")).softmax(-1)
         out_BTND = torch.einsum("btnk,btknd->btnd", probs_BTNK.to(value.dtype), v_BTKND)
         outs.append(out_BTND)

@@ -40,6 +40,16 @@ class RMSNorm(torch.nn.Module):
         return (x32 * self.weight.float()).to(x.dtype)
 
 
+class LatentRMSNorm(RMSNorm):
+    """RMSNorm of MLA's query / key-value latents: GLM-5 uses eps 1e-6 there, while megatron-core
+    passes every norm the model-wide ``rms_norm_eps`` (1e-5)."""
+
+    EPS = 1e-6
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__(config, hidden_size, eps=self.EPS)
+
+
 class MLACoreAttention(MegatronModule):
     """Causal softmax attention for MLA, where keys/queries and values have different widths.
 

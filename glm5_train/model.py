@@ -21,7 +21,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from glm5_train.config import GLM5Config
 from glm5_train.dsa import DSACoreAttention
-from glm5_train.layers import MLADownProjection, RMSNorm
+from glm5_train.layers import LatentRMSNorm, MLADownProjection, RMSNorm
 
 
 def transformer_engine_available() -> bool:
@@ -61,8 +61,8 @@ def _localize_layer(layer: ModuleSpec) -> ModuleSpec:
     attn = sub.self_attention.submodules
     attn.linear_q_down_proj = MLADownProjection
     attn.linear_kv_down_proj = MLADownProjection
-    attn.q_layernorm = RMSNorm
-    attn.kv_layernorm = RMSNorm
+    attn.q_layernorm = LatentRMSNorm
+    attn.kv_layernorm = LatentRMSNorm
     return layer
 
 

@@ -352,28 +352,8 @@ def compose_model_config(overrides: list[str]) -> GLM5Config:
         tree = compose(config_name="config", overrides=overrides)
     # Only the model node: checkpoint.save interpolates ${hydra:...}, unset outside a Hydra run.
     cfg = GLM5Config.from_dict(OmegaConf.to_container(tree.model, resolve=True))
-    check_field_types(cfg)
-    cfg.validate()
+    cfg.validate()  # includes the field-type check
     return cfg
-
-
-NULLABLE_FIELDS = frozenset({"q_lora_rank"})  # HF null: a full-rank query projection
-
-
-def check_field_types(cfg: GLM5Config) -> None:
-    """Hydra passes a mistyped override (model.hidden_size=abc) through as a string: stop it
-    here, before it fails deep inside megatron-core."""
-    defaults = GLM5Config()
-    for f in dataclasses.fields(cfg):
-        value, want = getattr(cfg, f.name), type(getattr(defaults, f.name))
-        if value is None and f.name in NULLABLE_FIELDS:
-            continue
-        ok = isinstance(value, want) and (want is bool or not isinstance(value, bool))
-        if want is float:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not ok:
-            raise ValueError(f"model.{f.name}={value!r}: expected type {want.__name__} like the "
-                             f"default {getattr(defaults, f.name)!r}")
 
 
 def _free_port() -> int:
