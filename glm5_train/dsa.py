@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from glm5_train.layers import MLACoreAttention
@@ -142,22 +143,41 @@ def sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """Softmax attention of each query over its own K keys only: O(S K) work, not O(S^2).
 
     ``query``/``key`` [S, B, N, Dqk], ``value`` [S, B, N, Dv]; returns [S, B, N * Dv].
+    Query chunks are recomputed in backward (activation checkpointing): autograd would otherwise
+    keep every chunk's gathered [B, T, K, N, D] keys and values, S x K x N x D in all.
     """
     seq, batch, heads, _ = query.shape
-    k_BSND, v_BSND = key.transpose(0, 1), value.transpose(0, 1)
-    batch_idx = torch.arange(batch, device=query.device)[:, None, None]
     rows = query_chunk(batch * topk_BSK.shape[-1] * heads * (key.shape[-1] + value.shape[-1]))
+    # Rows of one (batch, head) pair are contiguous so a flat index_select gathers keys/values
+    # (its backward is an index_add, far cheaper on CPU than advanced-indexing scatter).
+    k_RD = key.permute(1, 2, 0, 3).reshape(-1, key.shape[-1])
+    v_RD = value.permute(1, 2, 0, 3).reshape(-1, value.shape[-1])
+    base_BN11 = (torch.arange(batch * heads, device=query.device) * seq).view(batch, heads, 1, 1)
     outs = []
     for start in range(0, seq, rows):
-        idx_BTK = topk_BSK[:, start:start + rows]
-        q_BTND = query[start:start + rows].transpose(0, 1)
-        k_BTKND = k_BSND[batch_idx, idx_BTK]
-        v_BTKND = v_BSND[batch_idx, idx_BTK]
-        logits_BTNK = torch.einsum("btnd,btknd->btnk", q_BTND.float(), k_BTKND.float())
-        logits_BTNK = logits_BTNK * softmax_scale
-        mask_BT1K = ~valid_BSK[:, start:start + rows, None, :]
-        probs_BTNK = logits_BTNK.masked_fill(mask_BT1K, float("-inf")).softmax(-1)
-        out_BTND = torch.einsum("btnk,btknd->btnd", probs_BTNK.to(value.dtype), v_BTKND)
-        outs.append(out_BTND)
-    out_BSND = torch.cat(outs, dim=1)
-    return out_BSND.transpose(0, 1).reshape(seq, batch, -1)
+        args = (query[start:start + rows], k_RD, v_RD, base_BN11, topk_BSK[:, start:start + rows],
+                valid_BSK[:, start:start + rows], softmax_scale)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+            outs.append(checkpoint(_sparse_chunk, *args, use_reentrant=False))
+        else:
+            outs.append(_sparse_chunk(*args))
+    out_BNSD = torch.cat(outs, dim=2)
+    return out_BNSD.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+def _sparse_chunk(q_TBND: torch.Tensor, k_RD: torch.Tensor, v_RD: torch.Tensor,
+                  base_BN11: torch.Tensor, idx_BTK: torch.Tensor, valid_BTK: torch.Tensor,
+                  softmax_scale: float) -> torch.Tensor:
+    """Attention of T queries over their selected keys; returns [B, N, T, Dv].
+
+    ``k_RD``/``v_RD`` hold all keys/values as rows ordered (batch, head, position)."""
+    batch, heads = base_BN11.shape[:2]
+    tokens, topk = idx_BTK.shape[1], idx_BTK.shape[2]
+    rows_BNTK = base_BN11 + idx_BTK[:, None]
+    k_BNTKD = k_RD.index_select(0, rows_BNTK.reshape(-1)).view(batch, heads, tokens, topk, -1)
+    v_BNTKD = v_RD.index_select(0, rows_BNTK.reshape(-1)).view(batch, heads, tokens, topk, -1)
+    q_BNT1D = q_TBND.permute(1, 2, 0, 3).unsqueeze(3)
+    logits_BNT1K = torch.matmul(q_BNT1D.float(), k_BNTKD.float().transpose(-1, -2))
+    mask_B1T1K = ~valid_BTK[:, None, :, None, :]
+    logits_BNT1K = (logits_BNT1K * softmax_scale).masked_fill(mask_B1T1K, float("-inf"))
+    probs_BNT1K = logits_BNT1K.softmax(-1).to(v_RD.dtype)
+    return torch.matmul(probs_BNT1K, v_BNTKD).squeeze(3)

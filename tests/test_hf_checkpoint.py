@@ -1,0 +1,342 @@
+"""Hugging Face import/export (tools/hf_checkpoint.py, glm5_train/hf_mapping.py).
+
+A tiny random ``GlmMoeDsaForCausalLM`` (the glm5_tiny shapes) is saved with transformers, every
+tensor randomised (norms, biases and ``e_score_correction_bias`` included: HF initialises those
+to constants, which would hide a swapped mapping). It is imported under torchrun in one process
+and in TP2 x PP2 x VPP2 x EP2, each import exported in the *other* layout, and every tensor must
+come back bit-identical under the same name. Config mismatches and unsupported HF features are
+refused naming the field; MTP-layer tensors are skipped and reported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from safetensors.torch import load_file, save_file
+
+from glm5_train import hf_mapping
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(REPO, "tools", "hf_checkpoint.py")
+FOUR_RANKS = "tp2_pp2_vpp2_ep2"
+
+# Mirrors configs/model/glm5_tiny.yaml (HF field names).
+TINY_HF = {
+    "vocab_size": 320, "hidden_size": 128, "num_hidden_layers": 4, "first_k_dense_replace": 1,
+    "intermediate_size": 256, "moe_intermediate_size": 64, "n_routed_experts": 8,
+    "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+    "norm_topk_prob": True, "routed_scaling_factor": 2.5, "num_attention_heads": 4,
+    "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 32, "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16, "v_head_dim": 32, "index_n_heads": 4, "index_head_dim": 32,
+    "index_topk": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+    "num_nextn_predict_layers": 0, "tie_word_embeddings": False, "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc", "rope_interleave": True, "indexer_rope_interleave": True}
+
+# MTP-layer tensors (model.layers.<num_hidden_layers>.*) added to a copy of the checkpoint.
+MTP_TENSORS = {
+    "model.layers.4.eh_proj.weight": (128, 256),
+    "model.layers.4.enorm.weight": (128,),
+    "model.layers.4.hnorm.weight": (128,),
+    "model.layers.4.shared_head.norm.weight": (128,),
+    "model.layers.4.self_attn.q_a_proj.weight": (64, 128),
+    "model.layers.4.mlp.experts.0.gate_proj.weight": (64, 128),
+}
+
+
+def run_tool(nprocs: int, *args: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nprocs}", TOOL, *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+                             f"{(proc.stdout + proc.stderr)[-6000:]}")
+    return proc
+
+
+def layout_args(nprocs: int) -> list[str]:
+    return ["model=glm5_tiny", f"parallel={'single' if nprocs == 1 else FOUR_RANKS}"]
+
+
+def read_hf_dir(path) -> dict:
+    tensors = {}
+    for fname in sorted(os.listdir(path)):
+        if fname.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(path, fname)))
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """The tiny random HF model, saved once per module."""
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    torch.manual_seed(0)
+    model = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**TINY_HF)).float()
+    generator = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for tensor in model.state_dict().values():  # parameters and persistent buffers
+            tensor.copy_(torch.randn(tensor.shape, generator=generator))
+    path = tmp_path_factory.mktemp("hf") / "tiny"
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_dir_with_mtp(hf_dir, tmp_path_factory):
+    """The same checkpoint plus an MTP layer in its own file, indexed, num_nextn 1."""
+    path = tmp_path_factory.mktemp("hf_mtp") / "tiny"
+    shutil.copytree(hf_dir, path)
+    generator = torch.Generator().manual_seed(7)
+    save_file({name: torch.randn(shape, generator=generator)
+               for name, shape in MTP_TENSORS.items()}, str(path / "mtp.safetensors"))
+    weight_map = {name: "model.safetensors" for name in read_hf_dir(hf_dir)}
+    weight_map.update({name: "mtp.safetensors" for name in MTP_TENSORS})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    config = json.loads((path / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def imports(hf_dir, hf_dir_with_mtp, tmp_path_factory):
+    """Imported checkpoints per process count: (checkpoint dir, tool output). The 1-process
+    import reads the copy with the MTP layer."""
+    root = tmp_path_factory.mktemp("imports")
+    out = {}
+    for nprocs, source in ((1, hf_dir_with_mtp), (4, hf_dir)):
+        ckpt = root / f"ckpt{nprocs}"
+        proc = run_tool(nprocs, "import", "--hf-dir", str(source), "--save", str(ckpt),
+                        *layout_args(nprocs))
+        out[nprocs] = (ckpt, proc.stdout + proc.stderr)
+    return out
+
+
+@pytest.mark.parametrize("import_procs,export_procs", [(1, 4), (4, 1)])
+def test_round_trip_is_bit_exact_across_layouts(hf_dir, imports, tmp_path, import_procs,
+                                                export_procs):
+    ckpt, _ = imports[import_procs]
+    out = tmp_path / "exported"
+    run_tool(export_procs, "export", "--load", str(ckpt), "--hf-dir", str(out),
+             *layout_args(export_procs))
+    original, exported = read_hf_dir(hf_dir), read_hf_dir(out)
+    assert set(exported) == set(original)
+    differing = [name for name, tensor in original.items()
+                 if exported[name].dtype != tensor.dtype or not torch.equal(exported[name], tensor)]
+    assert not differing, differing
+    # One shard per decoder layer plus one for embedding / final norm / head, all indexed.
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(original)
+    assert len(set(index["weight_map"].values())) == 5
+    assert index["weight_map"]["model.layers.2.mlp.experts.7.up_proj.weight"] == \
+        "model-00004-of-00005.safetensors"
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["GlmMoeDsaForCausalLM"]
+    assert config["model_type"] == "glm_moe_dsa"
+    assert config["num_nextn_predict_layers"] == 0
+    assert config["indexer_types"] == ["full"] * 4
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e6}
+    assert config["dtype"] == "float32"
+    if import_procs == 4:
+        _check_loads_in_transformers(out, original)
+
+
+def _check_loads_in_transformers(out, original: dict) -> None:
+    """transformers reads the export (fusing the per-expert tensors) into the same weights."""
+    from transformers import GlmMoeDsaForCausalLM
+
+    model = GlmMoeDsaForCausalLM.from_pretrained(out)
+    config = model.config
+    for name, value in TINY_HF.items():
+        if name != "num_nextn_predict_layers":
+            assert getattr(config, name) == value, name
+    state = model.state_dict()
+    assert torch.equal(state["model.layers.3.mlp.gate.e_score_correction_bias"],
+                       original["model.layers.3.mlp.gate.e_score_correction_bias"])
+    gate_up = state["model.layers.1.mlp.experts.gate_up_proj"][5]
+    assert torch.equal(gate_up, torch.cat([original["model.layers.1.mlp.experts.5.gate_proj.weight"],
+                                           original["model.layers.1.mlp.experts.5.up_proj.weight"]]))
+
+
+# Run inside torchrun: load a checkpoint in one process and save the model's logits.
+FORWARD_SCRIPT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from glm5_train.checkpoint import load_checkpoint
+from glm5_train.config import to_mcore_config
+from glm5_train.model import build_model_chunks
+from launch.local import compose_job
+from parallel import device
+from parallel.layout import init_distributed
+
+job = compose_job(["model=glm5_tiny", "parallel=single"])
+device.install()
+init_distributed(job.parallel, 0)
+config = to_mcore_config(job.model, job.parallel.sizes(), torch.float32)
+chunk = build_model_chunks(job.model, config)[0].eval()
+load_checkpoint(sys.argv[2], [chunk], None, None, job.model)
+ids = torch.load(sys.argv[3])
+with torch.no_grad():
+    torch.save(chunk(ids, torch.arange(ids.shape[1])[None], None), sys.argv[4])
+"""
+
+
+def test_imported_model_reproduces_hf_logits(hf_dir, imports, tmp_path):
+    """The mapping is right, not just reversible: the model imported (TP2 x PP2 x VPP2 x EP2)
+    and run in one process gives HF's logits, over more tokens than index_topk so the DSA
+    indexer (k_norm, weights_proj, ...) and the expert-bias routing decide the result."""
+    from transformers import GlmMoeDsaForCausalLM
+
+    ckpt, _ = imports[4]
+    ids = torch.randint(0, TINY_HF["vocab_size"], (1, 48),
+                        generator=torch.Generator().manual_seed(3))
+    torch.save(ids, tmp_path / "ids.pt")
+    (tmp_path / "forward.py").write_text(FORWARD_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+           str(tmp_path / "forward.py"), REPO, str(ckpt), str(tmp_path / "ids.pt"),
+           str(tmp_path / "logits.pt")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    ours = torch.load(tmp_path / "logits.pt")
+    model = GlmMoeDsaForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    with torch.no_grad():
+        reference = model(ids).logits
+    assert ours.shape == reference.shape
+    # fp32, random unit-variance weights: summation order differs by ~1e-5 relative.
+    scale = reference.abs().max().item()
+    assert (ours - reference).abs().max().item() <= 1e-4 * scale
+
+
+def test_mtp_layer_is_skipped_and_reported(imports):
+    _, log = imports[1]
+    assert f"skipped {len(MTP_TENSORS)} MTP tensors (model.layers.4.*" in log, log[-3000:]
+    assert "model.layers.4.eh_proj.weight" in log
+
+
+def test_mismatching_config_is_refused(hf_dir, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = run_tool(1, "import", "--hf-dir", str(hf_dir), "--save", str(ckpt),
+                    *layout_args(1), "model.hidden_size=96", expect_ok=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "HF config.json has hidden_size=128 but the model config has model.hidden_size=96" \
+        in log, log[-3000:]
+    assert not ckpt.exists()
+
+
+# ---- In-process: config and name mapping ----------------------------------------------------
+
+
+def tiny_hf_config(**changes) -> dict:
+    config = dict(TINY_HF, model_type="glm_moe_dsa", architectures=["GlmMoeDsaForCausalLM"])
+    config.update(changes)
+    return config
+
+
+def test_hf_config_maps_onto_glm5_tiny():
+    from launch.local import compose_job
+
+    ours = compose_job(["model=glm5_tiny", "parallel=single"]).model
+    ported = hf_mapping.hf_config_to_glm5(tiny_hf_config())
+    hf_mapping.check_config_matches(ported, ours)
+    assert ported.rope_theta == 1e6 and ported.num_nextn_predict_layers == 0
+    # Older configs: top-level rope_theta, no rope_parameters.
+    old = tiny_hf_config(rope_theta=10000)
+    del old["rope_parameters"]
+    assert hf_mapping.hf_config_to_glm5(old).rope_theta == 10000.0
+    with pytest.raises(ValueError, match="model.q_lora_rank=64"):
+        hf_mapping.check_config_matches(
+            hf_mapping.hf_config_to_glm5(tiny_hf_config(q_lora_rank=48)), ours)
+
+
+@pytest.mark.parametrize("changes,field", [
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_type"),
+    ({"indexer_types": ["full", "shared", "full", "shared"]}, "indexer_types"),
+    ({"index_topk_freq": 2}, "indexer_types"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+    ({"n_group": 4, "topk_group": 2, "num_experts_per_tok": 2}, "n_group"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"mlp_layer_types": ["dense", "dense", "sparse", "sparse"]}, "mlp_layer_types"),
+    ({"model_type": "deepseek_v3"}, "model_type"),
+])
+def test_unsupported_hf_configs_are_refused(changes, field):
+    with pytest.raises(ValueError, match=field):
+        hf_mapping.hf_config_to_glm5(tiny_hf_config(**changes))
+
+
+def test_group_limited_routing_is_accepted_where_it_matches():
+    cfg = hf_mapping.hf_config_to_glm5(tiny_hf_config(n_group=4, topk_group=1))
+    assert cfg.n_group == 4
+
+
+def test_name_mapping_covers_the_hf_model_both_ways(hf_dir):
+    names = set(read_hf_dir(hf_dir))
+    cfg = hf_mapping.hf_config_to_glm5(json.loads((hf_dir / "config.json").read_text()))
+    assert set(hf_mapping.hf_names_for(cfg)) == names
+    for name in names:
+        where = hf_mapping.hf_to_mcore(name)
+        assert where is not None, name
+        assert hf_mapping.mcore_to_hf(where.key, where.index)[where.part] == name
+    assert hf_mapping.hf_to_mcore("model.layers.4.eh_proj.weight") is None
+    assert hf_mapping.mcore_to_hf("decoder.layers.1.mlp.experts.experts.linear_fc1.weight",
+                                  (3,)) == ["model.layers.1.mlp.experts.3.gate_proj.weight",
+                                            "model.layers.1.mlp.experts.3.up_proj.weight"]
+    assert hf_mapping.is_mtp_name("model.layers.4.enorm.weight", 4, 1)
+    assert not hf_mapping.is_mtp_name("model.layers.4.enorm.weight", 4, 0)
+
+
+def test_export_config_reads_back_as_the_same_model():
+    cfg = hf_mapping.hf_config_to_glm5(tiny_hf_config())
+    exported = hf_mapping.glm5_to_hf_config(cfg, torch.bfloat16)
+    assert exported["dtype"] == "bfloat16"
+    hf_mapping.check_config_matches(hf_mapping.hf_config_to_glm5(exported), cfg)
+    from transformers import GlmMoeDsaConfig
+
+    hf = GlmMoeDsaConfig(**{k: v for k, v in exported.items()
+                            if k not in ("architectures", "model_type", "dtype")})
+    assert hf.mlp_layer_types == ["dense", "sparse", "sparse", "sparse"]
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("hf_checkpoint", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_unknown_unused_and_doubly_used_tensors_are_errors():
+    tool = _load_tool()
+    expected = {"a", "b", "c", "model.layers.0.mystery.weight"}
+    rank0 = ({"a": ["x", 6, 6], "b": ["y", 2, 4]}, [], {})
+    rank1 = ({"b": ["y", 2, 4], "c": ["z", 3, 3]}, [], {})
+    rank2 = ({"c": ["w", 0, 3]}, ["e1"], {})
+    problems, _ = tool._check_import([rank0, rank1, rank2], expected)
+    assert problems[0] == "e1"
+    assert any("c is used by several model tensors" in p for p in problems)
+    assert any(p.startswith("1 HF tensor(s) unknown to or unused by the model: "
+                            "model.layers.0.mystery.weight") for p in problems)
+    assert not any(p.startswith("b") for p in problems)  # 2 + 2 of 4 elements: exact
+    problems, _ = tool._check_import([({"a": ["x", 12, 6]}, [], {})], {"a"})
+    assert problems == [("a: the model's shards cover 12 of its 6 elements (each must be used "
+                         "exactly once)")]
