@@ -28,21 +28,24 @@ def _forward_step(data_iterator, model):
 
 
 def compute_logits(chunks: list, tokens_BS: torch.Tensor) -> torch.Tensor | None:
-    """Logits [B, S, V] for ``tokens_BS`` (one micro-batch) on last-stage ranks, else None."""
+    """Logits [B, S, V] for ``tokens_BS`` on last-stage ranks, else None.
+
+    Each sequence is one micro-batch (the interleaved schedule needs at least PP of them)."""
     for chunk in chunks:
         chunk.eval()
-    iterators = [iter([tokens_BS]) for _ in chunks]
+    samples = list(tokens_BS.split(1))
+    iterators = [iter(samples) for _ in chunks]
     schedule = get_forward_backward_func()
     with torch.no_grad():
         stored = schedule(
             forward_step_func=_forward_step,
             data_iterator=iterators if len(chunks) > 1 else iterators[0],
             model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=1,
+            num_microbatches=len(samples),
             seq_length=tokens_BS.shape[1],
-            micro_batch_size=tokens_BS.shape[0],
+            micro_batch_size=1,
             forward_only=True,
         )
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
-    return stored[0]["logits"]
+    return torch.cat([item["logits"] for item in stored])

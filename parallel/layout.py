@@ -87,6 +87,7 @@ def validate_layout(par: ParallelConfig, model: GLM5Config, world_size: int,
     _check_experts(par, model, dp)
     _check_sequence(par, seq_length)
     _check_batch(global_batch_size, micro_batch_size, dp)
+    _check_interleaving(par, global_batch_size // max(1, micro_batch_size * dp))
     return dp
 
 
@@ -180,6 +181,15 @@ def _check_batch(global_batch_size: int, micro_batch_size: int, dp: int) -> None
             f"train.global_batch_size={global_batch_size} must be a multiple of "
             f"train.micro_batch_size x data-parallel size = {micro_batch_size} x {dp}: "
             f"use e.g. global_batch_size={micro_batch_size * dp * max(1, global_batch_size // max(1, micro_batch_size * dp))}")
+
+
+def _check_interleaving(par: ParallelConfig, num_microbatches: int) -> None:
+    pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
+    if vpp and vpp > 1 and num_microbatches < pp:
+        raise LayoutError(
+            f"the interleaved schedule needs at least PP={pp} micro-batches per step, got "
+            f"global_batch_size / (micro_batch_size x data-parallel size) = {num_microbatches}: "
+            "raise train.global_batch_size or lower train.micro_batch_size")
 
 
 def world_from_env() -> tuple[int, int, int]:

@@ -37,7 +37,7 @@ def main(argv: list[str]) -> None:
 
     quiet_megatron()
     tokens = torch.load(args.tokens)
-    job = compose_job([*overrides, f"train.micro_batch_size={tokens.shape[0]}",
+    job = compose_job([*overrides, "train.micro_batch_size=1",
                        f"train.global_batch_size={tokens.shape[0]}",
                        f"train.seq_length={tokens.shape[1]}"])
     device.install()
