@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from glm5_train.dsa_loss import (DSATrainingConfig, KLMeter, dense_indexer_kl,
+                                  sparse_indexer_kl)
 from glm5_train.layers import MLACoreAttention
 
 # Working-set budget (elements) for one query chunk: bounds the indexer's [B, T, Hi, S] scores
@@ -100,13 +101,17 @@ class DSAIndexer(torch.nn.Module):
 
 
 class DSACoreAttention(MLACoreAttention):
-    """MLA core attention restricted to the indexer's top-k keys per query."""
+    """MLA core attention restricted to the indexer's top-k keys per query, plus the indexer's
+    KL loss for the DSA training stages (see ``glm5_train/dsa_loss.py``)."""
 
     def __init__(self, config: TransformerConfig, *args, dsa_n_heads: int, dsa_head_dim: int,
-                 dsa_topk: int, rope_theta: float, **kwargs) -> None:
+                 dsa_topk: int, rope_theta: float, dsa_training: DSATrainingConfig | None = None,
+                 **kwargs) -> None:
         super().__init__(config, *args, **kwargs)
         self.indexer = DSAIndexer(config, dsa_n_heads, dsa_head_dim, dsa_topk,
                                   config.qk_pos_emb_head_dim, rope_theta)
+        self.training_cfg = dsa_training or DSATrainingConfig()
+        self.kl_meter = KLMeter()
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type=None,
@@ -114,16 +119,36 @@ class DSACoreAttention(MLACoreAttention):
                 qr: torch.Tensor | None = None, **_: object) -> torch.Tensor:
         if packed_seq_params is not None:
             raise NotImplementedError("THD packed sequences need Transformer Engine attention")
-        seq = query.shape[0]
-        if self.indexer.topk >= seq:
+        cfg = self.training_cfg
+        with_loss = self.training and torch.is_grad_enabled() and cfg.trains_indexer
+        allowed_BSS = None if attention_mask is None else ~attention_mask[:, 0]
+        if cfg.stage == "dense_warmup":
+            out = super().forward(query, key, value, attention_mask)
+            if with_loss:
+                out = self._attach(out, dense_indexer_kl(self, query, key, x, qr, allowed_BSS))
+            return out
+        if self.indexer.topk >= query.shape[0]:
             # Every causal key is selected: sparse attention is exactly dense causal attention.
             return super().forward(query, key, value, attention_mask)
-        allowed_BSS = None if attention_mask is None else ~attention_mask[:, 0]
         with torch.no_grad():
             index_BSS = self.indexer.scores(*self._indexer_inputs(x, qr), allowed_BSS)
             topk_BSK = self.indexer.select(index_BSS)
             valid_BSK = index_BSS.gather(-1, topk_BSK) > float("-inf")
-        return sparse_attention(query, key, value, topk_BSK, valid_BSK, self.softmax_scale)
+        out, probs_BSK = sparse_attention(query, key, value, topk_BSK, valid_BSK,
+                                          self.softmax_scale, need_probs=with_loss)
+        if with_loss:
+            out = self._attach(out, sparse_indexer_kl(self, x, qr, allowed_BSS, topk_BSK,
+                                                      valid_BSK, probs_BSK))
+        return out
+
+    def _attach(self, out: torch.Tensor, kl: tuple[torch.Tensor, int]) -> torch.Tensor:
+        """Add coeff x (sum of per-query KL) to the backward pass; megatron-core divides all
+        gradients by the global loss-token count, which turns the sum into a mean."""
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        kl_sum, queries = kl
+        self.kl_meter.add(kl_sum.detach(), queries)
+        return MoEAuxLossAutoScaler.apply(out, kl_sum * self.training_cfg.indexer_loss_coeff)
 
     def _indexer_inputs(self, x: torch.Tensor, qr: torch.Tensor):
         """[S(/TP), B, *] inputs -> full-sequence [B, S, *] on every TP rank."""
@@ -138,46 +163,55 @@ class DSACoreAttention(MLACoreAttention):
 
 
 def sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     topk_BSK: torch.Tensor, valid_BSK: torch.Tensor,
-                     softmax_scale: float) -> torch.Tensor:
-    """Softmax attention of each query over its own K keys only: O(S K) work, not O(S^2).
+                     topk_BSK: torch.Tensor, valid_BSK: torch.Tensor, softmax_scale: float,
+                     need_probs: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Softmax attention of each query over its own top-k keys only.
 
-    ``query``/``key`` [S, B, N, Dqk], ``value`` [S, B, N, Dv]; returns [S, B, N * Dv].
-    Query chunks are recomputed in backward (activation checkpointing): autograd would otherwise
-    keep every chunk's gathered [B, T, K, N, D] keys and values, S x K x N x D in all.
+    ``query``/``key`` [S, B, N, Dqk], ``value`` [S, B, N, Dv]; returns the output
+    [S, B, N * Dv] and the attention probabilities summed over this rank's heads [B, S, K]
+    (detached: the indexer loss's target; None unless ``need_probs``).
+
+    Computed as dense attention with every unselected key masked, one query chunk at a time,
+    on SDPA's fused kernels (memory: one chunk's mask, no [B, N, S, S] logits). That is the same
+    math as gathering the K keys per query but runs on dense matmul kernels: a gather moves
+    S x K x N x D elements per pass and measured ~200x slower on CPU at 4K tokens. The O(S K)
+    compute saving of DSA needs a sparse MLA kernel (FlashMLA-style, on the compressed latent);
+    ``bench/dsa_attention.py`` reports both the measured cost and that kernel's FLOP ratio.
     """
     seq, batch, heads, _ = query.shape
-    rows = query_chunk(batch * topk_BSK.shape[-1] * heads * (key.shape[-1] + value.shape[-1]))
-    # Rows of one (batch, head) pair are contiguous so a flat index_select gathers keys/values
-    # (its backward is an index_add, far cheaper on CPU than advanced-indexing scatter).
-    k_RD = key.permute(1, 2, 0, 3).reshape(-1, key.shape[-1])
-    v_RD = value.permute(1, 2, 0, 3).reshape(-1, value.shape[-1])
-    base_BN11 = (torch.arange(batch * heads, device=query.device) * seq).view(batch, heads, 1, 1)
-    outs = []
+    rows = query_chunk(batch * heads * seq)
+    q_BNSD, k_BNSD, v_BNSD = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+    outs, probs = [], []
     for start in range(0, seq, rows):
-        args = (query[start:start + rows], k_RD, v_RD, base_BN11, topk_BSK[:, start:start + rows],
-                valid_BSK[:, start:start + rows], softmax_scale)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-            outs.append(checkpoint(_sparse_chunk, *args, use_reentrant=False))
-        else:
-            outs.append(_sparse_chunk(*args))
+        q_BNTD = q_BNSD[:, :, start:start + rows]
+        idx_BTK, valid_BTK = topk_BSK[:, start:start + rows], valid_BSK[:, start:start + rows]
+        selected_BTS = _selection_mask(idx_BTK, valid_BTK, seq)
+        # SDPA's fused CPU/GPU kernels take the mask and keep memory to one chunk.
+        outs.append(F.scaled_dot_product_attention(q_BNTD, k_BNSD, v_BNSD,
+                                                   attn_mask=selected_BTS[:, None],
+                                                   scale=softmax_scale))
+        if need_probs:
+            with torch.no_grad():
+                probs.append(_picked_probs(q_BNTD, k_BNSD, idx_BTK, valid_BTK, selected_BTS,
+                                           softmax_scale))
     out_BNSD = torch.cat(outs, dim=2)
-    return out_BNSD.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+    picked = torch.cat(probs, dim=1) if need_probs else None
+    return out_BNSD.permute(2, 0, 1, 3).reshape(seq, batch, -1), picked
 
-def _sparse_chunk(q_TBND: torch.Tensor, k_RD: torch.Tensor, v_RD: torch.Tensor,
-                  base_BN11: torch.Tensor, idx_BTK: torch.Tensor, valid_BTK: torch.Tensor,
+
+def _selection_mask(idx_BTK: torch.Tensor, valid_BTK: torch.Tensor, seq: int) -> torch.Tensor:
+    """Boolean [B, T, S], True at each query's selected keys. Invalid picks (top-k ran past
+    the causal keys) go to a dummy column that is dropped."""
+    batch, tokens = idx_BTK.shape[:2]
+    cols_BTK = torch.where(valid_BTK, idx_BTK, torch.full_like(idx_BTK, seq))
+    mask = torch.zeros(batch, tokens, seq + 1, dtype=torch.bool, device=idx_BTK.device)
+    return mask.scatter(-1, cols_BTK, True)[..., :seq]
+
+
+def _picked_probs(q_BNTD: torch.Tensor, k_BNSD: torch.Tensor, idx_BTK: torch.Tensor,
+                  valid_BTK: torch.Tensor, selected_BTS: torch.Tensor,
                   softmax_scale: float) -> torch.Tensor:
-    """Attention of T queries over their selected keys; returns [B, N, T, Dv].
-
-    ``k_RD``/``v_RD`` hold all keys/values as rows ordered (batch, head, position)."""
-    batch, heads = base_BN11.shape[:2]
-    tokens, topk = idx_BTK.shape[1], idx_BTK.shape[2]
-    rows_BNTK = base_BN11 + idx_BTK[:, None]
-    k_BNTKD = k_RD.index_select(0, rows_BNTK.reshape(-1)).view(batch, heads, tokens, topk, -1)
-    v_BNTKD = v_RD.index_select(0, rows_BNTK.reshape(-1)).view(batch, heads, tokens, topk, -1)
-    q_BNT1D = q_TBND.permute(1, 2, 0, 3).unsqueeze(3)
-    logits_BNT1K = torch.matmul(q_BNT1D.float(), k_BNTKD.float().transpose(-1, -2))
-    mask_B1T1K = ~valid_BTK[:, None, :, None, :]
-    logits_BNT1K = (logits_BNT1K * softmax_scale).masked_fill(mask_B1T1K, float("-inf"))
-    probs_BNT1K = logits_BNT1K.softmax(-1).to(v_RD.dtype)
-    return torch.matmul(probs_BNT1K, v_BNTKD).squeeze(3)
+    """Attention probabilities of the selected keys summed over heads, [B, T, K]."""
+    logits_BNTS = torch.matmul(q_BNTD.float(), k_BNSD.float().transpose(-1, -2)) * softmax_scale
+    probs_BNTS = logits_BNTS.masked_fill(~selected_BTS[:, None], float("-inf")).softmax(-1)
+    return probs_BNTS.sum(1).gather(-1, idx_BTK).masked_fill(~valid_BTK, 0.0)

@@ -15,6 +15,7 @@ import torch
 from glm5_train.checkpoint import CheckpointConfig
 from glm5_train.config import GLM5Config
 from glm5_train.data import DataConfig
+from glm5_train.dsa_loss import DSATrainingConfig
 from parallel.layout import ParallelConfig
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -65,6 +66,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dsa: DSATrainingConfig = field(default_factory=DSATrainingConfig)
 
     @classmethod
     def from_hydra(cls, tree: Any) -> "JobConfig":
@@ -78,10 +80,11 @@ class JobConfig:
             train=_build(TrainConfig, "train", plain.pop("train", {})),
             data=_build(DataConfig, "data", plain.pop("data", {})),
             checkpoint=_build(CheckpointConfig, "checkpoint", plain.pop("checkpoint", {})),
+            dsa=_build(DSATrainingConfig, "dsa", plain.pop("dsa", {})),
         )
         if plain:
             raise ValueError(f"unknown config group(s) {sorted(plain)}: known groups are model, "
-                             "parallel, train, data, checkpoint")
+                             "parallel, train, data, checkpoint, dsa")
         job.validate()
         return job
 
@@ -89,6 +92,7 @@ class JobConfig:
         self.model.validate()
         self.train.validate()
         self.data.validate()
+        self.dsa.validate()
         _check_checkpoint(self.checkpoint)
         _check_distributed_optimizer_checkpoint(self.parallel, self.checkpoint)
 

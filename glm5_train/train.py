@@ -11,6 +11,8 @@ import os
 import time
 from dataclasses import dataclass
 
+import torch
+
 from glm5_train.job_config import JobConfig
 from glm5_train.run_dir import register_resolvers
 from parallel import device
@@ -45,7 +47,7 @@ def build_model(job: JobConfig) -> tuple[object, list]:
     from glm5_train.model import build_model_chunks
 
     config = to_mcore_config(job.model, job.parallel.sizes(), job.train.torch_dtype)
-    chunks = build_model_chunks(job.model, config)
+    chunks = build_model_chunks(job.model, config, dsa_training=job.dsa)
     initialize_weights(chunks, job.train.seed, job.model.initializer_range,
                        job.model.num_hidden_layers)
     return config, chunks
@@ -57,8 +59,11 @@ def build_runtime(job: JobConfig) -> Runtime:
     from glm5_train.optim import (attach_schedule_hooks, build_optimizer, build_scheduler,
                                   wrap_ddp)
 
+    from glm5_train.model import apply_dsa_freezing
+
     dataset = _build_dataset(job)
     config, chunks = build_model(job)
+    apply_dsa_freezing(chunks, job.dsa)
     chunks = wrap_ddp(chunks, config, job.parallel.use_distributed_optimizer,
                       job.parallel.overlap_grad_reduce)
     optimizer = build_optimizer(chunks, job.train, job.parallel.use_distributed_optimizer,
@@ -98,9 +103,9 @@ def _iterators(rt: Runtime, consumed_samples: int) -> list:
             for _ in rt.chunks]
 
 
-def train_step(rt: Runtime, iterators: list) -> tuple[float, int, float]:
-    """One optimizer step over a global batch: (loss, loss tokens, grad norm)."""
-    from glm5_train.step import global_loss, run_step
+def train_step(rt: Runtime, iterators: list) -> tuple[float, list]:
+    """One optimizer step over a global batch: (grad norm, last-stage loss reports)."""
+    from glm5_train.step import run_step
 
     t = rt.job.train
     for chunk in rt.chunks:
@@ -112,8 +117,7 @@ def train_step(rt: Runtime, iterators: list) -> tuple[float, int, float]:
     if not ok:
         raise FloatingPointError("optimizer step skipped: non-finite gradients")
     rt.scheduler.step(increment=1)
-    loss, tokens = global_loss(reports)
-    return loss, tokens, float(grad_norm)
+    return float(grad_norm), reports
 
 
 def train(job: JobConfig, run_dir: str) -> list[dict]:
@@ -134,13 +138,14 @@ def train(job: JobConfig, run_dir: str) -> list[dict]:
     records = []
     while state.iteration < job.train.train_iters:
         started = time.perf_counter()
-        loss, tokens, grad_norm = train_step(rt, iterators)
+        grad_norm, reports = train_step(rt, iterators)
         elapsed = time.perf_counter() - started
+        stats = step_statistics(rt, reports)
         state.iteration += 1
         state.consumed_samples += job.train.global_batch_size
         batch_tokens = job.train.global_batch_size * job.train.seq_length
         state.consumed_tokens += batch_tokens
-        record = _record(rt, state, loss, tokens, grad_norm, batch_tokens / elapsed)
+        record = _record(rt, state, stats, grad_norm, batch_tokens / elapsed)
         if state.iteration % job.train.log_interval == 0 or state.iteration == 1:
             record["mem_rss_bytes"], record["mem_peak_bytes"] = gather_memory()
             logger.log(record)
@@ -151,17 +156,37 @@ def train(job: JobConfig, run_dir: str) -> list[dict]:
     return records
 
 
-def _record(rt: Runtime, state, loss: float, tokens: int, grad_norm: float,
-            tokens_per_s: float) -> dict:
+def step_statistics(rt: Runtime, reports: list) -> dict:
+    """The step's global LM loss and loss tokens, and the mean indexer KL (when trained)."""
+    from glm5_train.model import indexer_kl
+    from glm5_train.step import global_loss
+
+    loss, tokens = global_loss(reports)
+    stats = {"loss": loss, "loss_tokens": tokens}
+    if rt.job.dsa.trains_indexer:
+        stats["indexer_kl"] = global_indexer_kl(*indexer_kl(rt.chunks))
+    return stats
+
+
+def global_indexer_kl(kl_sum: float, queries: int) -> float:
+    """Mean KL per (layer, query) over the job. Every TP rank computes the same KL (the
+    indexer is replicated), so the TP replicas cancel in the ratio."""
+    import torch.distributed as dist
+
+    totals = torch.tensor([kl_sum, float(queries)], dtype=torch.float64)
+    dist.all_reduce(totals)
+    return float(totals[0] / totals[1]) if totals[1] > 0 else 0.0
+
+
+def _record(rt: Runtime, state, stats: dict, grad_norm: float, tokens_per_s: float) -> dict:
     return {
         "step": state.iteration,
-        "loss": loss,
+        **stats,
         "grad_norm": grad_norm,
         "lr": rt.optimizer.param_groups[0]["lr"],
         "tokens_per_s": tokens_per_s,
         "consumed_tokens": state.consumed_tokens,
         "consumed_samples": state.consumed_samples,
-        "loss_tokens": tokens,
     }
 
 

@@ -71,8 +71,13 @@ def compare(reference: list[dict], candidate: list[dict], loss_rtol: float = LOS
     if len(reference) != len(candidate):
         problems.append(f"step count {len(candidate)} != reference {len(reference)}")
     for ref, got in zip(reference, candidate):
-        for key, rtol in (("loss", loss_rtol), ("grad_norm", grad_rtol)):
-            if abs(got[key] - ref[key]) > rtol * abs(ref[key]):
+        for key, rtol in (("loss", loss_rtol), ("grad_norm", grad_rtol),
+                          ("indexer_kl", grad_rtol)):
+            if key not in ref and key not in got:
+                continue
+            if key not in got or key not in ref:
+                problems.append(f"step {ref['step']}: {key} reported by only one run")
+            elif abs(got[key] - ref[key]) > rtol * abs(ref[key]):
                 problems.append(f"step {ref['step']} {key}: {got[key]!r} vs {ref[key]!r} "
                                 f"(rel {abs(got[key] - ref[key]) / abs(ref[key]):.2e} > {rtol})")
     return problems

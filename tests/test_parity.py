@@ -43,3 +43,19 @@ def test_layout_matches_single_process(name, reference, tmp_path):
 def test_loss_falls(reference):
     # A sanity floor for the harness itself: training must make progress in 5 steps.
     assert reference[-1]["loss"] < reference[0]["loss"] - 0.5
+
+
+@pytest.fixture(scope="session")
+def warmup_reference(tmp_path_factory):
+    return run_job(1, ["parallel=single", "dsa=dense_warmup"],
+                   str(tmp_path_factory.mktemp("warmup_ref"))).records
+
+
+def test_dsa_dense_warmup_matches_single_process(warmup_reference, tmp_path):
+    """DSA warm-up (only the indexer trains, KL over all keys) in TP2 (+SP) x PP2 x VPP2 x EP2:
+    losses, grad norms and indexer KL per step match one process."""
+    result = run_job(4, ["parallel=tp2_pp2_vpp2_ep2", "dsa=dense_warmup"], str(tmp_path / "w"))
+    problems = compare(warmup_reference, result.records)
+    assert not problems, "\n".join(problems)
+    kl = [r["indexer_kl"] for r in warmup_reference]
+    assert kl[-1] < kl[0], f"the indexer KL must fall during warm-up: {kl}"
