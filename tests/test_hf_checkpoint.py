@@ -29,23 +29,12 @@ pytest.importorskip("safetensors")
 from safetensors.torch import load_file, save_file
 
 from glm5_train import hf_mapping
+from tests.hf_tiny import TINY_HF_CONFIG as TINY_HF
+from tests.hf_tiny import build_tiny_hf
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "hf_checkpoint.py")
 FOUR_RANKS = "tp2_pp2_vpp2_ep2"
-
-# Mirrors configs/model/glm5_tiny.yaml (HF field names).
-TINY_HF = {
-    "vocab_size": 320, "hidden_size": 128, "num_hidden_layers": 4, "first_k_dense_replace": 1,
-    "intermediate_size": 256, "moe_intermediate_size": 64, "n_routed_experts": 8,
-    "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
-    "norm_topk_prob": True, "routed_scaling_factor": 2.5, "num_attention_heads": 4,
-    "num_key_value_heads": 4, "q_lora_rank": 64, "kv_lora_rank": 32, "qk_nope_head_dim": 32,
-    "qk_rope_head_dim": 16, "v_head_dim": 32, "index_n_heads": 4, "index_head_dim": 32,
-    "index_topk": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
-    "num_nextn_predict_layers": 0, "tie_word_embeddings": False, "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc", "rope_interleave": True, "indexer_rope_interleave": True}
 
 # MTP-layer tensors (model.layers.<num_hidden_layers>.*) added to a copy of the checkpoint.
 MTP_TENSORS = {
@@ -84,17 +73,9 @@ def read_hf_dir(path) -> dict:
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    """The tiny random HF model, saved once per module."""
-    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
-
-    torch.manual_seed(0)
-    model = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**TINY_HF)).float()
-    generator = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        for tensor in model.state_dict().values():  # parameters and persistent buffers
-            tensor.copy_(torch.randn(tensor.shape, generator=generator))
+    """The tiny random HF model (every tensor randomised), saved once per module."""
     path = tmp_path_factory.mktemp("hf") / "tiny"
-    model.save_pretrained(path)
+    build_tiny_hf(str(path), seed=1234)
     return path
 
 
