@@ -40,6 +40,12 @@ class TrainConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
+    # "adamw", or "muon": Muon on weight matrices + AdamW on embedding/head/norms/biases/router.
+    optimizer: str = "adamw"
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muon_split_mla: bool = True  # Muon Split: per-head W_UQ / W_UK / W_UV (GLM-5 default)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -54,6 +60,8 @@ class TrainConfig:
                              f"{sorted(_DTYPES)}")
         if not 0.0 <= self.min_lr <= self.lr:
             raise ValueError(f"train.min_lr={self.min_lr} must lie in [0, train.lr={self.lr}]")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"train.optimizer={self.optimizer!r}: use 'adamw' or 'muon'")
         if self.warmup_iters < 0 or self.warmup_iters > self.train_iters:
             raise ValueError(f"train.warmup_iters={self.warmup_iters} must lie in "
                              f"[0, train.train_iters={self.train_iters}]")
@@ -95,6 +103,11 @@ class JobConfig:
         self.dsa.validate()
         _check_checkpoint(self.checkpoint)
         _check_distributed_optimizer_checkpoint(self.parallel, self.checkpoint)
+        if self.train.optimizer == "muon" and self.parallel.use_distributed_optimizer:
+            raise ValueError(
+                "train.optimizer=muon with parallel.use_distributed_optimizer=true: Muon needs "
+                "whole matrices and megatron-core's distributed optimizer shards flat buffers; "
+                "set parallel.use_distributed_optimizer=false")
 
 
 def _build(kind: type, group: str, values: dict[str, Any]):

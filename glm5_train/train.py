@@ -68,6 +68,12 @@ def build_runtime(job: JobConfig) -> Runtime:
                       job.parallel.overlap_grad_reduce)
     optimizer = build_optimizer(chunks, job.train, job.parallel.use_distributed_optimizer,
                                 job.train.torch_dtype)
+    if job.train.optimizer == "muon":
+        from glm5_train.muon import MuonConfig, install_muon
+
+        t = job.train
+        install_muon(optimizer, chunks, MuonConfig(t.muon_momentum, t.muon_nesterov,
+                                                   t.muon_ns_steps, t.muon_split_mla), job.model)
     scheduler = build_scheduler(optimizer, job.train, job.train.train_iters)
     attach_schedule_hooks(chunks, config, optimizer)
     return Runtime(job, config, chunks, optimizer, scheduler, dataset,

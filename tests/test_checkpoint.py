@@ -47,3 +47,14 @@ def test_checkpoint_of_another_model_is_refused(uninterrupted, tmp_path):
                     f"checkpoint.load={ckpt}"], str(tmp_path / "foreign"))
     assert "model.hidden_size=128 there, 96 here" in str(err.value)
     assert os.path.exists(ckpt / "iter_0000004" / "metadata.json")
+
+
+def test_muon_resume_reproduces_losses_exactly(tmp_path):
+    """Muon's momentum buffers (and AdamW's state for the rest) survive save -> load."""
+    ckpt = tmp_path / "ckpt"
+    muon = ["parallel=tp2", "train.optimizer=muon", "train.train_iters=4"]
+    full = run_job(2, [*muon, "checkpoint.save_interval=2", f"checkpoint.save={ckpt}"],
+                   str(tmp_path / "full")).records
+    (ckpt / "latest_iteration.txt").write_text("2\n")
+    resumed = run_job(2, [*muon, f"checkpoint.load={ckpt}"], str(tmp_path / "resumed")).records
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[2:]]

@@ -1,0 +1,207 @@
+"""Muon for GLM-5's weight matrices, AdamW for everything else, with Muon Split for MLA.
+
+Muon (Keller Jordan et al.; the Moonlight recipe for LLMs): momentum on the gradient, then the
+update is orthogonalised by a quintic Newton-Schulz iteration and scaled to AdamW's update RMS
+(0.2 * sqrt(max(rows, cols))) so AdamW's learning rate carries over; decoupled weight decay.
+AdamW keeps the embedding, the output head, norms, biases and the router (the GLM-5 report's
+split; the expert-score bias is a buffer and never optimised).
+
+Muon Split (GLM-5 report, sec. 2.4): the MLA up-projections W_UQ (``linear_q_up_proj``) and
+W_UK / W_UV (``linear_kv_up_proj``) are orthogonalised per attention head, each head's block on
+its own. Heads are split over TP ranks whole, so the split needs no communication.
+
+Tensor parallelism: a TP-sharded matrix that is orthogonalised as a whole is all-gathered over
+its TP group (the expert-TP group for expert weights), orthogonalised, and each rank keeps its
+own shard; Newton-Schulz commutes with row/column permutations, so the shard-interleaved
+layout of a gathered SwiGLU fc1 ([g0; u0; g1; u1]) gives the same result as [gate; up].
+Every data-parallel rank computes every update (the zero-redundant distributed Muon is a
+separate piece: it cannot work with megatron-core's ZeRO-1 optimizer, which is refused).
+
+This optimizer replaces the torch optimizer inside megatron-core's FP32 optimizer wrappers, so
+megatron-core still does gradient gathering from DDP buffers, norm, clipping and checkpointing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# Quintic Newton-Schulz coefficients tuned for fast convergence of singular values towards 1.
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+ADAMW_FOR = ("embedding.word_embeddings.weight", "output_layer.weight", "router.weight")
+
+
+@dataclass
+class MuonConfig:
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    split_mla: bool = True  # Muon Split: per-head W_UQ, W_UK, W_UV (GLM-5 default)
+
+
+@dataclass
+class MatrixLayout:
+    """How one parameter is orthogonalised."""
+
+    name: str
+    muon: bool
+    tp_group: object = None  # group to gather over (None: the local tensor is the whole matrix)
+    tp_dim: int = 0  # axis the TP shards split
+    head_blocks: tuple[int, ...] = ()  # Muon Split: per-head row blocks, repeated for each head
+
+
+def newton_schulz(grad: torch.Tensor, steps: int) -> torch.Tensor:
+    """Approximately orthogonalise a 2-D matrix (the U V^T of its SVD), in fp32."""
+    x = grad.float()
+    transposed = x.shape[0] > x.shape[1]
+    if transposed:
+        x = x.T
+    x = x / (x.norm() + 1e-7)
+    a, b, c = NS_COEFFS
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if transposed else x
+
+
+def _orthogonalise_blocks(update: torch.Tensor, blocks: tuple[int, ...], steps: int):
+    """Muon Split: orthogonalise consecutive row blocks (per head, per sub-projection)."""
+    out, start = torch.empty_like(update, dtype=torch.float32), 0
+    while start < update.shape[0]:
+        for size in blocks:
+            out[start:start + size] = _scaled(newton_schulz(update[start:start + size], steps))
+            start += size
+    return out
+
+
+def _scaled(ortho: torch.Tensor) -> torch.Tensor:
+    # Match AdamW's update RMS (~0.2) so one learning rate serves both (Moonlight).
+    return ortho * (0.2 * math.sqrt(max(ortho.shape)))
+
+
+def _gather(shard: torch.Tensor, group, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, shard.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def orthogonal_update(update: torch.Tensor, layout: MatrixLayout, steps: int) -> torch.Tensor:
+    """The scaled, orthogonalised update for this rank's shard of one matrix."""
+    if layout.head_blocks:
+        return _orthogonalise_blocks(update, layout.head_blocks, steps)
+    if layout.tp_group is None:
+        return _scaled(newton_schulz(update, steps))
+    full = _gather(update, layout.tp_group, layout.tp_dim)
+    ortho = _scaled(newton_schulz(full, steps))
+    rank = dist.get_rank(layout.tp_group)
+    return ortho.narrow(layout.tp_dim, rank * update.shape[layout.tp_dim],
+                        update.shape[layout.tp_dim])
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon on the parameters whose layout says so, AdamW on the others.
+
+    Takes megatron-core's existing param groups (their lr / weight_decay / betas / eps, which its
+    scheduler keeps updating) and a layout per parameter.
+    """
+
+    def __init__(self, param_groups: list[dict], layouts: dict[int, MatrixLayout],
+                 cfg: MuonConfig) -> None:
+        super().__init__(param_groups, defaults={})
+        self.layouts, self.cfg = layouts, cfg
+
+    def init_state(self, *_: object) -> None:
+        """Allocate every parameter's state (megatron-core calls this before loading a
+        checkpoint into a fresh optimizer, as its ``init_state_fn``)."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                if self.state[param]:
+                    continue
+                if self.layouts[id(param)].muon:
+                    self.state[param]["momentum_buffer"] = torch.zeros_like(param,
+                                                                           dtype=torch.float32)
+                else:
+                    self._adamw_state(param)
+
+    def _adamw_state(self, param: torch.Tensor) -> dict:
+        state = self.state[param]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                layout = self.layouts[id(param)]
+                if layout.muon:
+                    self._muon(param, group)
+                else:
+                    self._adamw(param, group)
+
+    def _muon(self, param: torch.Tensor, group: dict) -> None:
+        state = self.state[param]
+        buf = state.setdefault("momentum_buffer", torch.zeros_like(param, dtype=torch.float32))
+        grad = param.grad.float()
+        buf.mul_(self.cfg.momentum).add_(grad)
+        update = grad.add(buf, alpha=self.cfg.momentum) if self.cfg.nesterov else buf
+        ortho = orthogonal_update(update, self.layouts[id(param)], self.cfg.ns_steps)
+        param.mul_(1 - group["lr"] * group["weight_decay"])
+        param.add_(ortho.to(param.dtype), alpha=-group["lr"])
+
+    def _adamw(self, param: torch.Tensor, group: dict) -> None:
+        state = self._adamw_state(param)
+        beta1, beta2 = group["betas"]
+        state["step"] += 1
+        step = float(state["step"])
+        grad = param.grad.float()
+        state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (state["exp_avg_sq"] / (1 - beta2 ** step)).sqrt().add_(group["eps"])
+        param.mul_(1 - group["lr"] * group["weight_decay"])
+        param.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1 ** step))
+
+
+def matrix_layouts(chunks: list[torch.nn.Module], cfg: MuonConfig, model_cfg) -> dict:
+    """Decide, for every parameter of this rank, Muon or AdamW and how to orthogonalise."""
+    from megatron.core import parallel_state
+
+    layouts = {}
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            layouts[id(param)] = _layout(name, param, cfg, model_cfg, parallel_state)
+    return layouts
+
+
+def _layout(name: str, param: torch.Tensor, cfg: MuonConfig, model_cfg, ps) -> MatrixLayout:
+    if param.dim() != 2 or name.endswith(ADAMW_FOR):
+        return MatrixLayout(name, muon=False)
+    if cfg.split_mla and name.endswith("linear_q_up_proj.weight"):
+        q_dim = model_cfg.qk_nope_head_dim + model_cfg.qk_rope_head_dim
+        return MatrixLayout(name, muon=True, head_blocks=(q_dim,))
+    if cfg.split_mla and name.endswith("linear_kv_up_proj.weight"):
+        return MatrixLayout(name, muon=True,
+                            head_blocks=(model_cfg.qk_nope_head_dim, model_cfg.v_head_dim))
+    if not getattr(param, "tensor_model_parallel", False):
+        return MatrixLayout(name, muon=True)
+    expert = getattr(param, "allreduce", True) is False
+    group = (ps.get_expert_tensor_parallel_group() if expert
+             else ps.get_tensor_model_parallel_group())
+    if dist.get_world_size(group) == 1:
+        return MatrixLayout(name, muon=True)
+    return MatrixLayout(name, muon=True, tp_group=group, tp_dim=param.partition_dim)
+
+
+def install_muon(optimizer, chunks: list[torch.nn.Module], cfg: MuonConfig, model_cfg) -> None:
+    """Swap the torch optimizer inside each of megatron-core's FP32 optimizer wrappers."""
+    layouts = matrix_layouts(chunks, cfg, model_cfg)
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        sub.optimizer = MuonAdamW(sub.optimizer.param_groups, layouts, cfg)
+        sub.init_state_fn = sub.optimizer.init_state
