@@ -176,11 +176,13 @@ def _check_sequence(par: ParallelConfig, seq_length: int) -> None:
 
 
 def _check_batch(global_batch_size: int, micro_batch_size: int, dp: int) -> None:
-    if micro_batch_size < 1 or global_batch_size % (micro_batch_size * dp):
+    unit = max(1, micro_batch_size) * dp
+    if micro_batch_size < 1 or global_batch_size % unit:
+        nearest = unit * max(1, round(global_batch_size / unit))
         raise LayoutError(
             f"train.global_batch_size={global_batch_size} must be a multiple of "
             f"train.micro_batch_size x data-parallel size = {micro_batch_size} x {dp}: "
-            f"use e.g. global_batch_size={micro_batch_size * dp * max(1, global_batch_size // max(1, micro_batch_size * dp))}")
+            f"use e.g. train.global_batch_size={nearest}")
 
 
 def _check_interleaving(par: ParallelConfig, num_microbatches: int) -> None:

@@ -49,8 +49,7 @@ def run_job(nprocs: int, overrides: list[str], run_dir: str, timeout: int = 600)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nprocs}", "-m", "glm5_train.train",
            *BASE_OVERRIDES, *overrides, f"hydra.run.dir={run_dir}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               DATA_DIR=os.environ.get("DATA_DIR", ""))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
     log = proc.stdout + proc.stderr
