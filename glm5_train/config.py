@@ -123,6 +123,9 @@ def _check_routing(cfg: GLM5Config) -> None:
         raise ValueError(
             f"model.num_experts_per_tok={cfg.num_experts_per_tok} must be in "
             f"[1, n_routed_experts={cfg.n_routed_experts}]")
+    if not cfg.norm_topk_prob:
+        raise ValueError("model.norm_topk_prob=false: megatron-core's sigmoid router always "
+                         "normalises the top-k weights (GLM-5 does too); set it to true")
     if cfg.n_group < 1 or cfg.n_routed_experts % cfg.n_group:
         raise ValueError(f"model.n_group={cfg.n_group} must divide n_routed_experts="
                          f"{cfg.n_routed_experts}")
@@ -136,6 +139,10 @@ def _check_attention(cfg: GLM5Config) -> None:
     if cfg.qk_rope_head_dim % 2:
         raise ValueError(f"model.qk_rope_head_dim={cfg.qk_rope_head_dim} must be even (RoPE "
                          "rotates pairs)")
+    for name in ("rope_interleave", "indexer_rope_interleave"):
+        if not getattr(cfg, name):
+            raise ValueError(f"model.{name}=false: only GLM-5's interleaved RoPE layout is "
+                             f"implemented; set model.{name}=true")
     if cfg.hidden_act != "silu":
         raise ValueError(f"model.hidden_act={cfg.hidden_act!r}: GLM-5 uses 'silu' (SwiGLU)")
 

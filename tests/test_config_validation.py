@@ -86,3 +86,9 @@ def test_bad_layout_fails_before_process_groups(tmp_path):
     assert "world size 2 is not divisible by tensor x pipeline x context parallel" in (
         proc.stdout + proc.stderr)
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("field", ["norm_topk_prob", "rope_interleave", "indexer_rope_interleave"])
+def test_unimplemented_model_variants_are_refused(field):
+    with pytest.raises(ValueError, match=f"model.{field}=false"):
+        GLM5Config(**{**TINY, field: False}).validate()
