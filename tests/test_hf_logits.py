@@ -64,6 +64,7 @@ def test_logits_match_hugging_face(imported, nprocs, layout):
     ours = torch.load(out)
     assert ours.shape == reference.shape
     diff = (ours - reference).abs().max().item()
+    print(f"hf_logits {layout}: max |diff| {diff:.2e} (logit scale {reference.abs().max():.2f})")
     assert diff < ATOL, f"{layout}: max |logit diff| {diff:.2e} >= {ATOL}"
 
 
