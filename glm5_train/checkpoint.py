@@ -32,6 +32,9 @@ class CheckpointConfig:
     save: str | None = None
     save_interval: int | None = None
     load: str | None = None
+    # false: take weights, step count, data position and LR schedule but start the optimizer
+    # state fresh (needed when the optimizer's structure changed, e.g. EP=1 <-> EP>1).
+    load_optimizer: bool = True
 
 
 @dataclass
@@ -66,19 +69,24 @@ def _model_sharded(chunks: list) -> dict[str, Any]:
 def _sharded_state(chunks, optimizer, scheduler, state: TrainState, model_cfg: GLM5Config,
                    is_loading: bool) -> dict[str, Any]:
     model_sd = _model_sharded(chunks)
-    if optimizer is None:  # weights only (e.g. imported from Hugging Face)
-        return {"model": model_sd, "train_state": dataclasses.asdict(state),
-                "model_config": dataclasses.asdict(model_cfg), "weights_only": True}
-    return {
-        "model": model_sd,
+    sharded = {"model": model_sd, "train_state": dataclasses.asdict(state),
+               "model_config": dataclasses.asdict(model_cfg)}
+    if scheduler is None:  # weights only (e.g. imported from Hugging Face)
+        return {**sharded, "weights_only": True}
+    sharded["scheduler"] = scheduler.state_dict()
+    if optimizer is not None:
         # The optimizer maps its params to sharded tensors by walking the nested model dict.
-        "optimizer": optimizer.sharded_state_dict(
+        sharded["optimizer"] = optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading,
-            metadata={"distrib_optim_sharding_type": "fully_reshardable"}),
-        "scheduler": scheduler.state_dict(),
-        "train_state": dataclasses.asdict(state),
-        "model_config": dataclasses.asdict(model_cfg),
-    }
+            metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+        sharded["optimizer_parts"] = _optimizer_parts(optimizer)
+    return sharded
+
+
+def _optimizer_parts(optimizer) -> int:
+    """megatron-core splits dense and expert-parallel parameters into separate optimizers
+    (only when EP > 1); their state keys differ, so the count must match to restore it."""
+    return len(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def _use_in_process_results_queue() -> None:
@@ -128,8 +136,8 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def load_checkpoint(root: str, chunks, optimizer, scheduler,
-                    model_cfg: GLM5Config) -> TrainState:
+def load_checkpoint(root: str, chunks, optimizer, scheduler, model_cfg: GLM5Config,
+                    load_optimizer: bool = True) -> TrainState:
     """Load the newest complete checkpoint under ``root`` into this layout."""
     iteration = latest_iteration(root)
     if iteration is None:
@@ -140,16 +148,33 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler,
     check_model_config(path, model_cfg)
     if is_weights_only(path):
         optimizer = scheduler = None
+    elif not load_optimizer:
+        optimizer = None
+    elif optimizer is not None:
+        _check_optimizer_parts(path, optimizer)
     sharded = _sharded_state(chunks, optimizer, scheduler, TrainState(), model_cfg,
                              is_loading=True)
     loaded = dist_checkpointing.load(sharded, path)
     for i, chunk in enumerate(chunks):
         _unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"])
-    if optimizer is None:
+    if scheduler is None:
         return TrainState()
-    optimizer.load_state_dict(loaded["optimizer"])
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["scheduler"])
     return TrainState(**loaded["train_state"])
+
+
+def _check_optimizer_parts(path: str, optimizer) -> None:
+    saved = dist_checkpointing.load_common_state_dict(path).get("optimizer_parts")
+    ours = _optimizer_parts(optimizer)
+    if saved is not None and saved != ours:
+        raise ValueError(
+            f"checkpoint {path} holds optimizer state for {saved} optimizer part(s) and this "
+            f"layout has {ours} (megatron-core keeps a separate optimizer for expert-parallel "
+            "weights only when expert_model_parallel_size > 1): keep EP on the same side of 1, "
+            "or set checkpoint.load_optimizer=false to take the weights, step and schedule "
+            "with a fresh optimizer state")
 
 
 def is_weights_only(path: str) -> bool:

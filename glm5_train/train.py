@@ -138,7 +138,7 @@ def train(job: JobConfig, run_dir: str) -> list[dict]:
     state = TrainState()
     if job.checkpoint.load:
         state = load_checkpoint(job.checkpoint.load, rt.chunks, rt.optimizer, rt.scheduler,
-                                job.model)
+                                job.model, job.checkpoint.load_optimizer)
     logger = MetricsLogger(run_dir, job.train.train_iters)
     iterators = _iterators(rt, state.consumed_samples)
     records = []

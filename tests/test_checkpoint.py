@@ -58,3 +58,17 @@ def test_muon_resume_reproduces_losses_exactly(tmp_path):
     (ckpt / "latest_iteration.txt").write_text("2\n")
     resumed = run_job(2, [*muon, f"checkpoint.load={ckpt}"], str(tmp_path / "resumed")).records
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full[2:]]
+
+
+def test_optimizer_structure_change_is_refused_then_loadable_without_optimizer(tmp_path):
+    """EP2 keeps expert weights in a second optimizer; resuming in an EP=1 layout must say so
+    and, with checkpoint.load_optimizer=false, continue from the saved step and weights."""
+    ckpt = tmp_path / "ckpt"
+    run_job(2, ["parallel=ep2", "train.train_iters=2", f"checkpoint.save={ckpt}"],
+            str(tmp_path / "ep2"))
+    resume = ["parallel=tp2", "train.train_iters=3", f"checkpoint.load={ckpt}"]
+    with pytest.raises(RuntimeError, match="checkpoint.load_optimizer=false"):
+        run_job(2, resume, str(tmp_path / "refused"))
+    records = run_job(2, [*resume, "checkpoint.load_optimizer=false"],
+                      str(tmp_path / "weights")).records
+    assert [r["step"] for r in records] == [3]
