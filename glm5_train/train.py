@@ -105,7 +105,8 @@ def _iterators(rt: Runtime, consumed_samples: int) -> list:
 
     t = rt.job.train
     return [build_train_iterator(rt.dataset, t.micro_batch_size, t.global_batch_size,
-                                 rt.dp_rank, rt.dp_size, consumed_samples)
+                                 rt.dp_rank, rt.dp_size, consumed_samples,
+                                 num_workers=rt.job.data.num_workers)
             for _ in rt.chunks]
 
 
