@@ -17,7 +17,8 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 
 # GLM5Config fields that tune training, not the architecture: free to change on resume.
-TRAINING_FIELDS = frozenset({"moe_aux_loss_coeff", "moe_router_bias_update_rate", "name"})
+TRAINING_FIELDS = frozenset({"moe_aux_loss_coeff", "moe_router_bias_update_rate", "name",
+                             "mtp_num_steps", "mtp_loss_weight"})
 
 
 @dataclass
@@ -63,11 +64,17 @@ class GLM5Config:
     # Training-side knobs that are not part of the HF architecture.
     moe_aux_loss_coeff: float = 0.0
     moe_router_bias_update_rate: float = 1e-3
+    # Multi-token prediction: the ``num_nextn_predict_layers`` MTP parameter sets are applied
+    # for this many prediction steps, cycling (GLM-5: 1 set, 3 steps); 0 trains without MTP.
+    mtp_num_steps: int = 3
+    # Weight of the MTP loss (mean over steps) next to the main LM loss.
+    mtp_loss_weight: float = 0.3
     name: str = "glm5"
 
     def validate(self) -> None:
         """Raise ValueError naming the field, the rule and the fix for an impossible config."""
-        for check in (_check_types, _check_dense_prefix, _check_routing, _check_attention):
+        for check in (_check_types, _check_dense_prefix, _check_routing, _check_attention,
+                      _check_mtp):
             check(self)
 
     @classmethod
@@ -84,6 +91,11 @@ class GLM5Config:
         """1 for an MoE layer, 0 for a dense layer, per decoder layer."""
         k = self.first_k_dense_replace
         return [0] * k + [1] * (self.num_hidden_layers - k)
+
+    @property
+    def mtp_sets(self) -> int:
+        """MTP parameter sets the model builds: none when MTP is not trained."""
+        return self.num_nextn_predict_layers if self.mtp_num_steps > 0 else 0
 
 
 # Fields that may be null (HF: a model without a query latent has q_lora_rank null).
@@ -145,6 +157,22 @@ def _check_attention(cfg: GLM5Config) -> None:
                              f"implemented; set model.{name}=true")
     if cfg.hidden_act != "silu":
         raise ValueError(f"model.hidden_act={cfg.hidden_act!r}: GLM-5 uses 'silu' (SwiGLU)")
+
+
+def _check_mtp(cfg: GLM5Config) -> None:
+    steps, sets = cfg.mtp_num_steps, cfg.num_nextn_predict_layers
+    if steps < 0 or sets < 0:
+        raise ValueError(f"model.mtp_num_steps={steps} and model.num_nextn_predict_layers={sets} "
+                         "must be >= 0")
+    if steps and not sets:
+        raise ValueError(f"model.mtp_num_steps={steps} needs an MTP layer, but "
+                         "model.num_nextn_predict_layers=0: set num_nextn_predict_layers=1 "
+                         "(GLM-5) or model.mtp_num_steps=0 to train without MTP")
+    if steps and steps < sets:
+        raise ValueError(f"model.mtp_num_steps={steps} < num_nextn_predict_layers={sets}: "
+                         "every MTP parameter set needs a step; raise mtp_num_steps")
+    if cfg.mtp_loss_weight < 0:
+        raise ValueError(f"model.mtp_loss_weight={cfg.mtp_loss_weight} must be >= 0")
 
 
 @dataclass
@@ -216,6 +244,10 @@ def to_mcore_config(model: GLM5Config, par: ParallelSizes,
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
         moe_grouped_gemm=False,
         moe_token_dispatcher_type=par.moe_token_dispatcher_type,
+        # MTP: megatron-core builds mtp_num_layers parameter sets; our model applies them for
+        # model.mtp_num_steps steps (glm5_train.mtp).
+        mtp_num_layers=model.mtp_sets or None,
+        mtp_loss_scaling_factor=model.mtp_loss_weight,
         # Parallelism.
         tensor_model_parallel_size=par.tensor_model_parallel_size,
         pipeline_model_parallel_size=par.pipeline_model_parallel_size,

@@ -14,15 +14,20 @@ import importlib.util
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
+                                                      get_gpt_decoder_layer_specs)
+from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import MLATransformerConfig
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 from glm5_train.config import GLM5Config
 from glm5_train.dsa import DSACoreAttention
 from glm5_train.dsa_loss import DSATrainingConfig
 from glm5_train.layers import LatentRMSNorm, MLADownProjection, RMSNorm
+from glm5_train.mtp import chunk_hosts_mtp, mtp_block_spec, shifted_targets
 
 
 def transformer_engine_available() -> bool:
@@ -72,18 +77,25 @@ def _localize_layer(layer: ModuleSpec) -> ModuleSpec:
 
 def build_model_chunks(model_cfg: GLM5Config, config: MLATransformerConfig,
                        use_te: bool | None = None,
-                       dsa_training: DSATrainingConfig | None = None) -> list[GPTModel]:
-    """Build this rank's model chunks: one per virtual pipeline stage (one without VPP)."""
+                       dsa_training: DSATrainingConfig | None = None,
+                       eod_token_id: int | None = None) -> list["GLM5Model"]:
+    """Build this rank's model chunks: one per virtual pipeline stage (one without VPP).
+    ``eod_token_id`` marks document ends in packed sequences (MTP never predicts across)."""
     vpp = config.virtual_pipeline_model_parallel_size
     stages = range(vpp) if vpp else [None]
-    return [_build_chunk(model_cfg, config, vp, use_te, dsa_training) for vp in stages]
+    return [_build_chunk(model_cfg, config, vp, use_te, dsa_training, eod_token_id)
+            for vp in stages]
 
 
 def _build_chunk(model_cfg: GLM5Config, config: MLATransformerConfig, vp_stage: int | None,
-                 use_te: bool | None, dsa_training: DSATrainingConfig | None) -> GPTModel:
+                 use_te: bool | None, dsa_training: DSATrainingConfig | None,
+                 eod_token_id: int | None) -> "GLM5Model":
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    return GPTModel(
+    mtp_spec = None
+    if chunk_hosts_mtp(config, vp_stage):
+        mtp_spec = _mtp_spec(model_cfg, config, use_te, dsa_training)
+    return GLM5Model(
         config=config,
         transformer_layer_spec=decoder_block_spec(model_cfg, config, vp_stage, use_te=use_te,
                                                   dsa_training=dsa_training),
@@ -95,8 +107,122 @@ def _build_chunk(model_cfg: GLM5Config, config: MLATransformerConfig, vp_stage: 
         share_embeddings_and_output_weights=model_cfg.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(model_cfg.rope_theta),
+        mtp_block_spec=mtp_spec,
         vp_stage=vp_stage,
+        mtp_num_steps=model_cfg.mtp_num_steps if model_cfg.mtp_sets else 0,
+        eod_token_id=eod_token_id,
     )
+
+
+def _mtp_spec(model_cfg: GLM5Config, config: MLATransformerConfig, use_te: bool | None,
+              dsa_training: DSATrainingConfig | None):
+    """The MTP layers: each wraps a full MoE decoder layer (the model's last layer kind)."""
+    use_te = transformer_engine_available() if use_te is None else use_te
+    layer = get_gpt_decoder_layer_specs(config, use_transformer_engine=use_te,
+                                        normalization="RMSNorm")[-1]
+    layer = _with_dsa(layer if use_te else _localize_layer(layer), model_cfg, dsa_training)
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
+        return mtp_block_spec(layer, TENorm, TEColumnParallelLinear, config.mtp_num_layers)
+    return mtp_block_spec(layer, RMSNorm, ColumnParallelLinear, config.mtp_num_layers)
+
+
+class GLM5Model(GPTModel):
+    """megatron-core's GPTModel with GLM-5's multi-token prediction.
+
+    The ``config.mtp_num_layers`` MTP layers are applied for ``mtp_num_steps`` steps, cycling
+    (GLM-5: one layer, three steps sharing its parameters). The chunk holding them emits the
+    main hidden states and every step's output concatenated along the sequence; the last stage
+    computes each step's loss with the shared output head and attaches it to the main hidden
+    states (megatron-core's ``MTPLossAutoScaler``: gradients flow, the returned loss stays the
+    main LM loss). Per-step loss sums are kept for logging (``take_mtp_report``).
+    """
+
+    def __init__(self, *args, mtp_num_steps: int = 0, eod_token_id: int | None = None,
+                 **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mtp_num_steps = mtp_num_steps
+        self.eod_token_id = eod_token_id
+        self._mtp_reports: list[torch.Tensor] = []
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None):
+        # megatron-core's GPTModel reads metadata["dp_cp_group"] when an MTP chunk holds an
+        # embedding copy but does not default it the way its submodules do.
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+
+    def take_mtp_report(self) -> torch.Tensor | None:
+        """[steps, 2] (loss sum, token count) of the oldest micro-batch not yet taken."""
+        return self._mtp_reports.pop(0) if self._mtp_reports else None
+
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb,
+                     rotary_pos_cos, rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None,
+                     decoder_input=None, attention_mask=None, inference_params=None,
+                     packed_seq_params=None, sequence_len_offset=None,
+                     runtime_gather_output=None, extra_block_kwargs=None,
+                     inference_context=None):
+        if not self.mtp_num_steps:
+            return super()._postprocess(
+                hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
+                rotary_pos_sin, mtp_in_postprocess=False, loss_mask=loss_mask,
+                decoder_input=decoder_input, attention_mask=attention_mask,
+                inference_params=inference_params, packed_seq_params=packed_seq_params,
+                sequence_len_offset=sequence_len_offset,
+                runtime_gather_output=runtime_gather_output,
+                extra_block_kwargs=extra_block_kwargs, inference_context=inference_context)
+        # Without labels (inference) nothing predicts beyond the next token: skip MTP.
+        with_mtp = labels is not None
+        if mtp_in_postprocess and with_mtp:
+            hidden_states = self._mtp_steps(hidden_states, input_ids, position_ids,
+                                            attention_mask, rotary_pos_emb, packed_seq_params,
+                                            sequence_len_offset)
+        if not self.post_process:
+            return hidden_states
+        output_weight = (self.shared_embedding_or_output_weight()
+                         if self.share_embeddings_and_output_weights else None)
+        if with_mtp:
+            main, *steps = torch.chunk(hidden_states, 1 + self.mtp_num_steps, dim=0)
+            hidden_states = self._attach_mtp_losses(main, steps, input_ids, labels, loss_mask,
+                                                    output_weight, runtime_gather_output)
+        logits, _ = self.output_layer(hidden_states, weight=output_weight,
+                                      runtime_gather_output=runtime_gather_output)
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()  # [s, b, v] -> [b, s, v]
+        return self.compute_language_model_loss(labels, logits)
+
+    def _mtp_steps(self, hidden_states, input_ids, position_ids, attention_mask,
+                   rotary_pos_emb, packed_seq_params, sequence_len_offset):
+        """[main; step 1; ...; step K] hidden states, concatenated along the sequence."""
+        outputs = [hidden_states]
+        ids, positions = input_ids, position_ids
+        for step in range(self.mtp_num_steps):
+            layer = self.mtp.layers[step % len(self.mtp.layers)]
+            hidden_states, ids, positions = layer(
+                input_ids=ids, position_ids=positions, hidden_states=hidden_states,
+                attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+                packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,
+                embedding=self.embedding)
+            outputs.append(hidden_states)
+        return torch.cat(outputs, dim=0)
+
+    def _attach_mtp_losses(self, main, steps, input_ids, labels, loss_mask, output_weight,
+                           runtime_gather_output):
+        """Each step's masked per-token loss sum rides on ``main``'s backward, weighted
+        mtp_loss_weight / steps (per-token loss: megatron divides by the global token count)."""
+        assert self.config.calculate_per_token_loss, "MTP losses are summed per token"
+        weight = self.config.mtp_loss_scaling_factor / self.mtp_num_steps
+        report = []
+        for k, hidden in enumerate(steps, start=1):
+            logits, _ = self.output_layer(hidden, weight=output_weight,
+                                          runtime_gather_output=runtime_gather_output)
+            targets, mask = shifted_targets(labels, loss_mask, input_ids, k, self.eod_token_id)
+            token_loss = self.compute_language_model_loss(targets, logits) * mask
+            report.append(torch.stack([token_loss.sum().detach().float(), mask.sum()]))
+            main = MTPLossAutoScaler.apply(main, weight * token_loss)
+        if self.training:
+            self._mtp_reports.append(torch.stack(report))
+        return main
 
 
 def apply_dsa_freezing(chunks: list[torch.nn.Module], dsa_training: DSATrainingConfig) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,14 +34,26 @@ def wrap_ddp(chunks: list[torch.nn.Module], config: TransformerConfig,
     return wrapped
 
 
-def attach_schedule_hooks(chunks: list, config: TransformerConfig, optimizer) -> None:
+def attach_schedule_hooks(chunks: list, config: TransformerConfig, optimizer,
+                          embedding_tie=None) -> None:
     """Tell the pipeline schedules how to sync and finalise grads (megatron-core's contract)."""
     config.grad_scale_func = optimizer.scale_loss
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = partial(finalize_grads, embedding_tie=embedding_tie)
     config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
     if chunks[0].ddp_config.overlap_grad_reduce:
         config.grad_sync_func = ([c.start_grad_sync for c in chunks] if len(chunks) > 1
                                  else chunks[0].start_grad_sync)
+
+
+def finalize_grads(model: list, num_tokens, pg_collection=None, force_all_reduce=False, *,
+                   embedding_tie):
+    """megatron-core's ``finalize_model_grads``, with the word-embedding copies summed by our
+    ``EmbeddingTie`` first (megatron's own embedding group holds the first stage only, see
+    ``parallel.layout.first_stage_only``)."""
+    if embedding_tie is not None:
+        embedding_tie.sync(model)
+    finalize_model_grads(model, num_tokens, pg_collection=pg_collection,
+                         force_all_reduce=force_all_reduce)
 
 
 def build_optimizer(chunks: list, cfg: "TrainConfig", use_distributed_optimizer: bool,

@@ -17,21 +17,32 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Per-token loss sum over unmasked tokens. ``output_tensor`` [B, S] token losses."""
+def loss_func(loss_mask: torch.Tensor, take_mtp_report, output_tensor: torch.Tensor):
+    """Per-token loss sum over unmasked tokens. ``output_tensor`` [B, S] token losses.
+    The MTP losses (already in the backward graph) are only reported: [steps, 2] sums."""
     mask = loss_mask.reshape(-1).float()
     loss_sum = torch.sum(output_tensor.reshape(-1).float() * mask)
     num_tokens = mask.sum().to(torch.int)
-    report = torch.stack([loss_sum.detach(), num_tokens.float()])
-    return loss_sum, num_tokens, {"lm loss": report}
+    reports = {"lm loss": torch.stack([loss_sum.detach(), num_tokens.float()])}
+    mtp = take_mtp_report() if take_mtp_report is not None else None
+    if mtp is not None:
+        reports["mtp loss"] = mtp
+    return loss_sum, num_tokens, reports
 
 
 def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
     """megatron-core forward_step_func: every chunk reads its own aligned iterator."""
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                   labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"])
+                   labels=batch["labels"], loss_mask=batch["loss_mask"])
+    inner = _unwrap(model)
+    return output, partial(loss_func, batch["loss_mask"], getattr(inner, "take_mtp_report", None))
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
 
 
 def run_step(chunks: list[torch.nn.Module], iterators: list[Iterator], num_microbatches: int,
@@ -47,6 +58,18 @@ def run_step(chunks: list[torch.nn.Module], iterators: list[Iterator], num_micro
         micro_batch_size=micro_batch_size,
         forward_only=forward_only,
     )
+
+
+def global_mtp_losses(reports: list[dict[str, torch.Tensor]], steps: int) -> list[float]:
+    """Per-step MTP loss of the global batch (token-weighted, as ``global_loss``)."""
+    totals = torch.zeros(steps, 2, dtype=torch.float64)
+    for report in reports:
+        if "mtp loss" in report:
+            totals += report["mtp loss"].double()
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        totals.zero_()
+    dist.all_reduce(totals)
+    return [float(s / n) if n > 0 else 0.0 for s, n in totals.tolist()]
 
 
 def global_loss(reports: list[dict[str, torch.Tensor]]) -> tuple[float, int]:

@@ -46,8 +46,11 @@ def build_model(job: JobConfig) -> tuple[object, list]:
     from glm5_train.init_weights import initialize_weights
     from glm5_train.model import build_model_chunks
 
+    from glm5_train.tokenizer import build_tokenizer
+
     config = to_mcore_config(job.model, job.parallel.sizes(), job.train.torch_dtype)
-    chunks = build_model_chunks(job.model, config, dsa_training=job.dsa)
+    eod = build_tokenizer(job.data.tokenizer).eod
+    chunks = build_model_chunks(job.model, config, dsa_training=job.dsa, eod_token_id=eod)
     initialize_weights(chunks, job.train.seed, job.model.initializer_range,
                        job.model.num_hidden_layers)
     return config, chunks
@@ -60,6 +63,7 @@ def build_runtime(job: JobConfig) -> Runtime:
                                   wrap_ddp)
 
     from glm5_train.model import apply_dsa_freezing
+    from glm5_train.mtp import EmbeddingTie
 
     dataset = _build_dataset(job)
     config, chunks = build_model(job)
@@ -75,7 +79,8 @@ def build_runtime(job: JobConfig) -> Runtime:
         install_muon(optimizer, chunks, MuonConfig(t.muon_momentum, t.muon_nesterov,
                                                    t.muon_ns_steps, t.muon_split_mla), job.model)
     scheduler = build_scheduler(optimizer, job.train, job.train.train_iters)
-    attach_schedule_hooks(chunks, config, optimizer)
+    attach_schedule_hooks(chunks, config, optimizer,
+                          EmbeddingTie(config, job.model.tie_word_embeddings))
     return Runtime(job, config, chunks, optimizer, scheduler, dataset,
                    parallel_state.get_data_parallel_rank(),
                    parallel_state.get_data_parallel_world_size())
@@ -170,6 +175,12 @@ def step_statistics(rt: Runtime, reports: list) -> dict:
 
     loss, tokens = global_loss(reports)
     stats = {"loss": loss, "loss_tokens": tokens}
+    if rt.job.model.mtp_sets:
+        from glm5_train.step import global_mtp_losses
+
+        per_step = global_mtp_losses(reports, rt.job.model.mtp_num_steps)
+        stats["mtp_loss"] = sum(per_step) / len(per_step)
+        stats.update({f"mtp_loss_{k}": v for k, v in enumerate(per_step, start=1)})
     if rt.job.dsa.trains_indexer:
         stats["indexer_kl"] = global_indexer_kl(*indexer_kl(rt.chunks))
     return stats

@@ -213,6 +213,61 @@ class _GlooDistributed:
 _GLOO_DISTRIBUTED = _GlooDistributed()
 
 
+# Shape messages travel under their own tag, so a shape is never matched with a tensor message.
+_SHAPE_TAG = 7
+
+
+def _communicate_sends_first(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next,
+                             tensor_shape, wait_on_reqs=True):
+    """megatron-core's unbatched pipeline p2p (``P2PCommunicator._communicate``) with every send
+    posted before any wait. Its own version first exchanges the shapes of variable-size tensors
+    (a standalone MTP stage sends (1 + steps) x the sequence) and waits for them before posting
+    the tensors. On gloo the two ends of a pipeline pair do not pair their calls one to one
+    (rank A's recv is served by rank B's next call), so that wait deadlocks. Posting the sends
+    first keeps the schedule's own guarantee: nothing waits on a message its peer has not been
+    able to send. Same communicators as megatron's ``_p2p_ops`` (at PP=2 one direction uses the
+    global group)."""
+    from megatron.core.pipeline_parallel.p2p_communication import _p2p_ops
+
+    variable = self.config.variable_seq_lengths or self.config.mtp_standalone
+    keep, shape_reqs = [], []
+    if variable:
+        for tensor, peer in ((tensor_send_next, self.next_rank), (tensor_send_prev, self.prev_rank)):
+            if tensor is not None:
+                keep.append(torch.tensor(tensor.size(), dtype=torch.int64))
+                shape_reqs.append(torch.distributed.isend(keep[-1], peer, group=self.pp_group,
+                                                          tag=_SHAPE_TAG))
+    reqs = _p2p_ops(tensor_send_prev=tensor_send_prev, tensor_recv_prev=None,
+                    tensor_send_next=tensor_send_next, tensor_recv_next=None,
+                    group=self.pp_group, prev_pipeline_rank=self.prev_rank,
+                    next_pipeline_rank=self.next_rank)
+    shape_prev = self._receive_shape(self.prev_rank) if recv_prev and variable else tensor_shape
+    shape_next = self._receive_shape(self.next_rank) if recv_next and variable else tensor_shape
+    recv_prev_tensor = self._recv_buffer(shape_prev) if recv_prev else None
+    recv_next_tensor = self._recv_buffer(shape_next) if recv_next else None
+    reqs.update(_p2p_ops(tensor_send_prev=None, tensor_recv_prev=recv_prev_tensor,
+                         tensor_send_next=None, tensor_recv_next=recv_next_tensor,
+                         group=self.pp_group, prev_pipeline_rank=self.prev_rank,
+                         next_pipeline_rank=self.next_rank))
+    for req in shape_reqs:
+        req.wait()
+    if wait_on_reqs:
+        for req in reqs.values():
+            req.wait()
+        reqs = None
+    return recv_prev_tensor, recv_next_tensor, reqs
+
+
+def _receive_shape(self, peer: int) -> list[int]:
+    shape = torch.empty(3, dtype=torch.int64)
+    torch.distributed.irecv(shape, peer, group=self.pp_group, tag=_SHAPE_TAG).wait()
+    return shape.tolist()
+
+
+def _recv_buffer(self, shape) -> torch.Tensor:
+    return torch.empty(shape, requires_grad=True, dtype=self.config.pipeline_dtype)
+
+
 class Uncompiled:
     """Replacement marker: the function's own eager body, without its ``torch.compile`` wrapper.
 
@@ -265,6 +320,13 @@ REDIRECTS: tuple[Redirect, ...] = (
     Redirect("torch.Tensor", "type", _tensor_type, "optimizer whitelists 'torch.cuda.*Tensor'"),
     Redirect("megatron.core.transformer.moe.router.TopKRouter", "_apply_expert_bias",
              Uncompiled(), "torch.compile'd; Inductor compile on every CPU process start"),
+    Redirect("megatron.core.pipeline_parallel.p2p_communication.P2PCommunicator",
+             "_communicate", _communicate_sends_first,
+             "variable-shape p2p (standalone MTP stage) deadlocks on gloo"),
+    Redirect("megatron.core.pipeline_parallel.p2p_communication.P2PCommunicator",
+             "_receive_shape", _receive_shape, "helper of the p2p above", binds_missing=True),
+    Redirect("megatron.core.pipeline_parallel.p2p_communication.P2PCommunicator",
+             "_recv_buffer", _recv_buffer, "helper of the p2p above", binds_missing=True),
 )
 
 # megatron-core files that create tensors with a literal device="cuda" (or

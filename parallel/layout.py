@@ -220,8 +220,16 @@ def init_distributed(par: ParallelConfig, seed: int) -> None:
         context_parallel_size=par.context_parallel_size,
         expert_model_parallel_size=par.expert_model_parallel_size,
         expert_tensor_parallel_size=par.expert_tp,
+        get_embedding_ranks=first_stage_only,
     )
     model_parallel_cuda_manual_seed(seed)
+
+
+def first_stage_only(pp_ranks: list[int], *_) -> list[int]:
+    """megatron-core's embedding group, reduced to the first stage: copies of the word
+    embedding (MTP stage, tied head) are tied by ``glm5_train.mtp.EmbeddingTie`` instead, which
+    also handles two copies on one rank (megatron-core deadlocks on those at construction)."""
+    return [pp_ranks[0]]
 
 
 def destroy_distributed() -> None:
