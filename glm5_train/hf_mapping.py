@@ -22,8 +22,11 @@ several names stacked in equal parts along axis 0 (gate; up). ``hf_to_mcore(name
 inverse. With Transformer Engine the q/kv latent norms and the dense layers' pre-MLP norm are
 fused into the following linear (``…layer_norm_weight``); those names map too.
 
-The MTP layer (``model.layers.<num_hidden_layers + k>.*``) is not built here yet:
-``is_mtp_name`` recognises its keys so the importer can skip and report them.
+MTP: HF's ``model.layers.<num_hidden_layers + k>.*`` is megatron-core's ``mtp.layers.<k>.*``:
+the decoder-layer names under ``transformer_layer.``, plus ``eh_proj``, ``enorm``, ``hnorm`` and
+``final_layernorm`` (HF ``shared_head.norm``). Numbering them needs ``num_hidden_layers``, so
+both mapping functions take it; without it MTP names map to nothing. ``is_mtp_name`` tells the
+importer which tensors to skip when the job trains without MTP (``model.mtp_num_steps=0``).
 """
 
 from __future__ import annotations
@@ -40,9 +43,9 @@ from glm5_train.config import TRAINING_FIELDS, GLM5Config
 HF_ARCHITECTURE = "GlmMoeDsaForCausalLM"
 HF_MODEL_TYPE = "glm_moe_dsa"
 
-# Architecture fields the model does not build yet: compared by nobody (the MTP layer's weights
-# are skipped on import and absent on export) until MTP exists.
-UNBUILT_FIELDS = frozenset({"num_nextn_predict_layers"})
+# Compared only when the job builds the MTP layers (a job with model.mtp_num_steps=0 imports
+# a checkpoint with MTP layers by skipping them).
+MTP_FIELD = "num_nextn_predict_layers"
 
 # GLM5Config fields HF's GlmMoeDsaConfig does not define: what HF's modelling code does
 # regardless (sigmoid scores, e_score_correction_bias always added, interleaved RoPE in MLA and
@@ -202,11 +205,17 @@ def check_exportable(cfg: GLM5Config) -> None:
 
 def check_config_matches(hf: GLM5Config, ours: GLM5Config) -> None:
     """ValueError naming the first architecture field where the checkpoint's config and the
-    job's differ (training knobs in TRAINING_FIELDS and the unbuilt MTP depth are ignored)."""
+    job's differ (training knobs in TRAINING_FIELDS are ignored, the MTP depth too when the job
+    trains no MTP)."""
     ours_d = dataclasses.asdict(ours)
     for name, value in dataclasses.asdict(hf).items():
-        if name in TRAINING_FIELDS or name in UNBUILT_FIELDS:
+        if name in TRAINING_FIELDS or (name == MTP_FIELD and not ours.mtp_sets):
             continue
+        if name == MTP_FIELD and value != ours_d[name]:
+            raise ValueError(
+                f"HF config.json has {name}={value} MTP layer(s) but the model trains "
+                f"model.{name}={ours_d[name]}: pass model.{name}={value}"
+                + (" (or model.mtp_num_steps=0 to train without MTP)" if not value else ""))
         if value != ours_d[name]:
             raise ValueError(
                 f"HF config.json has {name}={value!r} but the model config has "
@@ -216,7 +225,8 @@ def check_config_matches(hf: GLM5Config, ours: GLM5Config) -> None:
 
 def glm5_to_hf_config(cfg: GLM5Config, dtype: torch.dtype) -> dict[str, Any]:
     """HF ``GlmMoeDsaConfig`` fields (config.json) for a model with ``cfg`` and weights of
-    ``dtype``. ``num_nextn_predict_layers`` is 0: no MTP layer is exported."""
+    ``dtype``. ``num_nextn_predict_layers`` counts the MTP layers exported (0 when the model
+    trains none)."""
     check_exportable(cfg)
     layers = cfg.num_hidden_layers
     out: dict[str, Any] = {"architectures": [HF_ARCHITECTURE], "model_type": HF_MODEL_TYPE}
@@ -233,7 +243,7 @@ def glm5_to_hf_config(cfg: GLM5Config, dtype: torch.dtype) -> dict[str, Any]:
     out["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     out["indexer_types"] = ["full"] * layers
     out["mlp_layer_types"] = ["dense" if m == 0 else "sparse" for m in cfg.moe_layer_pattern]
-    out["num_nextn_predict_layers"] = 0
+    out["num_nextn_predict_layers"] = cfg.mtp_sets
     out["dtype"] = _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
     return out
 
@@ -292,7 +302,17 @@ _GLOBAL_RULES: tuple[tuple[str, str], ...] = (
     ("output_layer.weight", "lm_head.weight"),
 )
 
+# MTP layers: the decoder-layer rules under transformer_layer., plus these.
+_MTP_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("eh_proj.weight", ("eh_proj.weight",)),
+    ("enorm.weight", ("enorm.weight",)),
+    ("hnorm.weight", ("hnorm.weight",)),
+    ("final_layernorm.weight", ("shared_head.norm.weight",)),
+)
+_MTP_LAYER_PREFIX = "transformer_layer."
+
 _MCORE_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MCORE_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(.+)$")
 
@@ -311,6 +331,8 @@ for _m, _hs in _EXPERT_RULES:
     for _part, _h in enumerate(_hs):
         _HF_TO_EXPERT[_h.replace("mlp.experts.{e}.", "")] = (_m, _part, len(_hs))
 _HF_TO_GLOBAL = {h: m for m, h in _GLOBAL_RULES}
+_MTP_TO_HF = {m: h for m, h in _MTP_RULES}
+_HF_TO_MTP = {h[0]: m for m, h in _MTP_RULES}
 
 
 @dataclass(frozen=True)
@@ -324,16 +346,28 @@ class McoreName:
     parts: int = 1
 
 
-def mcore_to_hf(key: str, index: tuple[int, ...] = ()) -> list[str] | None:
+def mcore_to_hf(key: str, index: tuple[int, ...] = (),
+                num_hidden_layers: int | None = None) -> list[str] | None:
     """HF tensor names making up megatron global tensor ``key`` at prepended ``index``, stacked
-    in equal parts along axis 0; None for a key with no HF counterpart."""
+    in equal parts along axis 0; None for a key with no HF counterpart (MTP keys need
+    ``num_hidden_layers``)."""
     if key in _GLOBAL_TO_HF and not index:
         return [_GLOBAL_TO_HF[key]]
     match = _MCORE_LAYER.match(key)
-    if not match:
+    if match:
+        return _layer_to_hf(match.group(2), index, f"model.layers.{int(match.group(1))}.")
+    match = _MCORE_MTP.match(key)
+    if match is None or num_hidden_layers is None:
         return None
-    layer, rest = int(match.group(1)), match.group(2)
-    prefix = f"model.layers.{layer}."
+    prefix, rest = f"model.layers.{num_hidden_layers + int(match.group(1))}.", match.group(2)
+    if rest in _MTP_TO_HF and not index:
+        return [prefix + h for h in _MTP_TO_HF[rest]]
+    if rest.startswith(_MTP_LAYER_PREFIX):
+        return _layer_to_hf(rest[len(_MTP_LAYER_PREFIX):], index, prefix)
+    return None
+
+
+def _layer_to_hf(rest: str, index: tuple[int, ...], prefix: str) -> list[str] | None:
     if rest in _LAYER_TO_HF and not index:
         return [prefix + h for h in _LAYER_TO_HF[rest]]
     if rest in _EXPERT_TO_HF and len(index) == 1:
@@ -341,16 +375,25 @@ def mcore_to_hf(key: str, index: tuple[int, ...] = ()) -> list[str] | None:
     return None
 
 
-def hf_to_mcore(name: str) -> McoreName | None:
+def hf_to_mcore(name: str, num_hidden_layers: int | None = None) -> McoreName | None:
     """The megatron-core global tensor (local spec names) holding HF tensor ``name``; None for
-    a name the model does not have (e.g. an MTP layer's, or a typo)."""
+    a name the model does not have (a typo, or an MTP layer's when ``num_hidden_layers`` is
+    not given)."""
     if name in _HF_TO_GLOBAL:
         return McoreName(_HF_TO_GLOBAL[name], ())
     match = _HF_LAYER.match(name)
     if not match:
         return None
     layer, rest = int(match.group(1)), match.group(2)
-    prefix = f"decoder.layers.{layer}."
+    if num_hidden_layers is None or layer < num_hidden_layers:
+        return _hf_layer_to_mcore(rest, f"decoder.layers.{layer}.")
+    prefix = f"mtp.layers.{layer - num_hidden_layers}."
+    if rest in _HF_TO_MTP:
+        return McoreName(prefix + _HF_TO_MTP[rest], ())
+    return _hf_layer_to_mcore(rest, prefix + _MTP_LAYER_PREFIX)
+
+
+def _hf_layer_to_mcore(rest: str, prefix: str) -> McoreName | None:
     if rest in _HF_TO_LAYER:
         key, part, parts = _HF_TO_LAYER[rest]
         return McoreName(prefix + key, (), part, parts)
@@ -378,13 +421,28 @@ def hf_names_for(cfg: GLM5Config) -> list[str]:
     """Every HF tensor name of the main model (no MTP) of a GLM-5 with ``cfg``."""
     names = [h for _, h in _GLOBAL_RULES]
     for layer, is_moe in enumerate(cfg.moe_layer_pattern):
-        rules = _ATTENTION_RULES
-        if not is_moe:
-            rules += _DENSE_MLP_RULES
-        else:
-            rules += _ROUTER_RULES[:1] if cfg.topk_method != "noaux_tc" else _ROUTER_RULES
-            rules += _SHARED_EXPERT_RULES if cfg.n_shared_experts else ()
-            rules += tuple((m, tuple(h.format(e=e) for h in hs))
-                           for e in range(cfg.n_routed_experts) for m, hs in _EXPERT_RULES)
-        names += [f"model.layers.{layer}.{h}" for _, hs in rules for h in hs]
+        names += [f"model.layers.{layer}.{h}" for h in _layer_hf_suffixes(cfg, bool(is_moe))]
     return names
+
+
+def hf_mtp_names_for(cfg: GLM5Config) -> list[str]:
+    """The HF tensor names of ``cfg``'s MTP layers (``num_nextn_predict_layers`` MoE layers
+    plus eh_proj and three norms each)."""
+    names = []
+    for k in range(cfg.num_nextn_predict_layers):
+        prefix = f"model.layers.{cfg.num_hidden_layers + k}."
+        names += [prefix + hs[0] for _, hs in _MTP_RULES]
+        names += [prefix + h for h in _layer_hf_suffixes(cfg, moe=True)]
+    return names
+
+
+def _layer_hf_suffixes(cfg: GLM5Config, moe: bool) -> list[str]:
+    rules = _ATTENTION_RULES
+    if not moe:
+        rules += _DENSE_MLP_RULES
+    else:
+        rules += _ROUTER_RULES[:1] if cfg.topk_method != "noaux_tc" else _ROUTER_RULES
+        rules += _SHARED_EXPERT_RULES if cfg.n_shared_experts else ()
+        rules += tuple((m, tuple(h.format(e=e) for h in hs))
+                       for e in range(cfg.n_routed_experts) for m, hs in _EXPERT_RULES)
+    return [h for _, hs in rules for h in hs]

@@ -34,10 +34,19 @@ class Runtime:
 
 
 def validate_job(job: JobConfig) -> int:
-    """All checks that need no process group; returns the data-parallel size."""
-    _, world, _ = world_from_env()
-    return validate_layout(job.parallel, job.model, world, job.train.global_batch_size,
-                           job.train.micro_batch_size, job.train.seq_length)
+    """All checks that need no process group; returns the data-parallel size. Fixes the
+    pipeline layout (a given one checked, or one balanced for the MTP placement)."""
+    from glm5_train.pipeline_plan import resolve_pipeline_layout
+
+    rank, world, _ = world_from_env()
+    dp = validate_layout(job.parallel, job.model, world, job.train.global_batch_size,
+                         job.train.micro_batch_size, job.train.seq_length)
+    layout = resolve_pipeline_layout(job, dp)
+    if layout and layout != job.parallel.pipeline_model_parallel_layout and rank == 0:
+        print(f"pipeline layout: {layout} (balanced, parallel.mtp_placement="
+              f"{job.parallel.mtp_placement})", flush=True)
+    job.parallel.pipeline_model_parallel_layout = layout
+    return dp
 
 
 def build_model(job: JobConfig) -> tuple[object, list]:

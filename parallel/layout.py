@@ -33,6 +33,13 @@ class ParallelConfig:
     # Optional: the launcher starts TP x PP x CP x this many processes; when set, the job checks
     # the world size agrees. Null: derived from the world size.
     data_parallel_size: int | None = None
+    # Where the MTP layer goes when no layout is given and PP > 1 (the layout is then balanced
+    # by glm5_train.pipeline_plan): "split" (GLM-5: MTP transformer on the stage before the
+    # loss stage, its output head with the main one) or "with_loss" (megatron-core's).
+    mtp_placement: str = "split"
+    # The balancer evens out compute per stage among layouts whose ranks fit this many GiB
+    # (estimated); null: no limit, memory only breaks ties.
+    stage_memory_limit_gib: float | None = None
 
     @property
     def model_parallel_size(self) -> int:
@@ -128,14 +135,27 @@ def _check_tensor(par: ParallelConfig, model: GLM5Config) -> None:
                           "(it splits the sequence across TP ranks): set it to false or raise TP")
 
 
+MTP_PLACEMENTS = ("split", "with_loss")
+
+
 def _check_pipeline(par: ParallelConfig, model: GLM5Config) -> None:
     pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
+    if par.mtp_placement not in MTP_PLACEMENTS:
+        raise LayoutError(f"parallel.mtp_placement={par.mtp_placement!r}: use one of "
+                          f"{list(MTP_PLACEMENTS)}")
     if vpp is not None and (vpp < 1 or (vpp > 1 and pp == 1)):
         raise LayoutError(
             f"parallel.virtual_pipeline_model_parallel_size={vpp} needs "
             "pipeline_model_parallel_size > 1 and a value >= 2: set it to null or raise PP")
-    if par.pipeline_model_parallel_layout:
-        return  # megatron-core validates explicit layouts against num_layers itself
+    embedding_copies = pp > 1 and (model.mtp_sets or model.tie_word_embeddings)
+    if embedding_copies and par.overlap_grad_reduce:
+        raise LayoutError(
+            "parallel.overlap_grad_reduce=true with pipeline_model_parallel_size > 1 and MTP "
+            "(or tied embeddings): the word embedding then has copies on two stages whose "
+            "gradients are summed before the data-parallel reduction, which overlapping would "
+            "race with; set parallel.overlap_grad_reduce=false (or model.mtp_num_steps=0)")
+    if par.pipeline_model_parallel_layout or (model.mtp_sets and pp > 1):
+        return  # glm5_train.pipeline_plan checks a given layout, or balances one
     stages = pp * (vpp or 1)
     layers = model.num_hidden_layers
     if layers % stages:
@@ -223,6 +243,17 @@ def init_distributed(par: ParallelConfig, seed: int) -> None:
         get_embedding_ranks=first_stage_only,
     )
     model_parallel_cuda_manual_seed(seed)
+
+
+def comm_device() -> torch.device:
+    """The device of this process's tensors: batches, scalar reductions, model parameters.
+
+    With CUDA: ``cuda:<local rank>``, the device ``init_distributed`` made current (NCCL
+    collectives need tensors there). Without: the CPU (gloo). Stateless: asks torch each call.
+    """
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def first_stage_only(pp_ranks: list[int], *_) -> list[int]:

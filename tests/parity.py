@@ -38,6 +38,11 @@ LOSS_RTOL = 1e-4
 GRAD_NORM_RTOL = 1e-3
 
 
+def MTP_KEYS(rtol: float, record: dict) -> list[tuple[str, float]]:
+    """The per-step MTP losses a record carries (mtp_loss, mtp_loss_1, ...)."""
+    return [(key, rtol) for key in sorted(record) if key.startswith("mtp_loss")]
+
+
 @dataclass
 class JobResult:
     records: list[dict]
@@ -71,7 +76,7 @@ def compare(reference: list[dict], candidate: list[dict], loss_rtol: float = LOS
         problems.append(f"step count {len(candidate)} != reference {len(reference)}")
     for ref, got in zip(reference, candidate):
         for key, rtol in (("loss", loss_rtol), ("grad_norm", grad_rtol),
-                          ("indexer_kl", grad_rtol)):
+                          ("indexer_kl", grad_rtol), *MTP_KEYS(loss_rtol, ref)):
             if key not in ref and key not in got:
                 continue
             if key not in got or key not in ref:

@@ -4,12 +4,14 @@ A tiny random ``GlmMoeDsaForCausalLM`` (the glm5_tiny shapes) is saved with tran
 tensor randomised (norms, biases and ``e_score_correction_bias`` included: HF initialises those
 to constants, which would hide a swapped mapping). It is imported under torchrun in one process
 and in TP2 x PP2 x VPP2 x EP2, each import exported in the *other* layout, and every tensor must
-come back bit-identical under the same name. Config mismatches and unsupported HF features are
-refused naming the field; MTP-layer tensors are skipped and reported.
+come back bit-identical under the same name, the MTP layer (``model.layers.4.*``) included.
+Config mismatches and unsupported HF features are refused naming the field; a job training
+without MTP skips and reports the MTP tensors, a job training MTP refuses a checkpoint without.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -36,14 +38,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "hf_checkpoint.py")
 FOUR_RANKS = "tp2_pp2_vpp2_ep2"
 
-# MTP-layer tensors (model.layers.<num_hidden_layers>.*) added to a copy of the checkpoint.
-MTP_TENSORS = {
+# The MTP layer's own tensors; the rest of model.layers.4.* has layer 3's (MoE) shapes.
+MTP_OWN = {
     "model.layers.4.eh_proj.weight": (128, 256),
     "model.layers.4.enorm.weight": (128,),
     "model.layers.4.hnorm.weight": (128,),
     "model.layers.4.shared_head.norm.weight": (128,),
-    "model.layers.4.self_attn.q_a_proj.weight": (64, 128),
-    "model.layers.4.mlp.experts.0.gate_proj.weight": (64, 128),
 }
 
 
@@ -79,16 +79,25 @@ def hf_dir(tmp_path_factory):
     return path
 
 
+def mtp_tensors(main: dict) -> dict:
+    """A random, complete GLM-5 MTP layer for the tiny model: an MoE decoder layer (shapes of
+    layer 3) plus eh_proj, enorm, hnorm and shared_head.norm."""
+    shapes = dict(MTP_OWN)
+    shapes.update({name.replace("model.layers.3.", "model.layers.4."): tuple(t.shape)
+                   for name, t in main.items() if name.startswith("model.layers.3.")})
+    generator = torch.Generator().manual_seed(7)
+    return {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+
+
 @pytest.fixture(scope="module")
 def hf_dir_with_mtp(hf_dir, tmp_path_factory):
-    """The same checkpoint plus an MTP layer in its own file, indexed, num_nextn 1."""
+    """The same checkpoint plus a full MTP layer in its own file, indexed, num_nextn 1."""
     path = tmp_path_factory.mktemp("hf_mtp") / "tiny"
     shutil.copytree(hf_dir, path)
-    generator = torch.Generator().manual_seed(7)
-    save_file({name: torch.randn(shape, generator=generator)
-               for name, shape in MTP_TENSORS.items()}, str(path / "mtp.safetensors"))
+    mtp = mtp_tensors(read_hf_dir(hf_dir))
+    save_file(mtp, str(path / "mtp.safetensors"))
     weight_map = {name: "model.safetensors" for name in read_hf_dir(hf_dir)}
-    weight_map.update({name: "mtp.safetensors" for name in MTP_TENSORS})
+    weight_map.update({name: "mtp.safetensors" for name in mtp})
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     config = json.loads((path / "config.json").read_text())
     config["num_nextn_predict_layers"] = 1
@@ -97,12 +106,13 @@ def hf_dir_with_mtp(hf_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def imports(hf_dir, hf_dir_with_mtp, tmp_path_factory):
-    """Imported checkpoints per process count: (checkpoint dir, tool output). The 1-process
-    import reads the copy with the MTP layer."""
+def imports(hf_dir_with_mtp, tmp_path_factory):
+    """Imported checkpoints (with the MTP layer) per process count: (checkpoint dir, tool
+    output). 4 ranks: TP2 x PP2 x VPP2 x EP2, MTP on the stage before the loss stage, which
+    shares pipeline rank 0 with the embedding (so rank 0 holds two embedding copies)."""
     root = tmp_path_factory.mktemp("imports")
     out = {}
-    for nprocs, source in ((1, hf_dir_with_mtp), (4, hf_dir)):
+    for nprocs, source in ((1, hf_dir_with_mtp), (4, hf_dir_with_mtp)):
         ckpt = root / f"ckpt{nprocs}"
         proc = run_tool(nprocs, "import", "--hf-dir", str(source), "--save", str(ckpt),
                         *layout_args(nprocs))
@@ -111,27 +121,31 @@ def imports(hf_dir, hf_dir_with_mtp, tmp_path_factory):
 
 
 @pytest.mark.parametrize("import_procs,export_procs", [(1, 4), (4, 1)])
-def test_round_trip_is_bit_exact_across_layouts(hf_dir, imports, tmp_path, import_procs,
-                                                export_procs):
+def test_round_trip_is_bit_exact_across_layouts(hf_dir_with_mtp, imports, tmp_path,
+                                                import_procs, export_procs):
     ckpt, _ = imports[import_procs]
     out = tmp_path / "exported"
     run_tool(export_procs, "export", "--load", str(ckpt), "--hf-dir", str(out),
              *layout_args(export_procs))
-    original, exported = read_hf_dir(hf_dir), read_hf_dir(out)
+    original, exported = read_hf_dir(hf_dir_with_mtp), read_hf_dir(out)
     assert set(exported) == set(original)
+    cfg = hf_mapping.hf_config_to_glm5(json.loads((out / "config.json").read_text()))
+    assert set(hf_mapping.hf_mtp_names_for(cfg)) == {n for n in original if ".layers.4." in n}
     differing = [name for name, tensor in original.items()
                  if exported[name].dtype != tensor.dtype or not torch.equal(exported[name], tensor)]
     assert not differing, differing
-    # One shard per decoder layer plus one for embedding / final norm / head, all indexed.
+    # One shard per decoder layer and the MTP layer, one for embedding / final norm / head.
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(original)
-    assert len(set(index["weight_map"].values())) == 5
+    assert len(set(index["weight_map"].values())) == 6
     assert index["weight_map"]["model.layers.2.mlp.experts.7.up_proj.weight"] == \
-        "model-00004-of-00005.safetensors"
+        "model-00004-of-00006.safetensors"
+    assert index["weight_map"]["model.layers.4.eh_proj.weight"] == \
+        "model-00006-of-00006.safetensors"
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["GlmMoeDsaForCausalLM"]
     assert config["model_type"] == "glm_moe_dsa"
-    assert config["num_nextn_predict_layers"] == 0
+    assert config["num_nextn_predict_layers"] == 1
     assert config["indexer_types"] == ["full"] * 4
     assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e6}
     assert config["dtype"] == "float32"
@@ -208,10 +222,24 @@ def test_imported_model_reproduces_hf_logits(hf_dir, imports, tmp_path):
     assert (ours - reference).abs().max().item() <= 1e-4 * scale
 
 
-def test_mtp_layer_is_skipped_and_reported(imports):
-    _, log = imports[1]
-    assert f"skipped {len(MTP_TENSORS)} MTP tensors (model.layers.4.*" in log, log[-3000:]
+def test_mtp_layer_is_skipped_and_reported_without_mtp_training(hf_dir_with_mtp, tmp_path):
+    proc = run_tool(1, "import", "--hf-dir", str(hf_dir_with_mtp), "--save", str(tmp_path / "c"),
+                    *layout_args(1), "model.mtp_num_steps=0")
+    log = proc.stdout + proc.stderr
+    mtp = [n for n in read_hf_dir(hf_dir_with_mtp) if n.startswith("model.layers.4.")]
+    assert f"skipped {len(mtp)} MTP tensors (model.layers.4.*" in log, log[-3000:]
     assert "model.layers.4.eh_proj.weight" in log
+
+
+def test_checkpoint_without_mtp_is_refused_when_mtp_trains(hf_dir, tmp_path):
+    proc = run_tool(1, "import", "--hf-dir", str(hf_dir), "--save", str(tmp_path / "c"),
+                    *layout_args(1), expect_ok=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert ("HF config.json has num_nextn_predict_layers=0 MTP layer(s) but the model trains "
+            "model.num_nextn_predict_layers=1") in log, log[-3000:]
+    assert "model.mtp_num_steps=0" in log
+    assert not (tmp_path / "c").exists()
 
 
 def test_mismatching_config_is_refused(hf_dir, tmp_path):
@@ -282,6 +310,14 @@ def test_name_mapping_covers_the_hf_model_both_ways(hf_dir):
     assert hf_mapping.mcore_to_hf("decoder.layers.1.mlp.experts.experts.linear_fc1.weight",
                                   (3,)) == ["model.layers.1.mlp.experts.3.gate_proj.weight",
                                             "model.layers.1.mlp.experts.3.up_proj.weight"]
+    mtp = hf_mapping.hf_mtp_names_for(cfg if cfg.num_nextn_predict_layers else
+                                      dataclasses.replace(cfg, num_nextn_predict_layers=1))
+    for name in mtp:
+        where = hf_mapping.hf_to_mcore(name, num_hidden_layers=4)
+        assert where is not None and where.key.startswith("mtp.layers.0."), name
+        assert hf_mapping.mcore_to_hf(where.key, where.index, 4)[where.part] == name
+    assert hf_mapping.hf_to_mcore("model.layers.4.shared_head.norm.weight", 4).key == \
+        "mtp.layers.0.final_layernorm.weight"
     assert hf_mapping.is_mtp_name("model.layers.4.enorm.weight", 4, 1)
     assert not hf_mapping.is_mtp_name("model.layers.4.enorm.weight", 4, 0)
 

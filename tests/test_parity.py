@@ -10,11 +10,18 @@ import pytest
 
 from tests.parity import compare, run_job
 
+# The tiny GLM-5 trains its MTP layer for 3 steps (model.mtp_num_steps): every layout below
+# compares the main and the per-step MTP losses. With PP > 1 and no layout given, the layout is
+# balanced for parallel.mtp_placement (default "split": MTP on the stage before the loss stage,
+# where at PP=2 it shares pipeline rank 0 with the embedding stage).
 LAYOUTS = {
     # name: (processes, overrides)
     "tp2": (2, ["parallel=tp2"]),
     "pp2": (2, ["parallel=pp2"]),
-    "pp2_vpp2": (2, ["parallel=pp2_vpp2"]),
+    "pp2_vpp2": (2, ["parallel=pp2_vpp2"]),  # split: Et|ttt|m|L
+    "pp2_vpp2_mtp_with_loss": (2, ["parallel=pp2_vpp2", "parallel.mtp_placement=with_loss"]),
+    "pp2_vpp2_mtp_split_given": (2, ["parallel=pp2_vpp2",
+                                     "parallel.pipeline_model_parallel_layout='Et|t|ttm|L'"]),
     "ep2": (2, ["parallel=ep2"]),
     "dp2": (2, ["parallel=single"]),
     "tp2_pp2": (4, ["parallel=tp2_pp2"]),
@@ -43,6 +50,10 @@ def test_layout_matches_single_process(name, reference, tmp_path):
 def test_loss_falls(reference):
     # A sanity floor for the harness itself: training must make progress in 5 steps.
     assert reference[-1]["loss"] < reference[0]["loss"] - 0.5
+    # MTP trains too, and its three steps are distinct predictions (not one loss copied).
+    assert reference[-1]["mtp_loss"] < reference[0]["mtp_loss"] - 0.5
+    steps = [reference[-1][f"mtp_loss_{k}"] for k in (1, 2, 3)]
+    assert len(set(steps)) == 3, steps
 
 
 @pytest.fixture(scope="session")

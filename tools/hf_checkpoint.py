@@ -11,18 +11,18 @@ config groups after the flags). Names and config fields map through ``glm5_train
 Import reads ``DIR/config.json``, refuses an architecture other than the job's (naming the
 field), builds this rank's model chunks and, for every local ``ShardedTensor``, reads only the
 slice it holds from the safetensors files (``safe_open(...).get_slice(name)[...]``): a rank's
-memory is its shard plus one tensor slice. Every HF tensor of the main model must be used
-exactly once across all ranks (checked collectively); MTP-layer tensors
-(``model.layers.<num_hidden_layers>.*``) are skipped and reported, as the MTP layer is not built
-yet. The result is a weights-only checkpoint (``save_checkpoint(..., optimizer=None)``) that
+memory is its shard plus one tensor slice. Every HF tensor must be used exactly once across
+all ranks (checked collectively), the MTP layer's (``model.layers.<num_hidden_layers>.*``)
+included; a job that trains without MTP (``model.mtp_num_steps=0``) skips and reports them, and
+a job that trains MTP refuses a checkpoint without it. The result is a weights-only checkpoint (``save_checkpoint(..., optimizer=None)``) that
 training loads with ``checkpoint.load=OUT`` in any layout.
 
 Export loads a checkpoint (weights-only or a training checkpoint; the optimizer state is not
-read) and streams one safetensors shard per decoder layer plus one for the embedding, final norm
-and output head: for each shard, the ranks holding main replicas of its pieces send them to
+read) and streams one safetensors shard per decoder layer (MTP layers included) plus one for the
+embedding, final norm and output head: for each shard, the ranks holding main replicas of its pieces send them to
 global rank 0, which assembles and writes the shard before moving on, so rank 0 holds at most
 one layer. It writes ``model.safetensors.index.json`` and ``config.json`` (HF
-``GlmMoeDsaConfig`` fields, ``num_nextn_predict_layers`` 0 while MTP is absent). Tensors keep
+``GlmMoeDsaConfig`` fields, ``num_nextn_predict_layers`` = the MTP layers written). Tensors keep
 the model's dtype: a round trip HF -> here -> HF is bit-exact when the dtypes agree.
 """
 
@@ -129,11 +129,11 @@ def _leaves(tree: Any) -> list:
     return [tree]
 
 
-def pieces_of(tensor: LocalTensor) -> list[Piece]:
+def pieces_of(tensor: LocalTensor, num_hidden_layers: int) -> list[Piece]:
     """Split a local shard into the HF tensors it overlaps (the SwiGLU fc1 stacks gate; up)."""
     from glm5_train.hf_mapping import mcore_to_hf
 
-    names = mcore_to_hf(tensor.key, tensor.index)
+    names = mcore_to_hf(tensor.key, tensor.index, num_hidden_layers)
     if names is None:
         raise KeyError(f"megatron-core tensor {tensor.label} has no Hugging Face name")
     if tensor.data.dim() == 0 or tensor.shape[0] % len(names):
@@ -175,8 +175,13 @@ def _ensure_distributed(job) -> None:
         par = job.parallel
         # Conversion runs no batches: only the model-placement rules matter.
         split = par.tensor_model_parallel_size * 2 * par.context_parallel_size
-        validate_layout(par, job.model, world, global_batch_size=world, micro_batch_size=1,
-                        seq_length=split)
+        dp = validate_layout(par, job.model, world, global_batch_size=world,
+                             micro_batch_size=1, seq_length=split)
+        # The training job's layout (given, or balanced for the MTP placement): any layout
+        # converts the same weights, this one keeps the ranks' shares as in training.
+        from glm5_train.pipeline_plan import resolve_pipeline_layout
+
+        par.pipeline_model_parallel_layout = resolve_pipeline_layout(job, dp)
         device.install()
         init_distributed(par, job.train.seed)
 
@@ -273,7 +278,8 @@ def import_hf(job, hf_dir: str, save_dir: str) -> dict[str, Any]:
     check_config_matches(hf_cfg, job.model)
     files = hf_weight_files(hf_dir)
     layers, nextn = hf_cfg.num_hidden_layers, hf_cfg.num_nextn_predict_layers
-    mtp = sorted(n for n in files if is_mtp_name(n, layers, nextn))
+    # A job training without MTP skips the checkpoint's MTP layers (and says so).
+    mtp = [] if job.model.mtp_sets else sorted(n for n in files if is_mtp_name(n, layers, nextn))
     expected = set(files) - set(mtp)
 
     _ensure_distributed(job)
@@ -285,7 +291,7 @@ def import_hf(job, hf_dir: str, save_dir: str) -> dict[str, Any]:
     with _SliceReader(hf_dir, files) as reader, torch.no_grad():
         for tensor in local_tensors(chunks):
             try:
-                pieces = pieces_of(tensor)
+                pieces = pieces_of(tensor, layers)
             except (KeyError, ValueError) as err:
                 errors.append(str(err).strip("'\""))
                 continue
@@ -325,7 +331,8 @@ def import_hf(job, hf_dir: str, save_dir: str) -> dict[str, Any]:
     if mtp:
         _log(f"skipped {len(mtp)} MTP tensors (model.layers.{layers}"
              f"{'..' + str(layers + nextn - 1) if nextn > 1 else ''}.*, "
-             f"num_nextn_predict_layers={nextn}): the MTP layer is not built yet. Skipped: "
+             f"num_nextn_predict_layers={nextn}): the job trains no MTP "
+             "(model.mtp_num_steps=0). Skipped: "
              + ", ".join(mtp[:8]) + (" ..." if len(mtp) > 8 else ""))
     if casts:
         _log(f"converted dtypes to the model's (train.params_dtype): {dict(casts)}")
@@ -375,7 +382,8 @@ def shard_file(shard: int, shards: int) -> str:
 
 
 def _shard_of(name: str, layers: int) -> int:
-    """Shard 0: embedding, final norm, output head; shard 1 + i: decoder layer i."""
+    """Shard 0: embedding, final norm, output head; shard 1 + i: decoder layer i (an MTP layer
+    numbered after the decoder layers, as HF numbers it)."""
     from glm5_train.hf_mapping import hf_layer_index
 
     layer = hf_layer_index(name)
@@ -399,12 +407,12 @@ def export_hf(job, load_dir: str, out_dir: str) -> dict[str, Any]:
     load_checkpoint(load_dir, chunks, None, None, job.model)
 
     layers = job.model.num_hidden_layers
-    shards = layers + 1
+    shards = layers + job.model.mtp_sets + 1
     mine: list[list[Piece]] = [[] for _ in range(shards)]
     for tensor in local_tensors(chunks):
-        if tensor.main_replica:  # replicas (TP, DP, expert-DP copies) are sent once
-            for piece in pieces_of(tensor):
-                mine[_shard_of(piece.hf_name, layers)].append(piece)
+        if tensor.main_replica:  # replicas (TP, DP, expert-DP, embedding copies) go once
+            for piece in pieces_of(tensor, layers):
+                mine[_shard_of(piece.hf_name, shards - 1)].append(piece)
     counts = _all_gather([len(s) for s in mine])
     rank = dist.get_rank()
     if rank == 0:

@@ -1,0 +1,755 @@
+"""Pipeline layouts for GLM-5: validate a layout string, estimate each rank's memory, balance.
+
+A layout is megatron-core's string (``E`` embedding, ``t`` decoder layer, ``m`` MTP layer, ``L``
+loss/output head, ``|`` between stages); global stage s runs on pipeline rank s % PP as virtual
+chunk s // PP. GLM-5 places its MTP layer in one of two ways (``../shared/glm5_reference.md``
+sec. 3): ``with_loss`` (megatron-core's: ``m`` with ``L`` on the last stage, ``Et|tt|tt|tmL``) or
+``split`` (GLM-5's: ``m`` on the stage before, the last stage holds only ``L``, ``Ett|tt|tm|L``).
+
+The memory model is closed-form: parameters from ``tools/count_params.py``'s formula, sharded as
+our model shards them; activations per micro-batch tensor by tensor as our implementation saves
+them for backward (checked against a measured forward in ``tests/test_pipeline_plan.py``); and the
+activations in flight from a replay of megatron-core's (interleaved) 1F1B order per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from bisect import bisect_right
+from dataclasses import dataclass
+from functools import cached_property
+from itertools import accumulate
+from operator import mul
+
+from glm5_train.config import GLM5Config
+from parallel.layout import LayoutError
+from tools.count_params import layer_terms, top_terms
+
+GLM5_MTP_STEPS = 3  # used when the model config predates model.mtp_num_steps
+LAYOUT_FIELD = "parallel.pipeline_model_parallel_layout"
+
+
+def mtp_steps(cfg: GLM5Config) -> int:
+    return getattr(cfg, "mtp_num_steps", GLM5_MTP_STEPS if cfg.num_nextn_predict_layers else 0)
+
+
+def mtp_sets(cfg: GLM5Config) -> int:
+    """MTP parameter sets built (megatron-core's mtp_num_layers): none when MTP is off."""
+    return cfg.num_nextn_predict_layers if mtp_steps(cfg) > 0 else 0
+
+
+# ---------------------------------------------------------------------------------- layouts
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Stages of 'E', 't', 'm', 'L'; stage s on pipeline rank s % pp, virtual stage s // pp."""
+
+    stages: tuple[tuple[str, ...], ...]
+    pp: int
+    vpp: int | None = None
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.pp
+
+    @property
+    def mtp_stage(self) -> int | None:
+        return next((i for i, stage in enumerate(self.stages) if "m" in stage), None)
+
+    @property
+    def placement(self) -> str:
+        last, m = len(self.stages) - 1, self.mtp_stage
+        return {None: "none", last: "with_loss", last - 1: "split"}.get(m, "custom")
+
+    @property
+    def layers_per_stage(self) -> tuple[int, ...]:
+        return tuple(stage.count("t") for stage in self.stages)
+
+    def to_string(self) -> str:
+        return "|".join("".join(stage) for stage in self.stages)
+
+
+def parse_layout(layout: str, pp: int, vpp: int | None, num_layers: int,
+                 mtp_sets: int) -> PipelineLayout:
+    """Parse and check a layout string against every megatron-core rule; raise LayoutError."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    def fail(rule: str) -> LayoutError:
+        return LayoutError(f"{LAYOUT_FIELD}={layout!r} {rule}")
+
+    chars = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L"}
+    try:
+        parsed = PipelineParallelLayerLayout.parse_str_to_list(layout)
+    except AssertionError as err:
+        raise fail(f"has an unknown character ({err}): use only E, t, m, L, '|' and the "
+                   "repeats '(...)*n' / 'x*n'") from None
+    result = PipelineLayout(tuple(tuple(chars[k.name] for k in stage) for stage in parsed),
+                            pp, vpp)
+    _check_shape(result, fail, num_layers)
+    _check_mtp(result, fail, mtp_sets)
+    return result
+
+
+def _check_shape(lay: PipelineLayout, fail, num_layers: int) -> None:
+    """Stage count, one 'E' opening stage 0, one 'L' closing the last stage, one 't' a layer."""
+    want, flat = lay.pp * (lay.vpp or 1), [c for stage in lay.stages for c in stage]
+    first, last = "".join(lay.stages[0]), "".join(lay.stages[-1])
+    if len(lay.stages) != want:
+        raise fail(f"has {len(lay.stages)} stages but pipeline x virtual stages = {lay.pp} x "
+                   f"{lay.vpp or 1} = {want}: give {want} '|'-separated stages or change "
+                   "parallel.pipeline_model_parallel_size / virtual_pipeline_model_parallel_size")
+    if flat.count("E") != 1 or not first.startswith("E"):
+        raise fail(f"has {flat.count('E')} 'E' and stage 0 is {first!r}: the embedding 'E' "
+                   "must appear exactly once, first in stage 0")
+    if flat.count("L") != 1 or not last.endswith("L"):
+        raise fail(f"has {flat.count('L')} 'L' and the last stage is {last!r}: the loss 'L' "
+                   "must appear exactly once, last in the last stage")
+    if flat.count("t") != num_layers:
+        raise fail(f"has {flat.count('t')} 't' but model.num_hidden_layers={num_layers}: write "
+                   f"one 't' per decoder layer ({num_layers - flat.count('t'):+d})")
+
+
+def _check_mtp(lay: PipelineLayout, fail, mtp_sets: int) -> None:
+    flat = [c for stage in lay.stages for c in stage]
+    holders = [i for i, stage in enumerate(lay.stages) if "m" in stage]
+    if flat.count("m") != mtp_sets:
+        raise fail(f"has {flat.count('m')} 'm' but the model trains {mtp_sets} MTP layer(s) "
+                   "(model.num_nextn_predict_layers; 0 when model.mtp_num_steps=0): write "
+                   f"{mtp_sets} 'm'")
+    if len(holders) > 1:
+        raise fail(f"spreads 'm' over stages {holders}: all MTP layers go in one stage")
+    if holders and "t" in flat[flat.index("m"):]:
+        raise fail("has a 't' after an 'm': every decoder layer must come before the MTP layer")
+    if holders and holders[0] // lay.pp != (lay.vpp or 1) - 1:
+        m = holders[0]
+        raise fail(f"puts 'm' in stage {m}, virtual stage {m // lay.pp} of pipeline rank "
+                   f"{m % lay.pp}: megatron-core needs it in its rank's last virtual stage "
+                   f"({(lay.vpp or 1) - 1}), i.e. one of the last {lay.pp} stages")
+
+
+# ------------------------------------------------------------------------------ model inputs
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """Parallel sizes, batch shape, and bytes per value: all the estimate needs besides the
+    model and the layout. Defaults: bf16 weights, fp32 main grads, fp32 master + Adam m, v."""
+
+    tp: int = 1
+    ep: int = 1
+    etp: int | None = None  # None: 1 with EP > 1, else TP (parallel.layout.ParallelConfig)
+    cp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+    seq_length: int = 4096
+    micro_batch_size: int = 1
+    num_microbatches: int = 1
+    weight_bytes: int = 2
+    grad_bytes: int = 4
+    optimizer_bytes: int = 12
+    activation_bytes: int = 2
+    distributed_optimizer: bool = False  # optimizer state sharded over data-parallel ranks
+    shard_grads: bool = False  # ZeRO-2 (GLM-5's pipeline ZeRO2); megatron-core keeps them whole
+    dsa_kl: bool = True  # the indexer trains with the KL (dense_warmup estimated as sparse)
+    fused_attention: bool = True  # CUDA SDPA kernels; False: SDPA's math path (CPU)
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp if self.etp is not None else (1 if self.ep > 1 else self.tp)
+
+    @property
+    def expert_dp(self) -> int:
+        return max(1, self.tp * self.cp * self.dp // (self.ep * self.expert_tp))
+
+    @property
+    def seq(self) -> int:  # queries per context-parallel rank
+        return self.seq_length // self.cp
+
+    @property
+    def tokens(self) -> int:  # per micro-batch in tensor-parallel regions (whole local sequence)
+        return self.micro_batch_size * self.seq
+
+    @property
+    def sp_tokens(self) -> int:  # per micro-batch where sequence parallelism splits over TP
+        return self.tokens // self.tp if self.sequence_parallel else self.tokens
+
+
+def inputs_from_job(job, dp: int | None = None, **changes) -> MemoryInputs:
+    """MemoryInputs of a JobConfig; ``dp`` defaults to parallel.data_parallel_size or 1."""
+    par, train = job.parallel, job.train
+    dp = dp or par.data_parallel_size or 1
+    micro = train.micro_batch_size * dp
+    if train.global_batch_size % micro:
+        raise LayoutError(f"train.global_batch_size={train.global_batch_size} is not a multiple "
+                          f"of train.micro_batch_size x data-parallel size = {micro}")
+    bf16 = train.params_dtype == "bf16"
+    dsa = getattr(job, "dsa", None)
+    inputs = MemoryInputs(
+        tp=par.tensor_model_parallel_size, ep=par.expert_model_parallel_size,
+        etp=par.expert_tensor_parallel_size, cp=par.context_parallel_size, dp=dp,
+        sequence_parallel=par.sequence_parallel, seq_length=train.seq_length,
+        micro_batch_size=train.micro_batch_size,
+        num_microbatches=train.global_batch_size // micro,
+        # fp32 training has no separate master copy: Adam's m and v only.
+        weight_bytes=2 if bf16 else 4, optimizer_bytes=12 if bf16 else 8,
+        activation_bytes=2 if bf16 else 4,
+        distributed_optimizer=par.use_distributed_optimizer,
+        dsa_kl=bool(getattr(dsa, "trains_indexer", True)))
+    inputs = dataclasses.replace(inputs, **changes)
+    if (inputs.tp * inputs.cp * dp) % (inputs.ep * inputs.expert_tp):
+        raise LayoutError(
+            f"expert x expert-tensor parallel = {inputs.ep} x {inputs.expert_tp} must divide "
+            f"TP x CP x DP = {inputs.tp} x {inputs.cp} x {dp}: raise the data-parallel size")
+    return inputs
+
+
+# -------------------------------------------------------------- activations per micro-batch
+# Bytes each tensor saved for backward holds, per rank, as our implementation saves them
+# (glm5_train/layers.py, dsa.py, dsa_loss.py; megatron-core's MLA, MoE and output layer).
+# ``a`` is the activation dtype's size; fp32 internals are 4 bytes, int64 indices 8, masks 1.
+# Checked: an fp32 CPU forward of the tiny model, MTP on and off (tests), and the fused-SDPA
+# terms in bf16 on an H200. Not modelled: recompute, offloading, transient workspace inside a
+# layer's forward or backward, allocator fragmentation.
+
+
+def _rms_norm_bytes(tokens: int, width: int, inp: MemoryInputs) -> int:
+    # glm5_train.layers.RMSNorm runs in fp32: it saves the fp32 input and the normalised fp32
+    # product [tokens, width], the fp32 inverse rms per token, and (non-fp32 models) the
+    # weight's fp32 copy.
+    return 8 * tokens * width + 4 * tokens + (4 * width if inp.activation_bytes != 4 else 0)
+
+
+def _swiglu_bytes(tokens: int, ffn: int, a: int) -> int:
+    # fc1's output [t, 2F] (SiLU keeps its gate half), the SiLU output, the up half plus
+    # megatron's glu offset (a new tensor), and the gated product that feeds fc2: 5F per token.
+    return 5 * a * tokens * ffn
+
+
+def attention_activation_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
+    """MLA + DSA of one decoder layer, input norm included."""
+    a, n, n_sp, s = inp.activation_bytes, inp.tokens, inp.sp_tokens, inp.seq
+    heads, q_rank = cfg.num_attention_heads // inp.tp, cfg.q_lora_rank
+    C, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    total = _rms_norm_bytes(n_sp, cfg.hidden_size, inp)
+    total += a * n_sp * cfg.hidden_size  # normed input, shared by the q and kv down projections
+    if q_rank:  # q latent norm + q_up's input (kept sequence-split under SP, gathered again)
+        total += _rms_norm_bytes(n_sp, q_rank, inp) + a * n_sp * q_rank
+    total += _rms_norm_bytes(n_sp, C, inp) + a * n_sp * C  # kv latent norm + kv_up's input
+    if a == 4:  # in fp32 the kv norm's input aliases the whole [latent | rope key] output
+        total += 4 * n_sp * R
+    total += 4 * a * s * R  # RoPE cos and sin for q and k, per position
+    total += _core_attention_bytes(cfg, inp, heads)
+    total += a * n * heads * cfg.v_head_dim  # o_proj's input
+    if dsa_sparse(cfg, inp) and inp.dsa_kl:
+        total += _indexer_kl_bytes(cfg, inp)
+    return total
+
+
+def dsa_sparse(cfg: GLM5Config, inp: MemoryInputs) -> bool:
+    """DSACoreAttention falls back to dense causal attention (and no KL) when every key fits."""
+    return cfg.index_topk < inp.seq
+
+
+def _core_attention_bytes(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> int:
+    a, n, s = inp.activation_bytes, inp.tokens, inp.seq
+    dqk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    sparse = dsa_sparse(cfg, inp)
+    if not inp.fused_attention:  # SDPA's math path (CPU, where it computes in fp32): copies
+        # of the scaled q, k^T and v, and the probabilities [b, heads, s, s]
+        return 4 * n * heads * (2 * dqk + dv) + 4 * n * heads * s
+    # Fused kernels: q, k, v and the output, an fp32 log-sum-exp per head and query, and for
+    # the top-k selection the additive [b, 1, s, s] mask the kernel keeps for backward.
+    return a * n * heads * 2 * (dqk + dv) + 4 * n * heads + (a * n * s if sparse else 0)
+
+
+def _indexer_kl_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
+    """The indexer's second, differentiable pass for the sparse-stage KL (dsa_loss.py). Its
+    inputs are gathered to the full sequence under SP and it is replicated over TP."""
+    a, n, s, keys = inp.activation_bytes, inp.tokens, inp.seq, inp.seq_length
+    Hi, Di, topk = cfg.index_n_heads, cfg.index_head_dim, min(cfg.index_topk, inp.seq)
+    H = cfg.hidden_size
+    q_in = cfg.q_lora_rank or H
+    if inp.micro_batch_size > 1:  # [s, b] -> [b, s] inputs copy in each linear: qr for wq_b,
+        total = a * n * (q_in + 2 * H)  # x for wk and for weights_proj
+    else:  # a view: only the all-gathered full-sequence x and qr under SP are new tensors
+        total = a * n * (q_in + H) if inp.sequence_parallel and inp.tp > 1 else 0
+    total += a * n * Di + 8 * n  # wk's output and the key LayerNorm's mean and rstd
+    total += 2 * a * s * cfg.qk_rope_head_dim  # RoPE cos and sin for indexer q and k
+    total += 4 * n * (Di + Hi * Di + Hi)  # fp32 k, q and head weights of the score einsums
+    total += 4 * n * Hi * keys  # ReLU(q . k) [b, s, Hi, s] in fp32: the dominant term
+    total += s * keys + 4 * n * keys  # causal mask; index scores [b, s, s] kept by the gather
+    return total + 18 * n * topk  # top-k ids (int64), valid mask, log-softmax, target, mask
+
+
+def mlp_activation_bytes(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> int:
+    """Pre-MLP norm plus the dense SwiGLU MLP or the MoE block of one decoder layer."""
+    a, n, n_sp, H = inp.activation_bytes, inp.tokens, inp.sp_tokens, cfg.hidden_size
+    total = _rms_norm_bytes(n_sp, H, inp) + a * n_sp * H  # norm + its output (fc1's input)
+    if not moe:
+        return total + _swiglu_bytes(n, cfg.intermediate_size // inp.tp, a)
+    E, k, F = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    # Router: fp32 logits and probabilities and the bool routing map [n, E]; top-k ids (int64)
+    # and probabilities, the sorted token ids of the permutation (int64), a score per token.
+    total += 9 * n_sp * E + 20 * n_sp * k + 4 * n_sp
+    if cfg.n_shared_experts:
+        total += _swiglu_bytes(n, cfg.n_shared_experts * F // inp.tp, a)
+    # Routed copies per rank: the all-to-all leaves each rank its SP tokens x top-k on average;
+    # expert-TP gathers the TP group's tokens. Each keeps its permuted input, SwiGLU, the
+    # product scaled by its routing probability (one more [t, F]) and that fp32 probability.
+    routed = k * (n_sp * inp.expert_tp if inp.sequence_parallel else n)
+    ffn = F // inp.expert_tp
+    return total + a * routed * H + _swiglu_bytes(routed, ffn, a) + a * routed * ffn + 4 * routed
+
+
+def decoder_layer_activation_bytes(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> int:
+    return attention_activation_bytes(cfg, inp) + mlp_activation_bytes(cfg, moe, inp)
+
+
+def loss_head_activation_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
+    """One output head + cross-entropy: the head's input (sequence-split under SP) and
+    megatron's fp32 softmax [n, V/TP], plus its target mask (bool) and ids (int64)."""
+    n = inp.tokens
+    vocab = cfg.vocab_size // inp.tp
+    return inp.activation_bytes * inp.sp_tokens * cfg.hidden_size + 4 * n * vocab + 9 * n
+
+
+def mtp_step_activation_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
+    """One MTP step: rolled token ids, enorm, hnorm, eh_proj's input [n, 2H], the MoE layer,
+    and the MTP final norm."""
+    n_sp, H = inp.sp_tokens, cfg.hidden_size
+    norms = 3 * _rms_norm_bytes(n_sp, H, inp)
+    return (8 * inp.tokens + norms + 2 * inp.activation_bytes * n_sp * H
+            + decoder_layer_activation_bytes(cfg, True, inp))
+
+
+# ------------------------------------------------------------- parameters, compute, stages
+
+# Components split over TP ranks; the rest of a layer (down projections, norms, indexer,
+# router) is replicated in our model, and routed experts split over EP x expert-TP.
+TP_SPLIT = frozenset({"q_up", "kv_up", "o_proj", "dense_mlp", "shared_expert"})
+
+
+@dataclass(frozen=True)
+class Part:
+    """One piece of a stage per rank: dense and expert parameters (they shard over different
+    data-parallel groups), activation bytes and flops (forward + backward) per micro-batch."""
+
+    dense_params: int = 0
+    expert_params: int = 0
+    activation_bytes: int = 0
+    flops: int = 0
+
+    def __add__(self, other: Part) -> Part:
+        return Part(self.dense_params + other.dense_params,
+                    self.expert_params + other.expert_params,
+                    self.activation_bytes + other.activation_bytes, self.flops + other.flops)
+
+    def times(self, k: int) -> Part:
+        return Part(k * self.dense_params, k * self.expert_params, k * self.activation_bytes,
+                    k * self.flops)
+
+
+def _attention_flops(cfg: GLM5Config, inp: MemoryInputs) -> int:
+    b, s, sparse = inp.micro_batch_size, inp.seq_length, dsa_sparse(cfg, inp)
+    # Our sparse path runs dense SDPA under a top-k mask: every (query, key) pair costs.
+    pairs = b * s * s if sparse else b * s * (s + 1) // 2
+    dims = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
+    core = 6 * pairs * cfg.num_attention_heads * dims // (inp.tp * inp.cp)
+    # The indexer (replicated over TP) scores all pairs for the selection; with the KL a
+    # second differentiable pass and its backward add three more.
+    passes = (4 if inp.dsa_kl else 1) if sparse else 0
+    return core + passes * 2 * b * s * s * cfg.index_n_heads * cfg.index_head_dim // inp.cp
+
+
+def layer_part(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> Part:
+    dense = expert = active = 0
+    for term in layer_terms(cfg, moe):
+        if term.key == "routed_experts":
+            expert += term.count // (inp.ep * inp.expert_tp)
+            active += term.count * cfg.num_experts_per_tok // cfg.n_routed_experts
+        else:
+            dense += term.count // inp.tp if term.key in TP_SPLIT else term.count
+            active += term.count
+    flops = 6 * active * inp.tokens // inp.tp + _attention_flops(cfg, inp)
+    return Part(dense, expert, decoder_layer_activation_bytes(cfg, moe, inp), flops)
+
+
+def mtp_layer_params(cfg: GLM5Config) -> int:
+    """One MTP parameter set as megatron-core builds it: an MoE layer, eh_proj [H, 2H] and
+    enorm, hnorm, final norm (HF's count less the expert bias, a buffer in megatron)."""
+    H = cfg.hidden_size
+    return sum(t.count for t in layer_terms(cfg, True)) + 2 * H * H + 3 * H
+
+
+def _vocab_part(cfg: GLM5Config, inp: MemoryInputs, key: str) -> Part:
+    count = next(t.count for t in top_terms(cfg) if t.key == key)
+    return Part(dense_params=count // inp.tp)
+
+
+def _mtp_part(cfg: GLM5Config, inp: MemoryInputs) -> Part:
+    H, sets, steps = cfg.hidden_size, mtp_sets(cfg), mtp_steps(cfg)
+    layer = layer_part(cfg, True, inp)
+    eh_proj = 2 * H * H // inp.tp
+    params = Part(dense_params=layer.dense_params + eh_proj + 3 * H,
+                  expert_params=layer.expert_params).times(sets)
+    flops = layer.flops + 6 * 2 * H * H * inp.tokens // inp.tp
+    return params + Part(activation_bytes=mtp_step_activation_bytes(cfg, inp),
+                         flops=flops).times(steps)
+
+
+def _head_part(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> Part:
+    """Output head(s) on the last stage: the main loss plus one per MTP step."""
+    flops = 6 * cfg.vocab_size * cfg.hidden_size * inp.tokens // inp.tp
+    return _vocab_part(cfg, inp, "output_head") + Part(
+        activation_bytes=loss_head_activation_bytes(cfg, inp), flops=flops).times(heads)
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes_per_microbatch: int
+    flops_per_microbatch: int
+
+    @cached_property  # read in the balancer's inner loop
+    def static_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+def stage_costs(part: Part, inp: MemoryInputs) -> StageCosts:
+    d, e = part.dense_params, part.expert_params
+    sharded = -(-d // (inp.dp * inp.cp)) - (-e // inp.expert_dp)  # per rank, rounded up
+    grads = sharded if inp.shard_grads else d + e
+    states = sharded if inp.distributed_optimizer else d + e
+    return StageCosts(inp.weight_bytes * (d + e), inp.grad_bytes * grads,
+                      inp.optimizer_bytes * states, part.activation_bytes, part.flops)
+
+
+class _StageModel:
+    """Per-stage costs of a layout shape (stage count, MTP stage) for any layer counts."""
+
+    def __init__(self, cfg: GLM5Config, inp: MemoryInputs, num_stages: int,
+                 mtp_stage: int | None) -> None:
+        self.cfg, self.inp, self.last, self.mtp_stage = cfg, inp, num_stages - 1, mtp_stage
+        steps = mtp_steps(cfg) if mtp_stage is not None else 0
+        self.layer = {moe: layer_part(cfg, moe, inp) for moe in (False, True)}
+        self.embedding = _vocab_part(cfg, inp, "embedding")
+        hidden = Part(activation_bytes=inp.activation_bytes * inp.sp_tokens * cfg.hidden_size)
+        self.stage_input = hidden  # megatron keeps each received input until its backward
+        self.concat_input = hidden.times(1 + steps)  # main + MTP hidden states, concatenated
+        self.mtp = _mtp_part(cfg, inp) if mtp_stage is not None else Part()
+        self.head = _head_part(cfg, inp, 1 + steps)
+        self.final_norm = Part(dense_params=cfg.hidden_size, activation_bytes=_rms_norm_bytes(
+            inp.sp_tokens, cfg.hidden_size, inp))
+        self._cache: dict[tuple[int, int, int, bool], StageCosts] = {}
+
+    def final_norm_stage(self, counts: list[int]) -> int:
+        """megatron-core: with MTP the final norm follows the last decoder layer, else it is
+        part of the output stage."""
+        if self.mtp_stage is None:
+            return self.last
+        return next((s for s in range(len(counts) - 1, -1, -1) if counts[s]), 0)
+
+    def dense_layers(self, start: int, count: int) -> int:
+        """Dense-MLP layers among decoder layers start .. start + count - 1."""
+        return max(0, min(start + count, self.cfg.first_k_dense_replace) - start)
+
+    def part(self, stage: int, dense: int, count: int, final_norm: bool) -> Part:
+        part = self.layer[False].times(dense) + self.layer[True].times(count - dense)
+        if stage == 0:
+            part += self.embedding
+        else:
+            after_mtp = self.mtp_stage is not None and stage > self.mtp_stage
+            part += self.concat_input if after_mtp else self.stage_input
+        if stage == self.mtp_stage:  # MTP re-embeds: a stage other than 0 holds a copy
+            part += self.mtp + (self.embedding if stage else Part())
+        if stage == self.last:
+            tied = self.cfg.tie_word_embeddings and stage  # the tied head's copy
+            part += self.head + (self.embedding if tied else Part())
+        return part + self.final_norm if final_norm else part
+
+    def costs(self, counts: list[int]) -> list[StageCosts]:
+        norm, starts = self.final_norm_stage(counts), [0, *accumulate(counts)]
+        return [self.stage(s, self.dense_layers(starts[s], c), c, s == norm)
+                for s, c in enumerate(counts)]
+
+    def stage(self, *key) -> StageCosts:
+        """Costs of (stage, dense layers, layers, holds the final norm), cached: the search
+        asks for the same few stages again and again."""
+        if key not in self._cache:
+            self._cache[key] = stage_costs(self.part(*key), self.inp)
+        return self._cache[key]
+
+
+# ------------------------------------------------------------------- 1F1B activation peak
+
+
+class PipelineSchedule:
+    """megatron-core's 1F1B order per pipeline rank: interleaved whenever ``vpp`` is set
+    (pipeline_parallel.schedules), plain 1F1B otherwise. Tracks which chunks' micro-batches
+    are forwarded and not yet backwarded, i.e. hold their activations."""
+
+    def __init__(self, pp: int, vpp: int | None, num_microbatches: int) -> None:
+        self.pp, self.vpp, self.num_microbatches = pp, vpp, num_microbatches
+        self.chunks = vpp or 1
+        self._vectors: dict[int, list[tuple[int, ...]]] = {}
+
+    def chunk_table(self) -> list[int]:
+        """Model chunk of each forward in order: groups of PP micro-batches run chunk by chunk
+        (the last group takes the remainder), as megatron-core's get_schedule_table."""
+        table, n, group = [], self.num_microbatches, self.pp
+        for first in range(0, n, group):
+            size = n - first if first + group >= n else group
+            table += [chunk for chunk in range(self.chunks) for _ in range(size)]
+        return table
+
+    def warmup(self, rank: int) -> int:
+        total = self.num_microbatches * self.chunks
+        if self.pp == 1:
+            return 0
+        if self.vpp is None:
+            return min(self.pp - rank - 1, total)
+        return min((self.pp - rank - 1) * 2 + (self.chunks - 1) * self.pp, total)
+
+    def order(self, rank: int) -> list[tuple[str, int]]:
+        """('F' | 'B', chunk) in execution order: warm-up forwards, 1F1B, cool-down."""
+        table, warm = self.chunk_table(), self.warmup(rank)
+        backward = [("B", self.chunks - 1 - chunk) for chunk in table]
+        ops = [("F", chunk) for chunk in table[:warm]]
+        for k in range(len(table) - warm):
+            ops += [("F", table[warm + k]), backward[k]]
+        return ops + backward[len(table) - warm:]
+
+    def in_flight_vectors(self, rank: int) -> list[tuple[int, ...]]:
+        """Micro-batches in flight per chunk after each forward. The peak of a weighted sum
+        (non-negative weights) is reached at a vector that no other vector dominates and that
+        is not the midpoint of two others (an extreme point): only those are kept."""
+        if rank not in self._vectors:
+            live, seen = [0] * self.chunks, set()
+            for op, chunk in self.order(rank):
+                live[chunk] += 1 if op == "F" else -1
+                if op == "F":
+                    seen.add(tuple(live))
+            extreme = [v for v in seen if not any(
+                tuple(2 * x - y for x, y in zip(v, u)) in seen for u in seen if u != v)]
+            self._vectors[rank] = sorted(v for v in extreme if not any(
+                w != v and all(x <= y for x, y in zip(v, w)) for w in extreme))
+        return self._vectors[rank]
+
+    def peak_activation_bytes(self, rank: int, chunk_bytes: list[int]) -> int:
+        return max(sum(n * b for n, b in zip(v, chunk_bytes))
+                   for v in self.in_flight_vectors(rank))
+
+    def peak_in_flight(self, rank: int) -> int:
+        return self.peak_activation_bytes(rank, [1] * self.chunks)
+
+    def rank_bytes(self, rank: int, costs: list[StageCosts]) -> tuple[int, int]:
+        """(static, peak activation) bytes of ``rank`` given every stage's costs."""
+        mine = costs[rank::self.pp]
+        return (sum(c.static_bytes for c in mine), self.peak_activation_bytes(
+            rank, [c.activation_bytes_per_microbatch for c in mine]))
+
+
+# ------------------------------------------------------------------------ report, balance
+
+
+@dataclass(frozen=True)
+class StageReport:
+    stage: int
+    rank: int
+    layers: str
+    costs: StageCosts
+
+
+@dataclass(frozen=True)
+class RankReport:
+    rank: int
+    static_bytes: int
+    peak_activation_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.static_bytes + self.peak_activation_bytes
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    layout: PipelineLayout
+    stages: tuple[StageReport, ...]
+    ranks: tuple[RankReport, ...]
+
+    @property
+    def max_rank_bytes(self) -> int:
+        return max(r.total_bytes for r in self.ranks)
+
+    @property
+    def min_rank_bytes(self) -> int:
+        return min(r.total_bytes for r in self.ranks)
+
+    def summary_line(self) -> str:
+        return (f"placement={self.layout.placement} layout={self.layout.to_string()} "
+                f"max_rank_bytes={self.max_rank_bytes} min_rank_bytes={self.min_rank_bytes} "
+                f"spread_bytes={self.max_rank_bytes - self.min_rank_bytes}")
+
+
+def plan_report(model_cfg: GLM5Config, layout: PipelineLayout,
+                inputs: MemoryInputs) -> PlanReport:
+    """Per-stage costs and per-rank memory (static + peak in-flight activations)."""
+    costs = _StageModel(model_cfg, inputs, len(layout.stages), layout.mtp_stage).costs(
+        list(layout.layers_per_stage))
+    schedule = PipelineSchedule(layout.pp, layout.vpp, inputs.num_microbatches)
+    stages = tuple(StageReport(s, layout.rank_of(s), "".join(layout.stages[s]), c)
+                   for s, c in enumerate(costs))
+    ranks = tuple(RankReport(r, *schedule.rank_bytes(r, costs)) for r in range(layout.pp))
+    return PlanReport(layout, stages, ranks)
+
+
+def layout_from_counts(counts: list[int], pp: int, vpp: int | None, mtp_stage: int | None,
+                       sets: int) -> PipelineLayout:
+    stages = []
+    for s, count in enumerate(counts):
+        stage = ("E",) * (s == 0) + ("t",) * count + ("m",) * (sets if s == mtp_stage else 0)
+        stages.append(stage + ("L",) * (s == len(counts) - 1))
+    return PipelineLayout(tuple(stages), pp, vpp)
+
+
+def balance_layout(model_cfg: GLM5Config, pp: int, vpp: int | None, placement: str,
+                   inputs: MemoryInputs, memory_limit_bytes: int | None = None) -> PipelineLayout:
+    """Decoder layers per stage minimising the largest rank's memory, then the largest stage's
+    compute, then the sums of squares of both. With ``memory_limit_bytes``: the largest
+    stage's compute among layouts whose ranks fit the limit (memory first; only the excess
+    over the limit counts). Placement 'with_loss' or 'split' with MTP on; ignored ('none')
+    with MTP off. Deterministic."""
+    sets, num_stages = mtp_sets(model_cfg), pp * (vpp or 1)
+    mtp_stage = {"with_loss": num_stages - 1, "split": num_stages - 2}.get(placement, -1)
+    if not sets:
+        mtp_stage = None
+    elif mtp_stage < 0 or mtp_stage // pp != (vpp or 1) - 1:
+        raise LayoutError(f"MTP placement {placement!r} at PP={pp}: use 'with_loss', or "
+                          "'split' (needs pipeline_model_parallel_size >= 2)")
+    model = _StageModel(model_cfg, inputs, num_stages, mtp_stage)
+    schedule = PipelineSchedule(pp, vpp, inputs.num_microbatches)
+    open_stages = num_stages - 1 if placement == "split" and sets else num_stages
+    layers = model_cfg.num_hidden_layers
+    search = _balanced(model, schedule, open_stages, layers, None)
+    if memory_limit_bytes is not None:  # from the memory-first layout, and from scratch
+        fits = _Search(model, schedule, open_stages, list(search.counts), memory_limit_bytes)
+        fits.improve()
+        fast = _balanced(model, schedule, open_stages, layers, memory_limit_bytes)
+        search = min((fits, fast), key=lambda candidate: candidate.key)
+    return layout_from_counts(search.counts, pp, vpp, mtp_stage, sets)
+
+
+def _balanced(model: _StageModel, schedule: PipelineSchedule, open_stages: int, layers: int,
+              limit: int | None) -> _Search:
+    """Greedy fill, then local search. (An even split as the start fell into worse local
+    minima in every configuration tried, up to 25% more memory, and took 2-4x longer: the
+    cheap slots, late ranks' last chunks with few micro-batches in flight, are far from it.)"""
+    search = _Search(model, schedule, open_stages, [0] * (model.last + 1), limit)
+    search.fill(layers)
+    search.improve()
+    return search
+
+
+class _Search:
+    """Layer counts per stage with their costs; moves re-cost only the stages whose contents
+    change and re-simulate only those stages' ranks. Layers stay before 'm': none enters a
+    stage at or past ``open_stages``."""
+
+    def __init__(self, model: _StageModel, schedule: PipelineSchedule, open_stages: int,
+                 counts: list[int], limit: int | None) -> None:
+        self.model, self.schedule, self.open_stages = model, schedule, open_stages
+        self.limit, self.counts, self.costs = limit, counts, model.costs(counts)
+        self._rank_totals: dict[tuple[int, ...], int] = {}
+        self.totals = [self._rank_total(r, self.costs) for r in range(schedule.pp)]
+        self.key = self._key(self.costs, self.totals)
+
+    def _rank_total(self, rank: int, costs: list[StageCosts]) -> int:
+        # Stage costs are shared objects (_StageModel caches them): their ids name a rank's
+        # contents, and moves keep revisiting the same few.
+        key = (rank, *map(id, costs[rank::self.schedule.pp]))
+        if key not in self._rank_totals:
+            self._rank_totals[key] = sum(self.schedule.rank_bytes(rank, costs))
+        return self._rank_totals[key]
+
+    def _key(self, costs: list[StageCosts], totals: list[int]) -> tuple[int, ...]:
+        flops = [c.flops_per_microbatch for c in costs]
+        top, slowest = max(totals), max(flops)
+        squares = sum(map(mul, totals, totals)), sum(map(mul, flops, flops))
+        if self.limit is None:
+            return top, slowest, *squares
+        return max(0, top - self.limit), slowest, top, squares[1], squares[0]
+
+    def _try(self, new: list[int], changed: tuple[int, ...]):
+        model, costs, totals = self.model, list(self.costs), list(self.totals)
+        starts, norm = [0, *accumulate(new)], model.final_norm_stage(new)
+        # A stage's costs change with its count, its share of the leading dense layers, or
+        # the final norm moving in or out (a move shifts starts by at most one: only stages
+        # starting at or before the first MoE layer can change their dense share).
+        dense = range(min(len(new), bisect_right(starts, model.cfg.first_k_dense_replace)))
+        stages = {*changed, model.final_norm_stage(self.counts), norm}
+        stages |= {s for s in dense if new[s] or self.counts[s]}
+        for s in stages:
+            costs[s] = model.stage(s, model.dense_layers(starts[s], new[s]), new[s], s == norm)
+        for rank in {s % self.schedule.pp for s in stages if costs[s] is not self.costs[s]}:
+            totals[rank] = self._rank_total(rank, costs)
+        return self._key(costs, totals), new, costs, totals
+
+    def _take(self, candidates: list, even_if_worse: bool = False) -> bool:
+        """Move to the best candidate if it beats the current counts (or regardless)."""
+        best = min((self._try(*c) for c in candidates), key=lambda m: m[0])
+        if best[0] >= self.key and not even_if_worse:
+            return False
+        self.key, self.counts, self.costs, self.totals = best
+        return True
+
+    def _moved(self, src: int | None, dst: int) -> tuple[list[int], tuple[int, ...]]:
+        new = list(self.counts)
+        new[dst] += 1
+        if src is None:
+            return new, (dst,)
+        new[src] -= 1
+        return new, (src, dst)
+
+    def fill(self, layers: int) -> None:
+        """Greedy: add the layers one by one, each where the key grows least."""
+        for _ in range(layers - sum(self.counts)):
+            self._take([self._moved(None, s) for s in range(self.open_stages)], True)
+
+    def improve(self) -> tuple[int, ...]:
+        """Best-improvement local search over single-layer moves: across each stage boundary,
+        and from the slowest stage or a stage of the fullest rank to any stage (a layer behind
+        ranks that cannot take it would otherwise never reach a light one). Returns the key."""
+        stages = range(self.open_stages)
+        while True:
+            fullest = self.totals.index(max(self.totals))
+            flops = [c.flops_per_microbatch for c in self.costs[:self.open_stages]]
+            sources = {*stages[fullest::self.schedule.pp], flops.index(max(flops))}
+            pairs = {(i, i + d) for i in stages for d in (-1, 1) if i + d in stages}
+            pairs |= {(i, j) for i in sources for j in stages if i != j}
+            moves = [self._moved(i, j) for i, j in sorted(pairs) if self.counts[i]]
+            if not moves or not self._take(moves):
+                return self.key
+
+
+# The training job balances compute under this "limit" when the user sets none: every layout
+# fits, so stage compute decides and memory only breaks ties.
+_NO_MEMORY_LIMIT = 1 << 62
+
+
+def resolve_pipeline_layout(job, dp: int) -> str | None:
+    """The layout string the job runs with: a given ``parallel.pipeline_model_parallel_layout``
+    checked (LayoutError naming the rule), else with MTP and PP > 1 a balanced layout for
+    ``parallel.mtp_placement``, else None (megatron-core's even split)."""
+    par, model = job.parallel, job.model
+    pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
+    if par.pipeline_model_parallel_layout:
+        return parse_layout(par.pipeline_model_parallel_layout, pp, vpp,
+                            model.num_hidden_layers, mtp_sets(model)).to_string()
+    if pp == 1 or not mtp_sets(model):
+        return None
+    limit = par.stage_memory_limit_gib
+    limit_bytes = int(limit * 2**30) if limit is not None else _NO_MEMORY_LIMIT
+    return balance_layout(model, pp, vpp, par.mtp_placement, inputs_from_job(job, dp),
+                          limit_bytes).to_string()

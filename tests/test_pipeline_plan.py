@@ -1,0 +1,305 @@
+"""Tests for glm5_train/pipeline_plan.py and tools/plan_pipeline.py.
+
+Layout rules (each violation a LayoutError naming the value and the rule), placement detection,
+the balancer on the tiny and the 744B model, the schedule replay against megatron-core's own
+warm-up formula and schedule table, parameter bytes against tools/count_params.py's formula, the
+activation estimate against a measured forward of the tiny model, and the CLI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import time
+import types
+import warnings
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+
+from glm5_train import pipeline_plan as plan
+from glm5_train.config import GLM5Config
+from parallel.layout import LayoutError
+from tools import count_params
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(REPO, "tools", "plan_pipeline.py")
+SUMMARY = re.compile(r"^placement=(\S+) layout=(\S+) max_rank_bytes=(\d+) min_rank_bytes=(\d+) "
+                     r"spread_bytes=(\d+)$", re.MULTILINE)
+
+# The 744B example of tools/plan_pipeline.py's docstring: TP2+SP, EP32, DP32, 4K tokens.
+BIG_INPUTS = plan.MemoryInputs(tp=2, ep=32, dp=32, sequence_parallel=True, seq_length=4096,
+                               num_microbatches=64, distributed_optimizer=True)
+TINY_INPUTS = plan.MemoryInputs(seq_length=128, num_microbatches=8, weight_bytes=4,
+                                optimizer_bytes=8, activation_bytes=4)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> GLM5Config:
+    return count_params.compose_model_config(["model=glm5_tiny"])
+
+
+@pytest.fixture(scope="module")
+def big() -> GLM5Config:
+    return count_params.compose_model_config(["model=glm5_744b"])
+
+
+# ------------------------------------------------------------------------------------ parsing
+
+BAD_LAYOUTS = [  # (layout, pp, vpp, mtp sets, words the message must hold)
+    ("Et|t|tm|L", 2, 1, 1, ["4 stages", "2 x 1 = 2"]),
+    ("tE|t|t|tmL", 2, 2, 1, ["1 'E'", "first in stage 0"]),
+    ("Et|t|Et|tmL", 2, 2, 1, ["2 'E'", "exactly once"]),
+    ("Et|t|t|tLm", 2, 2, 1, ["'L'", "last in the last stage"]),
+    ("Et|t|tm|L", 2, 2, 1, ["3 't'", "model.num_hidden_layers=4"]),
+    ("Et|t|t|tL", 2, 2, 1, ["0 'm'", "1 MTP layer"]),
+    ("Et|tm|t|tmL", 2, 2, 2, ["stages [1, 3]", "one stage"]),
+    ("Et|t|tmt|L", 2, 2, 1, ["'t' after an 'm'"]),
+    ("Ettttm|||L", 2, 2, 1, ["virtual stage 0", "last virtual stage"]),
+    ("Et|tx|t|tmL", 2, 2, 1, ["unknown character"]),
+]
+
+
+@pytest.mark.parametrize("layout,pp,vpp,sets,words", BAD_LAYOUTS)
+def test_each_rule_raises_a_layout_error_naming_value_and_rule(layout, pp, vpp, sets, words):
+    with pytest.raises(LayoutError) as err:
+        plan.parse_layout(layout, pp, vpp, 4, sets)
+    message = str(err.value)
+    assert f"parallel.pipeline_model_parallel_layout={layout!r}" in message
+    for word in words:
+        assert word in message, message
+
+
+@pytest.mark.parametrize("layout,pp,vpp,sets,placement", [
+    ("Et|t|t|tmL", 2, 2, 1, "with_loss"),
+    ("Ett|t|tm|L", 2, 2, 1, "split"),
+    ("Et|t|t|tL", 2, 2, 0, "none"),
+    ("Ett|ttm||L", 4, None, 1, "custom"),
+    ("Et|(t|)*2tmL", 2, 2, 1, "with_loss"),
+])
+def test_placement_is_detected(layout, pp, vpp, sets, placement):
+    parsed = plan.parse_layout(layout, pp, vpp, 4, sets)
+    assert parsed.placement == placement
+    assert plan.parse_layout(parsed.to_string(), pp, vpp, 4, sets) == parsed  # canonical
+
+
+# ----------------------------------------------------------------------------------- balancer
+
+
+def _check_balanced(cfg: GLM5Config, layout: plan.PipelineLayout, placement: str) -> None:
+    again = plan.parse_layout(layout.to_string(), layout.pp, layout.vpp, cfg.num_hidden_layers,
+                              plan.mtp_sets(cfg))
+    assert again.placement == placement, layout.to_string()
+    assert sum(layout.layers_per_stage) == cfg.num_hidden_layers
+
+
+@pytest.mark.parametrize("placement", ["with_loss", "split"])
+def test_balancer_gives_valid_layouts_for_the_tiny_model(tiny, placement):
+    layout = plan.balance_layout(tiny, 2, 2, placement, TINY_INPUTS)
+    _check_balanced(tiny, layout, placement)
+    assert layout.to_string().count("m") == 1
+
+
+@pytest.mark.parametrize("placement", ["with_loss", "split"])
+def test_balancer_gives_valid_layouts_for_744b_at_pp8_vpp2(big, placement):
+    start = time.perf_counter()
+    layout = plan.balance_layout(big, 8, 2, placement, BIG_INPUTS)
+    assert time.perf_counter() - start < 5
+    _check_balanced(big, layout, placement)
+    assert layout.to_string().count("t") == 78 and layout.to_string().count("m") == 1
+    # At least as good as the even split.
+    best = plan.plan_report(big, layout, BIG_INPUTS).max_rank_bytes
+    open_stages = 16 if placement == "with_loss" else 15
+    counts = [78 // open_stages + (s < 78 % open_stages) for s in range(open_stages)]
+    even = plan.layout_from_counts(counts + [0] * (16 - open_stages), 8, 2, layout.mtp_stage, 1)
+    assert best <= plan.plan_report(big, even, BIG_INPUTS).max_rank_bytes
+
+
+def test_balancer_respects_a_memory_limit_and_mtp_off(big):
+    inputs = dataclasses.replace(BIG_INPUTS, dsa_kl=False)
+    limit = 130 * 2**30
+    layout = plan.balance_layout(big, 8, 2, "with_loss", inputs, memory_limit_bytes=limit)
+    report = plan.plan_report(big, layout, inputs)
+    assert report.max_rank_bytes <= limit
+    slowest = max(s.costs.flops_per_microbatch for s in report.stages)
+    free = plan.plan_report(big, plan.balance_layout(big, 8, 2, "with_loss", inputs), inputs)
+    assert slowest < max(s.costs.flops_per_microbatch for s in free.stages)
+    off = dataclasses.replace(big, mtp_num_steps=0) if hasattr(big, "mtp_num_steps") else \
+        dataclasses.replace(big, num_nextn_predict_layers=0)
+    layout = plan.balance_layout(off, 8, 2, "split", inputs)
+    assert layout.placement == "none" and "m" not in layout.to_string()
+
+
+def test_balancer_is_fast_at_pp16_vpp4(big):
+    start = time.perf_counter()
+    layout = plan.balance_layout(big, 16, 4, "with_loss", BIG_INPUTS)
+    assert time.perf_counter() - start < 5  # about 0.3 s measured; generous for slow CI
+    _check_balanced(big, layout, "with_loss")
+
+
+# ----------------------------------------------------------------------------------- schedule
+
+
+def _megatron_warmup(pp: int, vpp: int | None, rank: int, microbatches: int) -> int:
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
+
+    group = types.SimpleNamespace(size=lambda: pp, rank=lambda: rank)
+    comm = types.SimpleNamespace(pp_group=group, virtual_pipeline_model_parallel_size=vpp)
+    return get_pp_rank_microbatches(microbatches, vpp or 1, pp, p2p_communicator=comm)[2]
+
+
+@pytest.mark.parametrize("pp,vpp,microbatches", [
+    (2, None, 4), (4, None, 8), (4, None, 2), (2, 2, 4), (4, 2, 8), (4, 2, 6), (8, 2, 64),
+    (4, 4, 4), (16, 4, 64), (3, 2, 7)])
+def test_uniform_peak_is_megatron_warmup_plus_one(pp, vpp, microbatches):
+    from megatron.core.pipeline_parallel.schedules import get_schedule_table
+
+    schedule = plan.PipelineSchedule(pp, vpp, microbatches)
+    total = microbatches * (vpp or 1)
+    if vpp:
+        table = get_schedule_table(microbatches, vpp, pp)
+        assert schedule.chunk_table() == [chunk for _, chunk in table]
+    for rank in range(pp):
+        warmup = _megatron_warmup(pp, vpp, rank, microbatches)
+        assert schedule.warmup(rank) == warmup
+        assert schedule.peak_in_flight(rank) == min(warmup + 1, total)
+        order = schedule.order(rank)
+        assert [op for op, _ in order].count("F") == total == len(order) // 2
+
+
+# ------------------------------------------------------------------------------- param bytes
+
+
+def test_parameter_bytes_sum_to_the_count_params_formula(tiny, big):
+    for cfg in (tiny, big):
+        sets = plan.mtp_sets(cfg)
+        mtp = plan.mtp_layer_params(cfg)
+        assert sets * mtp == count_params.mtp_params(cfg) - sets * \
+            count_params.expert_bias_params(cfg)  # HF's count holds the bias buffer
+        total = count_params.formula_totals(cfg).total + sets * mtp
+        inputs = plan.MemoryInputs(weight_bytes=2)
+        one = plan.parse_layout(f"Et*{cfg.num_hidden_layers}mL", 1, None,
+                                cfg.num_hidden_layers, sets)
+        stages = plan.plan_report(cfg, one, inputs).stages
+        assert sum(s.costs.param_bytes for s in stages) == 2 * total
+        # Split over stages, the MTP stage (not stage 0) re-embeds: one embedding copy more.
+        embedding = cfg.vocab_size * cfg.hidden_size
+        for placement in ("with_loss", "split"):
+            layout = plan.balance_layout(cfg, 2, 2, placement, inputs)
+            stages = plan.plan_report(cfg, layout, inputs).stages
+            assert sum(s.costs.param_bytes for s in stages) == 2 * (total + embedding)
+
+
+def test_sharding_divides_by_tp_ep_and_data_parallel(big):
+    layout = plan.parse_layout("Et*78mL", 1, None, 78, 1)
+    whole = plan.plan_report(big, layout, plan.MemoryInputs()).stages[0].costs
+    inputs = plan.MemoryInputs(tp=2, ep=8, dp=8)
+    split = plan.plan_report(big, layout, inputs).stages[0].costs
+    assert whole.param_bytes / 16 < split.param_bytes < whole.param_bytes / 2
+    assert split.grad_bytes == 2 * split.param_bytes  # fp32 grads stay whole (ZeRO-1)
+    assert split.optimizer_bytes == 6 * split.param_bytes  # 12 bytes a parameter, unsharded
+    inputs = dataclasses.replace(inputs, distributed_optimizer=True)
+    sharded = plan.plan_report(big, layout, inputs).stages[0].costs
+    # Dense state over DP = 8, expert state over expert-DP = TP x DP / EP = 2.
+    assert sharded.optimizer_bytes <= split.optimizer_bytes // 2
+
+
+# -------------------------------------------------------------------------- activation bytes
+
+
+def _measured_forward_bytes(cfg: GLM5Config, seq: int, batch: int) -> int:
+    """Unique storage bytes autograd saves in one fp32 forward of the 1-process model, the
+    parameters left out."""
+    from glm5_train.config import ParallelSizes, to_mcore_config
+    from glm5_train.model import build_model_chunks
+    from parallel import device
+
+    device.install()
+    with count_params.single_process_group():
+        mcore = to_mcore_config(cfg, ParallelSizes(), torch.float32)
+        model = build_model_chunks(cfg, mcore)[0].train()
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                saved.setdefault(storage.data_ptr(), storage.nbytes())
+            return t
+
+        tokens = torch.randint(0, 258, (batch, seq), generator=torch.Generator().manual_seed(0))
+        positions = torch.arange(seq)[None].expand(batch, seq)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(tokens, positions, None, labels=tokens)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("mtp_steps", [0, 3])
+def test_activation_estimate_matches_a_measured_forward(tiny, mtp_steps):
+    """The whole tiny model on CPU in fp32: embedding ids, 4 decoder layers (DSA sparse with the
+    indexer KL: 128 tokens > index_topk 32), final norm, the MTP steps, and a head + loss per
+    prediction. CPU runs SDPA's math path, hence fused_attention=False. Tolerance 5% (measured:
+    within 0.1%)."""
+    if not hasattr(tiny, "mtp_num_steps"):
+        pytest.skip("this model config has no model.mtp_num_steps")
+    cfg = dataclasses.replace(tiny, mtp_num_steps=mtp_steps)
+    seq, batch = 128, 2
+    inputs = plan.MemoryInputs(seq_length=seq, micro_batch_size=batch, activation_bytes=4,
+                               fused_attention=False)
+    layers = sum(plan.decoder_layer_activation_bytes(cfg, bool(moe), inputs)
+                 for moe in cfg.moe_layer_pattern)
+    estimate = (8 * inputs.tokens + layers
+                + plan._rms_norm_bytes(inputs.tokens, cfg.hidden_size, inputs)  # final norm
+                + mtp_steps * plan.mtp_step_activation_bytes(cfg, inputs)
+                + (1 + mtp_steps) * plan.loss_head_activation_bytes(cfg, inputs))
+    measured = _measured_forward_bytes(cfg, seq, batch)
+    print(f"tiny forward activations, {mtp_steps} MTP steps: estimate {estimate} B, "
+          f"measured {measured} B")
+    assert abs(estimate - measured) <= 0.05 * measured
+
+
+def test_indexer_kl_dominates_744b_activations_at_4k(big):
+    """The [b, s, Hi, s] fp32 ReLU scores of the KL pass: 2 GiB per layer at 4K tokens."""
+    with_kl = plan.decoder_layer_activation_bytes(big, True, BIG_INPUTS)
+    without = plan.decoder_layer_activation_bytes(big, True,
+                                                  dataclasses.replace(BIG_INPUTS, dsa_kl=False))
+    assert with_kl - without > 4 * 4096 * 32 * 4096
+
+
+# -------------------------------------------------------------------------------------- CLI
+
+
+def test_tool_prints_both_placements_for_the_tiny_model():
+    proc = subprocess.run([sys.executable, TOOL, "model=glm5_tiny", "parallel=pp2_vpp2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summaries = SUMMARY.findall(proc.stdout)
+    assert [s[0] for s in summaries] == ["with_loss", "split"], proc.stdout
+    for placement, layout, top, bottom, spread in summaries:
+        assert plan.parse_layout(layout, 2, 2, 4, 1).placement == placement
+        assert int(spread) == int(top) - int(bottom) >= 0
+    assert proc.stdout.rstrip().split("\n")[-1].startswith("placement=split ")
+
+
+def test_tool_reports_a_bad_layout_and_exits_2(capsys):
+    from tools import plan_pipeline
+
+    code = plan_pipeline.main(["model=glm5_tiny", "parallel=pp2_vpp2",
+                               "parallel.pipeline_model_parallel_layout='Et|t|t|tL'"])
+    err = capsys.readouterr().err
+    assert code == 2 and "plan_pipeline: error" in err and "0 'm'" in err, err
+
+
+def test_tool_shows_a_given_layout_next_to_the_other_placement(capsys):
+    from tools import plan_pipeline
+
+    code = plan_pipeline.main(["model=glm5_tiny", "parallel=pp2_vpp2",
+                               "parallel.pipeline_model_parallel_layout='Ett|t|tm|L'"])
+    summaries = SUMMARY.findall(capsys.readouterr().out)
+    assert code == 0 and next(s[:2] for s in summaries) == ("split", "Ett|t|tm|L")
+    assert [s[0] for s in summaries] == ["split", "with_loss"]
