@@ -80,6 +80,8 @@ def hf_config_to_glm5(hf_config: dict[str, Any]) -> GLM5Config:
             values[name] = _HF_IMPLIED[name]
     values["rope_theta"] = _rope_theta(hf_config)
     values["name"] = "hf"
+    if not values.get("num_nextn_predict_layers"):
+        values["mtp_num_steps"] = 0  # nothing to train MTP steps with
     cfg = GLM5Config(**values)
     _check_layer_types(hf_config, cfg)
     cfg.validate()

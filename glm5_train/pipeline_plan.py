@@ -735,7 +735,7 @@ class _Search:
 
 # The training job balances compute under this "limit" when the user sets none: every layout
 # fits, so stage compute decides and memory only breaks ties.
-_NO_MEMORY_LIMIT = 1 << 62
+NO_MEMORY_LIMIT = 1 << 62
 
 
 def resolve_pipeline_layout(job, dp: int) -> str | None:
@@ -750,6 +750,6 @@ def resolve_pipeline_layout(job, dp: int) -> str | None:
     if pp == 1 or not mtp_sets(model):
         return None
     limit = par.stage_memory_limit_gib
-    limit_bytes = int(limit * 2**30) if limit is not None else _NO_MEMORY_LIMIT
+    limit_bytes = int(limit * 2**30) if limit is not None else NO_MEMORY_LIMIT
     return balance_layout(model, pp, vpp, par.mtp_placement, inputs_from_job(job, dp),
                           limit_bytes).to_string()

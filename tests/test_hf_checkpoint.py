@@ -266,9 +266,14 @@ def test_hf_config_maps_onto_glm5_tiny():
     from launch.local import compose_job
 
     ours = compose_job(["model=glm5_tiny", "parallel=single"]).model
-    ported = hf_mapping.hf_config_to_glm5(tiny_hf_config())
+    ported = hf_mapping.hf_config_to_glm5(tiny_hf_config(num_nextn_predict_layers=1))
     hf_mapping.check_config_matches(ported, ours)
-    assert ported.rope_theta == 1e6 and ported.num_nextn_predict_layers == 0
+    assert ported.rope_theta == 1e6 and ported.num_nextn_predict_layers == 1
+    # glm5_tiny trains an MTP layer: a checkpoint without one does not fit it.
+    without = hf_mapping.hf_config_to_glm5(tiny_hf_config())
+    assert without.num_nextn_predict_layers == 0 and without.mtp_num_steps == 0
+    with pytest.raises(ValueError, match="num_nextn_predict_layers=0 MTP layer"):
+        hf_mapping.check_config_matches(without, ours)
     # Older configs: top-level rope_theta, no rope_parameters.
     old = tiny_hf_config(rope_theta=10000)
     del old["rope_parameters"]

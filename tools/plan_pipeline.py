@@ -13,7 +13,8 @@ The job config is composed exactly as ``launch/local.py`` composes it (any Hydra
 e.g. ``train.seq_length=32768`` or ``dsa=frozen_indexer``). Both MTP placements are planned side by
 side: ``with_loss`` (the MTP layer with the loss on the last stage, megatron-core's) and
 ``split`` (the MTP layer on the stage before, GLM-5's), each balanced by
-``glm5_train.pipeline_plan.balance_layout``. A layout given as
+``glm5_train.pipeline_plan.balance_layout`` as the training job balances it (compute per stage
+first, ``--balance memory`` for the least memory instead). A layout given as
 ``parallel.pipeline_model_parallel_layout`` is checked and shown as given, next to the other
 placement balanced. With MTP off (``model.mtp_num_steps=0``) there is one plan, placement ``none``.
 
@@ -53,10 +54,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel size (default: parallel.data_parallel_size, else 1); "
                         "it sets the micro-batch count and the optimizer-state sharding")
+    p.add_argument("--balance", choices=("compute", "memory"), default="compute",
+                   help="compute (default, as the training job balances): even out the "
+                        "slowest stage, memory breaking ties or under --memory-limit-gib; "
+                        "memory: the least memory on the fullest rank")
     p.add_argument("--memory-limit-gib", type=float, default=None,
-                   help="balance for the slowest stage among layouts whose ranks fit this "
-                        "much memory (default: balance for the least memory)")
+                   help="per-rank memory the compute balance must respect (default: "
+                        "parallel.stage_memory_limit_gib, else none)")
     return p.parse_intermixed_args(argv)  # overrides may follow the options
+
+
+def balance_limit(args: argparse.Namespace, job) -> int | None:
+    """balance_layout's memory limit: None balances memory first; a number balances compute
+    among the layouts that fit (NO_MEMORY_LIMIT: all fit, as the training job does)."""
+    from glm5_train.pipeline_plan import NO_MEMORY_LIMIT
+
+    gib = args.memory_limit_gib
+    if gib is None:
+        gib = job.parallel.stage_memory_limit_gib
+    if gib is not None:
+        return int(gib * GIB)
+    return None if args.balance == "memory" else NO_MEMORY_LIMIT
 
 
 def compact(chars: str) -> str:
@@ -154,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         job = compose_job(args.overrides)
         inputs = inputs_from_job(job, args.dp)
-        limit = None if args.memory_limit_gib is None else int(args.memory_limit_gib * GIB)
+        limit = balance_limit(args, job)
         plans = build_plans(job, inputs, limit)
     except (HydraException, OmegaConfBaseException, ValueError) as err:  # all a user can fix
         print(f"plan_pipeline: error: {err}", file=sys.stderr)
