@@ -1,8 +1,8 @@
 """Tests for tools/count_params.py: the CLI as a user runs it (subprocess), and its formula.
 
-The tool builds the real megatron-core model (meta device) and counts it; these tests check the
-count against the released GLM-5 checkpoint and, for the tiny model, against a model built for
-real on CPU in a separate process by the training code path.
+The tool builds the real megatron-core model (meta device), MTP layer included, and counts it;
+these tests check the count against the released GLM-5 checkpoint and, for the tiny model, against
+a model built for real on CPU in a separate process by the training code path.
 """
 
 from __future__ import annotations
@@ -21,11 +21,14 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "count_params.py")
 LAST_LINE = re.compile(r"total_params=(\d+) active_params=(\d+)")
+MAIN_MTP_LINE = re.compile(r"main_params=(\d+) mtp_params=(\d+)")
 MISSING = re.compile(r"^missing vs HF layout: indexer=(\d+) expert_bias=(\d+) mtp=(\d+)$",
                      re.MULTILINE)
 
 HF_MAIN = 743_911_218_432
 HF_MTP = 9_952_920_576
+BUILT_MAIN = 743_911_199_232   # HF main less 75 x 256 expert-bias buffers
+BUILT_MTP = 9_952_920_320      # HF MTP less its 256 expert-bias buffer
 HF_TOTAL = 753_864_139_008
 HF_ACTIVE = 41_784_728_832
 HF_ACTIVE_NO_EMBED = 39_881_563_392
@@ -48,6 +51,14 @@ def last_line(proc: subprocess.CompletedProcess) -> tuple[int, int]:
     line = proc.stdout.rstrip("\n").split("\n")[-1]
     match = LAST_LINE.fullmatch(line)
     assert match, f"last line {line!r} is not 'total_params=<N> active_params=<M>'"
+    return int(match.group(1)), int(match.group(2))
+
+
+def main_and_mtp(proc: subprocess.CompletedProcess) -> tuple[int, int]:
+    """The line before the last: ``main_params=<N> mtp_params=<M>``."""
+    line = proc.stdout.rstrip("\n").split("\n")[-2]
+    match = MAIN_MTP_LINE.fullmatch(line)
+    assert match, f"line {line!r} is not 'main_params=<N> mtp_params=<M>'"
     return int(match.group(1)), int(match.group(2))
 
 
@@ -83,19 +94,29 @@ def tiny() -> subprocess.CompletedProcess:
 def test_last_line_format_and_formula_match(flavour, request):
     proc = request.getfixturevalue(flavour)
     total, active = last_line(proc)
-    assert 0 < active < total
+    main, mtp = main_and_mtp(proc)
+    assert total == main + mtp  # total_params counts the MTP layer ...
+    assert 0 < mtp < main
+    assert 0 < active < main    # ... active_params is the main model's
     assert "built model matches the formula: yes" in proc.stdout
     assert "MISMATCH" not in proc.stdout
 
 
 def test_744b_reconciles_with_released_checkpoint(big):
     total, active = last_line(big)
+    main, mtp = main_and_mtp(big)
     extra = missing(big)
-    assert total + extra["indexer"] + extra["expert_bias"] == HF_MAIN
-    assert extra["mtp"] == HF_MTP
+    assert (main, mtp) == (BUILT_MAIN, BUILT_MTP)
+    assert main + extra["indexer"] + extra["expert_bias"] == HF_MAIN
+    assert extra["mtp"] == 256  # the built MTP layer lacks only its expert bias (a buffer)
+    assert mtp + extra["mtp"] == HF_MTP
     assert total + sum(extra.values()) == HF_TOTAL
     assert active + extra["indexer"] + extra["expert_bias"] == HF_ACTIVE
     assert "reconciliation with the released GLM-5 checkpoint" in big.stdout
+    assert re.search(r"= HF MTP layer \(model\.layers\.78\) +9,952,920,576 +released +"
+                     r"9,952,920,576 +ok", big.stdout)
+    assert re.search(r"= HF total \(main \+ MTP\) +753,864,139,008 +released +753,864,139,008 +ok",
+                     big.stdout)
     assert "built on meta device" in big.stdout
 
 
@@ -107,13 +128,26 @@ def test_744b_component_breakdown(big):
     assert "256 x ([4096, 6144] + [6144, 2048])" in rows["routed_experts"]
     assert "[4096, 2048] + [128, 6144] + [128] + [128] + [32, 6144]" in rows["indexer"]
     assert "expert_bias: 75 x 256 = 19,200" in big.stdout
+    # The MTP layer (HF model.layers.78): its own modules, its MoE layer, its expert bias.
+    assert "[6144, 12288]" in rows["eh_proj"] and "75,497,472" in rows["eh_proj"]
+    for key in ("enorm", "hnorm", "mtp_final_norm"):
+        assert "[6144]" in rows[key] and rows[key].endswith("ok")
+    assert "9,877,404,416" in rows["moe_layer"] and rows["moe_layer"].endswith("ok")
+    assert re.search(r"MTP +sets +0 +1 x +9,952,920,320 = built +9,952,920,320 +formula +"
+                     r"9,952,920,320 +ok", big.stdout)
+    assert "transformer_layer.mlp.router.expert_bias: 1 x 256 = 256" in big.stdout
+    assert "MTP expert bias: built buffers 256, formula 1 set x 256 = 256  ok" in big.stdout
 
 
 def test_tiny_has_no_reconciliation_but_reports_missing(tiny, tool):
     assert "reconciliation" not in tiny.stdout
     cfg = tool.GLM5Config.from_dict(_tiny_dict())
-    assert missing(tiny)["mtp"] == tool.mtp_params(cfg) > 0
+    assert missing(tiny)["mtp"] == tool.expert_bias_params(cfg) == 8  # MTP built, less its bias
     assert missing(tiny)["expert_bias"] == 3 * 8
+    main, mtp = main_and_mtp(tiny)
+    assert main == tool.formula_totals(cfg).total
+    assert mtp == tool.mtp_formula_totals(cfg).total == tool.mtp_params(cfg) - 8
+    assert last_line(tiny)[1] == tool.formula_totals(cfg).active  # main model only
 
 
 # ------------------------------------------------- meta count == a model really built on CPU
@@ -163,14 +197,20 @@ def test_tiny_materialize_matches_meta(tiny):
 
 
 def test_overrides_change_the_model(tool):
+    """Also model.mtp_num_steps=0: no MTP layer is built, all of HF's is reported missing."""
     proc = run_tool("model=glm5_tiny", "model.num_hidden_layers=6",
-                    "model.first_k_dense_replace=2", "model.topk_method=greedy")
+                    "model.first_k_dense_replace=2", "model.topk_method=greedy",
+                    "model.mtp_num_steps=0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cfg = tool.GLM5Config.from_dict({**_tiny_dict(), "num_hidden_layers": 6,
-                                     "first_k_dense_replace": 2, "topk_method": "greedy"})
+                                     "first_k_dense_replace": 2, "topk_method": "greedy",
+                                     "mtp_num_steps": 0})
     expected = tool.formula_totals(cfg)
     assert last_line(proc) == (expected.total, expected.active)
+    assert main_and_mtp(proc) == (expected.total, 0)
     assert missing(proc)["expert_bias"] == 0
+    assert missing(proc)["mtp"] == tool.mtp_params(cfg) > 0
+    assert "MTP: not built (model.mtp_num_steps=0)" in proc.stdout
 
 
 # Usage errors return before any model is built or the device layer is installed: run in-process.
@@ -210,6 +250,12 @@ def test_formula_reproduces_released_numbers(tool):
     assert main.active_no_embed == HF_ACTIVE_NO_EMBED
     assert tool.mtp_params(cfg) == HF_MTP
     assert main.total + tool.missing_vs_hf(cfg)["mtp"] == HF_TOTAL
+    # The MTP layer megatron builds: HF's less its expert bias (a buffer).
+    assert cfg.mtp_sets == 1
+    assert tool.mtp_formula_totals(cfg).total == BUILT_MTP
+    assert tool.formula_totals(cfg).total == BUILT_MAIN
+    assert tool.missing_vs_hf(cfg, mtp_sets=1)["mtp"] == 256
+    assert tool.mtp_formula_totals(tool.GLM5Config(mtp_num_steps=0)).total == 0
 
 
 def test_reference_shapes_detects_a_changed_shape(tool):
@@ -227,11 +273,29 @@ def test_unknown_parameter_name_is_reported(tool):
                           tool.LAYER_RULES) == "indexer"
 
 
+def test_mtp_parameter_names_are_classified(tool):
+    """After ``mtp.layers.<j>.``: its own modules, and its decoder layer by LAYER_RULES."""
+    for name, key in (("enorm.weight", "enorm"), ("hnorm.weight", "hnorm"),
+                      ("eh_proj.weight", "eh_proj"), ("final_layernorm.weight", "mtp_final_norm"),
+                      ("transformer_layer.self_attention.linear_q_down_proj.weight", "q_down"),
+                      ("transformer_layer.self_attention.core_attention.indexer.k_norm.bias",
+                       "indexer"),
+                      ("transformer_layer.mlp.experts.local_experts.3.linear_fc2.weight",
+                       "routed_experts"),
+                      ("transformer_layer.pre_mlp_layernorm.weight", "pre_mlp_norm")):
+        assert tool.classify_mtp(name) == key, name
+    with pytest.raises(ValueError, match="fits no component"):
+        tool.classify_mtp("embedding.word_embeddings.weight")
+    with pytest.raises(ValueError, match="fits no component"):
+        tool.classify_mtp("transformer_layer.new_module.weight")
+
+
 # ----------------------------------------------- the report on synthetic counts (no model build)
 
 
-def _synthetic_built(tool, cfg, absent=frozenset(), drop_layer=None):
-    """Counts as a model matching the formula would give, less ``absent`` components."""
+def _synthetic_built(tool, cfg, absent=frozenset(), drop_layer=None, mtp_drop=None):
+    """Counts as a model matching the formula would give, less ``absent`` components (and the
+    ``mtp_drop`` component of the MTP sets); MTP sets as ``cfg.mtp_sets`` says."""
     built = tool.Built(top={t.key: t.count for t in tool.top_terms(cfg)})
     for i, moe in enumerate(cfg.moe_layer_pattern):
         if i != drop_layer:
@@ -239,22 +303,39 @@ def _synthetic_built(tool, cfg, absent=frozenset(), drop_layer=None):
     n_moe = sum(cfg.moe_layer_pattern)
     built.buffers["decoder.layers.<i>.mlp.router.expert_bias"] = (n_moe,
                                                                   n_moe * cfg.n_routed_experts)
+    for j in range(cfg.mtp_sets):
+        built.mtp[j] = {t.key: t.count for t in tool.mtp_layer_terms(cfg, absent)
+                        if t.key != mtp_drop}
+    if cfg.mtp_sets:
+        built.buffers["mtp.layers.<i>.transformer_layer.mlp.router.expert_bias"] = (
+            cfg.mtp_sets, cfg.mtp_sets * cfg.n_routed_experts)
     return built
 
 
-@pytest.mark.parametrize("absent", [frozenset(), frozenset({"indexer"})])
-def test_report_reconciles_with_or_without_the_indexer(tool, absent):
-    """The DSA indexer may or may not be built yet: both must reconcile with the release."""
-    cfg = tool.GLM5Config()
+@pytest.mark.parametrize("steps", [3, 0], ids=["mtp", "no_mtp"])
+@pytest.mark.parametrize("absent", [frozenset(), frozenset({"indexer"})],
+                         ids=["indexer", "no_indexer"])
+def test_report_reconciles_with_or_without_the_indexer_and_mtp(tool, absent, steps):
+    """The DSA indexer may or may not be built yet, the MTP layer is built unless
+    mtp_num_steps=0: every case must reconcile with the release."""
+    cfg = tool.GLM5Config(mtp_num_steps=steps)
     rep = tool.build_report(cfg, _synthetic_built(tool, cfg, absent), ["header"])
     text = "\n".join(rep.lines)
     assert rep.ok, text
     total, active = map(int, LAST_LINE.fullmatch(rep.lines[-1]).groups())
+    main, mtp = map(int, MAIN_MTP_LINE.fullmatch(rep.lines[-2]).groups())
     extra = missing(subprocess.CompletedProcess([], 0, stdout=text))
-    assert extra["indexer"] == (731_008_512 if absent else 0)
-    assert total + extra["indexer"] + extra["expert_bias"] == HF_MAIN
+    indexer = 9_371_904
+    assert extra["indexer"] == (78 * indexer if absent else 0)
+    assert total == main + mtp
+    assert mtp == (BUILT_MTP - (indexer if absent else 0) if steps else 0)
+    assert extra["mtp"] == (256 + (indexer if absent else 0) if steps else HF_MTP)
+    assert main + extra["indexer"] + extra["expert_bias"] == HF_MAIN
+    assert mtp + extra["mtp"] == HF_MTP
+    assert total + sum(extra.values()) == HF_TOTAL
     assert active + extra["indexer"] + extra["expert_bias"] == HF_ACTIVE
     assert ("not built: missing vs HF" in text) == bool(absent)
+    assert ("MTP layer, not built (formula)" in text) == (not steps)
 
 
 def test_report_flags_a_missing_layer(tool):
@@ -262,3 +343,19 @@ def test_report_flags_a_missing_layer(tool):
     rep = tool.build_report(cfg, _synthetic_built(tool, cfg, drop_layer=2), ["header"])
     assert not rep.ok
     assert "MISMATCH in layers [2]" in "\n".join(rep.lines)
+
+
+def test_report_flags_a_wrong_mtp_layer(tool):
+    cfg = tool.GLM5Config.from_dict(_tiny_dict())
+    rep = tool.build_report(cfg, _synthetic_built(tool, cfg, mtp_drop="eh_proj"), ["header"])
+    text = "\n".join(rep.lines)
+    assert not rep.ok
+    assert "MISMATCH in sets [0]" in text
+    assert "set 0: built - formula per component: eh_proj -32,768" in text
+    # An MTP layer built although mtp_num_steps=0 says none should be.
+    off = tool.GLM5Config.from_dict({**_tiny_dict(), "mtp_num_steps": 0})
+    built = _synthetic_built(tool, off)
+    built.mtp[0] = {t.key: t.count for t in tool.mtp_layer_terms(off)}
+    rep = tool.build_report(off, built, ["header"])
+    assert not rep.ok
+    assert "MISMATCH: built MTP sets [0] beyond the 0 expected" in "\n".join(rep.lines)

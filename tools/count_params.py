@@ -11,21 +11,35 @@ The model is built in this one process exactly as training builds it (``to_mcore
 ``perform_initialization=False``, so GLM-5 744B costs no memory. Parameters are counted from the
 built modules and grouped per component; the same numbers come from a closed-form formula over
 the ``GLM5Config`` fields and the two must agree. Then the count is reconciled with the released
-Hugging Face checkpoint, which also holds the DSA lightning indexer, the router's
-``e_score_correction_bias`` (a buffer in megatron-core) and the MTP layer.
+Hugging Face checkpoint, which also holds the router's ``e_score_correction_bias`` (a buffer in
+megatron-core).
 
-The last line of output is always ``total_params=<N> active_params=<M>``: the built model's
-total, and its per-token active count (routed experts counted num_experts_per_tok /
-n_routed_experts of them) including embedding and output head. Exit status 0 when the built
-model matches the formula (and, for GLM-5 744B's shapes, the released counts), 1 otherwise,
-2 for a bad command line or config.
+The multi-token-prediction (MTP) layer is counted as its own part: with ``model.mtp_num_steps``
+> 0 the model builds ``num_nextn_predict_layers`` MTP parameter sets ``mtp.layers.<j>`` (HF
+``model.layers.<num_hidden_layers + j>``): ``enorm``, ``hnorm``, ``eh_proj``, a full MoE decoder
+layer ``transformer_layer`` (DSA indexer included) and ``final_layernorm`` (HF
+``shared_head.norm``); embedding and output head are shared with the main model. Its built count
+is checked against the formula component by component, and with its expert-bias buffer against
+HF's MTP tensors (``mtp_params``). With ``model.mtp_num_steps=0`` nothing is built and the MTP
+layer is reported as not built, its HF count taken from the formula.
+
+The last two lines of output are always::
+
+    main_params=<N_main> mtp_params=<N_mtp>
+    total_params=<N> active_params=<M>
+
+``total_params`` is every parameter of the built model, MTP included (N = N_main + N_mtp;
+N_mtp = 0 without MTP). ``active_params`` is the main model's per-token active count (routed
+experts counted num_experts_per_tok / n_routed_experts of them) including embedding and output
+head; the MTP layer is not part of it (it runs only for the training-time extra predictions).
+Exit status 0 when the built model matches the formula (and, for GLM-5 744B's shapes, the
+released counts), 1 otherwise, 2 for a bad command line or config.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import math
 import os
 import re
@@ -174,11 +188,26 @@ def hf_moe_layer_params(cfg: GLM5Config) -> int:
     return sum(t.count for t in layer_terms(cfg, moe=True)) + expert_bias_params(cfg)
 
 
-def mtp_params(cfg: GLM5Config) -> int:
-    """HF's MTP layers: a full MoE layer each plus eh_proj [H, 2H] and enorm, hnorm,
-    shared_head.norm; embedding and output head are shared with the main model."""
+def mtp_wrapper_terms(cfg: GLM5Config) -> list[Term]:
+    """One MTP layer's own modules around its decoder layer (megatron = HF names)."""
     H = cfg.hidden_size
-    return cfg.num_nextn_predict_layers * (hf_moe_layer_params(cfg) + 2 * H * H + 3 * H)
+    return [Term("enorm", "enorm", ((H,),)),
+            Term("hnorm", "hnorm", ((H,),)),
+            Term("eh_proj", "eh_proj", ((H, 2 * H),)),
+            Term("mtp_final_norm", "final_layernorm", ((H,),))]
+
+
+def mtp_layer_terms(cfg: GLM5Config, absent: frozenset[str] = frozenset()) -> list[Term]:
+    """One MTP parameter set as megatron-core builds it: its own modules plus a full MoE decoder
+    layer (``transformer_layer``), less the ``absent`` components."""
+    return mtp_wrapper_terms(cfg) + layer_terms(cfg, moe=True, absent=absent)
+
+
+def mtp_params(cfg: GLM5Config) -> int:
+    """HF's MTP layers: a full MoE layer each (expert bias included) plus eh_proj [H, 2H] and
+    enorm, hnorm, shared_head.norm; embedding and output head are shared with the main model."""
+    per_set = sum(t.count for t in mtp_layer_terms(cfg)) + expert_bias_params(cfg)
+    return cfg.num_nextn_predict_layers * per_set
 
 
 @dataclass(frozen=True)
@@ -221,6 +250,20 @@ def formula_totals(cfg: GLM5Config, absent: frozenset[str] = frozenset()) -> Tot
     return Totals(total, active, top["embedding"] + top["output_head"])
 
 
+def _totals_of_layers(cfg: GLM5Config, layers: list[dict[str, int]], embed_head: int = 0,
+                      other: int = 0) -> Totals:
+    total = other + sum(sum(layer.values()) for layer in layers)
+    routed = sum(layer.get("routed_experts", 0) for layer in layers)
+    return Totals(total, total - routed + active_routed(cfg, routed), embed_head)
+
+
+def mtp_formula_totals(cfg: GLM5Config, absent: frozenset[str] = frozenset()) -> Totals:
+    """The MTP sets the megatron-core model builds (``cfg.mtp_sets``: none when mtp_num_steps
+    is 0), from the config alone. Active: per token and prediction step."""
+    one = {t.key: t.count for t in mtp_layer_terms(cfg, absent)}
+    return _totals_of_layers(cfg, [one] * cfg.mtp_sets)
+
+
 def hf_main_totals(cfg: GLM5Config) -> Totals:
     """HF's main model (no MTP): the full megatron model (indexer included) plus the expert
     biases, which megatron keeps as buffers."""
@@ -229,12 +272,16 @@ def hf_main_totals(cfg: GLM5Config) -> Totals:
     return Totals(meg.total + bias, meg.active + bias, meg.embed_head)
 
 
-def missing_vs_hf(cfg: GLM5Config, absent: frozenset[str] = frozenset()) -> dict[str, int]:
-    """HF checkpoint tensors the megatron model does not hold as parameters."""
+def missing_vs_hf(cfg: GLM5Config, absent: frozenset[str] = frozenset(),
+                  mtp_sets: int = 0) -> dict[str, int]:
+    """HF checkpoint tensors the megatron model does not hold as parameters: the main model's
+    indexers (if ``absent``) and expert biases, and of HF's MTP layers whatever the ``mtp_sets``
+    built MTP sets do not hold (all of it when none is built; else their expert biases)."""
     n_moe = sum(cfg.moe_layer_pattern)
     indexer = cfg.num_hidden_layers * indexer_params(cfg) if "indexer" in absent else 0
+    built_mtp = mtp_sets * sum(t.count for t in mtp_layer_terms(cfg, absent))
     return {"indexer": indexer, "expert_bias": n_moe * expert_bias_params(cfg),
-            "mtp": mtp_params(cfg)}
+            "mtp": mtp_params(cfg) - built_mtp}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,7 +315,17 @@ TOP_RULES: tuple[tuple[str, str], ...] = (
     (r"output_layer\.", "output_head"),
     (r"decoder\.final_layernorm\.", "final_norm"),
 )
+# Parameter name (after ``mtp.layers.<j>.``) -> component of one MTP set; its decoder layer,
+# ``transformer_layer.<name>``, is classified by LAYER_RULES.
+MTP_RULES: tuple[tuple[str, str], ...] = (
+    (r"enorm\.", "enorm"),
+    (r"hnorm\.", "hnorm"),
+    (r"eh_proj\.", "eh_proj"),
+    (r"final_layernorm\.", "mtp_final_norm"),
+)
+MTP_LAYER_PREFIX = "transformer_layer."
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_MTP_NAME = re.compile(r"mtp\.layers\.(\d+)\.(.+)")
 
 
 @dataclass
@@ -277,6 +334,7 @@ class Built:
 
     top: dict[str, int] = field(default_factory=dict)
     layers: dict[int, dict[str, int]] = field(default_factory=dict)
+    mtp: dict[int, dict[str, int]] = field(default_factory=dict)  # MTP set j -> component
     # State-dict buffers (persistent, not parameters): name with layer index as <i> -> (n, numel)
     buffers: dict[str, tuple[int, int]] = field(default_factory=dict)
     devices: set[str] = field(default_factory=set)
@@ -287,19 +345,31 @@ def _classify(name: str, rules: tuple[tuple[str, str], ...]) -> str:
         if re.match(pattern, name):
             return key
     raise ValueError(f"parameter {name!r} fits no component of tools/count_params.py: a module "
-                     "was added to the model (MTP?); add a rule and a formula term")
+                     "was added to the model; add a rule and a formula term")
+
+
+def classify_mtp(name: str) -> str:
+    """The component of an MTP set's parameter ``name`` (after ``mtp.layers.<j>.``)."""
+    if name.startswith(MTP_LAYER_PREFIX):
+        return _classify(name[len(MTP_LAYER_PREFIX):], LAYER_RULES)
+    return _classify(name, MTP_RULES)
 
 
 def count_built(chunks) -> Built:
-    """Group every parameter of the model chunks by component (and decoder layer)."""
+    """Group every parameter of the model chunks by component (and decoder layer / MTP set)."""
     built = Built()
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             built.devices.add(param.device.type)
             match = _LAYER_NAME.fullmatch(name)
+            mtp = _MTP_NAME.fullmatch(name)
             if match:
                 layer = built.layers.setdefault(int(match.group(1)), {})
                 key = _classify(match.group(2), LAYER_RULES)
+                layer[key] = layer.get(key, 0) + param.numel()
+            elif mtp:
+                layer = built.mtp.setdefault(int(mtp.group(1)), {})
+                key = classify_mtp(mtp.group(2))
                 layer[key] = layer.get(key, 0) + param.numel()
             else:
                 key = _classify(name, TOP_RULES)
@@ -329,10 +399,27 @@ def absent_components(built: Built) -> frozenset[str]:
 
 
 def built_totals(cfg: GLM5Config, built: Built) -> Totals:
-    total = sum(built.top.values()) + sum(sum(layer.values()) for layer in built.layers.values())
-    routed = sum(layer.get("routed_experts", 0) for layer in built.layers.values())
+    """The built main model: embedding, decoder layers, final norm, output head (no MTP)."""
     embed_head = built.top.get("embedding", 0) + built.top.get("output_head", 0)
-    return Totals(total, total - routed + active_routed(cfg, routed), embed_head)
+    return _totals_of_layers(cfg, list(built.layers.values()), embed_head,
+                             other=sum(built.top.values()))
+
+
+def built_mtp_totals(cfg: GLM5Config, built: Built) -> Totals:
+    """The built MTP sets. Active: per token and prediction step."""
+    return _totals_of_layers(cfg, list(built.mtp.values()))
+
+
+def expert_bias_buffers(built: Built) -> tuple[int, int]:
+    """The built expert-bias buffers: (main model's decoder layers, MTP sets)."""
+    main = mtp = 0
+    for name, (_, numel) in built.buffers.items():
+        if name.endswith("router.expert_bias"):
+            if name.startswith("mtp."):
+                mtp += numel
+            else:
+                main += numel
+    return main, mtp
 
 
 # ----------------------------------------------------------------------------------------------
@@ -399,7 +486,7 @@ def build_chunks(cfg: GLM5Config, materialize: bool):
 
 
 def check_materialize_size(cfg: GLM5Config) -> None:
-    n = formula_totals(cfg).total
+    n = formula_totals(cfg).total + mtp_formula_totals(cfg).total
     if 2 * n > MATERIALIZE_LIMIT_BYTES:
         raise ValueError(
             f"--materialize would allocate {n:,} parameters ({2 * n / 2**30:.1f} GiB in bf16), "
@@ -416,6 +503,7 @@ NORM_KEYS = ("input_norm", "pre_mlp_norm")
 MLP_KEYS = ("dense_mlp", "router", "routed_experts", "shared_expert")
 SECTIONS = (("attention (MLA)", ATTENTION_KEYS), ("DSA", ("indexer",)), ("layer norms", NORM_KEYS),
             ("MLP / MoE", MLP_KEYS))
+MTP_KEYS = tuple(key for _, key in MTP_RULES)  # an MTP set's own modules
 ROW = "{:<17}{:<30}{:<%d}{:>16}{:>7}{:>19}{:>19}  {}"  # %d: the widest shape text + 2
 
 
@@ -442,10 +530,22 @@ class Report:
         return _ok(a, b)
 
 
+def _mtp_hf_index(cfg: GLM5Config) -> str:
+    """HF's layer index of MTP set 0 (``model.layers.<num_hidden_layers>``), or of all sets."""
+    first = cfg.num_hidden_layers
+    last = first + cfg.num_nextn_predict_layers - 1
+    return f"model.layers.{first}" + (f"-{last}" if last > first else "")
+
+
+def _sets(n: int) -> str:
+    return f"{n} set" + ("" if n == 1 else "s")
+
+
 def _component_rows(cfg: GLM5Config, built: Built, absent: frozenset[str], rep: Report) -> None:
     pattern = cfg.moe_layer_pattern
     per_kind = {moe: {t.key: t for t in layer_terms(cfg, bool(moe))} for moe in (0, 1)}
-    terms = top_terms(cfg) + [t for kind in per_kind.values() for t in kind.values()]
+    terms = (top_terms(cfg) + mtp_wrapper_terms(cfg)
+             + [t for kind in per_kind.values() for t in kind.values()])
     row = ROW % (max(len(t.shape_text) for t in terms) + 2)
     rep.add(row.format("component", "megatron module", "shape (megatron layout)", "per layer",
                        "layers", "built", "formula", "match"))
@@ -465,6 +565,29 @@ def _component_rows(cfg: GLM5Config, built: Built, absent: frozenset[str], rep: 
             status = "not built: missing vs HF" if key in absent else rep.check(b, f)
             rep.add(row.format("  " + key, term.module, term.shape_text, _n(term.count),
                                len(layers), _n(b), _n(f), status))
+    _mtp_component_rows(cfg, built, absent, rep, row)
+
+
+def _mtp_component_rows(cfg: GLM5Config, built: Built, absent: frozenset[str], rep: Report,
+                        row: str) -> None:
+    """The MTP sets (``mtp.layers.<j>``): their own modules, then their decoder layer as one
+    row (its components are checked one by one in the per-layer-kind lines)."""
+    sets = cfg.mtp_sets
+    if not sets and not built.mtp:
+        rep.add(f"-- MTP: not built (model.mtp_num_steps=0); HF's {_mtp_hf_index(cfg)} is "
+                "counted from the formula below")
+        return
+    rep.add(f"-- MTP (mtp.layers.<j>, {_sets(sets)} = HF {_mtp_hf_index(cfg)}, applied for "
+            f"{cfg.mtp_num_steps} steps sharing the parameters)")
+    for term in mtp_wrapper_terms(cfg):
+        b = sum(layer.get(term.key, 0) for layer in built.mtp.values())
+        f = sets * term.count
+        rep.add(row.format("  " + term.key, term.module, term.shape_text, _n(term.count), sets,
+                           _n(b), _n(f), rep.check(b, f)))
+    layer = sum(t.count for t in layer_terms(cfg, True, absent))
+    b = sum(n for mtp in built.mtp.values() for k, n in mtp.items() if k not in MTP_KEYS)
+    rep.add(row.format("  moe_layer", "transformer_layer.*", "an MoE layer (rows above)",
+                       _n(layer), sets, _n(b), _n(sets * layer), rep.check(b, sets * layer)))
 
 
 def _layer_rows(cfg: GLM5Config, built: Built, absent: frozenset[str], rep: Report) -> None:
@@ -476,40 +599,66 @@ def _layer_rows(cfg: GLM5Config, built: Built, absent: frozenset[str], rep: Repo
         if not idx:
             continue
         expected = {t.key: t.count for t in layer_terms(cfg, bool(moe), absent)}
-        bad = [i for i in idx if built.layers.get(i, {}) != expected]
-        b = sum(sum(built.layers.get(i, {}).values()) for i in idx)
-        f = len(idx) * sum(expected.values())
-        status = rep.check(b, f) if not bad else f"MISMATCH in layers {bad}"
-        rep.ok &= not bad
-        each = _n(sum(expected.values()))
-        rep.add(f"  {kind:<6} layers {_span(idx):<9} {len(idx):>3} x {each:>17}"
-                f" = built {_n(b):>19}  formula {_n(f):>19}  {status}")
+        _kind_row(f"{kind:<6} layers", idx, built.layers, expected, rep)
     extra = sorted(set(built.layers) - set(range(len(pattern))))
     if extra:
         rep.ok = False
         rep.add(f"  MISMATCH: built decoder layers {extra} beyond num_hidden_layers={len(pattern)}")
+    if cfg.mtp_sets:
+        expected = {t.key: t.count for t in mtp_layer_terms(cfg, absent)}
+        _kind_row("MTP    sets  ", list(range(cfg.mtp_sets)), built.mtp, expected, rep)
+    extra = sorted(set(built.mtp) - set(range(cfg.mtp_sets)))
+    if extra:
+        rep.ok = False
+        rep.add(f"  MISMATCH: built MTP sets {extra} beyond the {cfg.mtp_sets} expected "
+                f"(num_nextn_predict_layers={cfg.num_nextn_predict_layers}, "
+                f"mtp_num_steps={cfg.mtp_num_steps})")
+
+
+def _kind_row(label: str, idx: list[int], layers: dict[int, dict[str, int]],
+              expected: dict[str, int], rep: Report) -> None:
+    bad = [i for i in idx if layers.get(i, {}) != expected]
+    b = sum(sum(layers.get(i, {}).values()) for i in idx)
+    f = len(idx) * sum(expected.values())
+    status = rep.check(b, f) if not bad else f"MISMATCH in {label.split()[-1]} {bad}"
+    rep.ok &= not bad
+    each = _n(sum(expected.values()))
+    rep.add(f"  {label} {_span(idx):<9} {len(idx):>3} x {each:>17}"
+            f" = built {_n(b):>19}  formula {_n(f):>19}  {status}")
+    for i in bad:
+        got = layers.get(i, {})
+        diff = {k: got.get(k, 0) - expected.get(k, 0) for k in sorted(set(got) | set(expected))}
+        rep.add(f"    {label.split()[-1][:-1]} {i}: built - formula per component: "
+                + ", ".join(f"{k} {v:+,}" for k, v in diff.items() if v))
 
 
 def _span(idx: list[int]) -> str:
     return f"{idx[0]}-{idx[-1]}" if len(idx) > 1 else str(idx[0])
 
 
-def _total_rows(cfg: GLM5Config, b: Totals, f: Totals, absent: frozenset[str],
-                rep: Report) -> None:
+def _total_rows(cfg: GLM5Config, built: Built, absent: frozenset[str], rep: Report) -> None:
+    b, f = built_totals(cfg, built), formula_totals(cfg, absent)
+    bm, fm = built_mtp_totals(cfg, built), mtp_formula_totals(cfg, absent)
     rep.add()
     frac = f"{cfg.num_experts_per_tok}/{cfg.n_routed_experts} routed experts"
     without = f"; formula without {', '.join(sorted(absent))}" if absent else ""
     rep.add(f"totals (megatron model as built; active = {frac} per token{without}):")
-    for label, bv, fv in (("total", b.total, f.total),
-                          ("total without embedding+head", b.total_no_embed, f.total_no_embed),
-                          ("active", b.active, f.active),
-                          ("active without embedding+head", b.active_no_embed,
-                           f.active_no_embed)):
+    mtp = f"MTP, {_sets(cfg.mtp_sets)}" if cfg.mtp_sets else "MTP (not built)"
+    for label, bv, fv in (("main model", b.total, f.total),
+                          ("main without embedding+head", b.total_no_embed, f.total_no_embed),
+                          ("main active", b.active, f.active),
+                          ("main active without embed+head", b.active_no_embed,
+                           f.active_no_embed),
+                          (mtp, bm.total, fm.total),
+                          ("MTP active per token and step", bm.active, fm.active),
+                          ("total = main + MTP", b.total + bm.total, f.total + fm.total)):
         rep.add(f"  {label:<31} built {_n(bv):>19}  formula {_n(fv):>19}  {rep.check(bv, fv)}")
+    rep.add("  total_params (last line) = main model + MTP; active_params = main model active "
+            "(the MTP layer only runs for the training-time extra predictions)")
 
 
 def _hf_differences(cfg: GLM5Config, built: Built, absent: frozenset[str], rep: Report) -> None:
-    missing = missing_vs_hf(cfg, absent)
+    missing = missing_vs_hf(cfg, absent, len(built.mtp))
     n_moe = sum(cfg.moe_layer_pattern)
     rep.add()
     rep.add("megatron-core modules vs the HF checkpoint's tensors:")
@@ -528,11 +677,15 @@ def _hf_differences(cfg: GLM5Config, built: Built, absent: frozenset[str], rep: 
         rep.add(f"  buffer, not a parameter: {name}: {n} x {numel // max(n, 1)} = {_n(numel)}"
                 + ("  (HF: mlp.gate.e_score_correction_bias, a tensor in the safetensors)"
                    if name.endswith("router.expert_bias") else ""))
-    bias_buffers = sum(numel for name, (_, numel) in built.buffers.items()
-                       if name.endswith("router.expert_bias"))
-    rep.add(f"  expert bias: built buffers {_n(bias_buffers)}, formula {n_moe} MoE layers x "
+    main_bias, mtp_bias = expert_bias_buffers(built)
+    rep.add(f"  expert bias: built buffers {_n(main_bias)}, formula {n_moe} MoE layers x "
             f"{expert_bias_params(cfg)} = {_n(missing['expert_bias'])}  "
-            f"{rep.check(bias_buffers, missing['expert_bias'])}")
+            f"{rep.check(main_bias, missing['expert_bias'])}")
+    sets, mtp_bias_formula = cfg.mtp_sets, cfg.mtp_sets * expert_bias_params(cfg)
+    if sets or mtp_bias:
+        rep.add(f"  MTP expert bias: built buffers {_n(mtp_bias)}, formula {_sets(sets)} x "
+                f"{expert_bias_params(cfg)} = {_n(mtp_bias_formula)}  "
+                f"{rep.check(mtp_bias, mtp_bias_formula)}")
     indexer = (f"DSA lightning indexer ({cfg.num_hidden_layers} layers x "
                f"{_n(indexer_params(cfg))}: wq_b, wk, k_norm weight+bias, weights_proj = "
                f"{indexer_term(cfg).shape_text})")
@@ -541,9 +694,20 @@ def _hf_differences(cfg: GLM5Config, built: Built, absent: frozenset[str], rep: 
     else:
         rep.add(f"  built: {indexer}; self_attention.core_attention.indexer.* = HF "
                 "self_attn.indexer.*, same names and shapes")
-    rep.add(f"  not built yet: MTP ({cfg.num_nextn_predict_layers} x (MoE layer with indexer and "
-            f"expert bias {_n(hf_moe_layer_params(cfg))} + eh_proj [{cfg.hidden_size}, "
-            f"{2 * cfg.hidden_size}] + enorm, hnorm, shared_head.norm 3 x [{cfg.hidden_size}]))")
+    H = cfg.hidden_size
+    hf_mtp = (f"{cfg.num_nextn_predict_layers} x (MoE layer with indexer and expert bias "
+              f"{_n(hf_moe_layer_params(cfg))} + eh_proj [{H}, {2 * H}] + enorm, hnorm, "
+              f"shared_head.norm 3 x [{H}])")
+    if sets:
+        rep.add(f"  built: MTP, HF {_mtp_hf_index(cfg)}: {hf_mtp}; mtp.layers.<j>.X = HF "
+                f"model.layers.<{cfg.num_hidden_layers} + j>.X for enorm, hnorm, eh_proj;")
+        rep.add("    mtp.layers.<j>.transformer_layer.* = the decoder layer's tensors above "
+                "(HF self_attn.*, input_layernorm, post_attention_layernorm, mlp.*), "
+                "final_layernorm = shared_head.norm;")
+        rep.add("    the MTP layer has no embedding or output head of its own in either "
+                "(both shared with the main model; PP=1 builds no embedding copy)")
+    else:
+        rep.add(f"  not built (model.mtp_num_steps=0): MTP, HF {_mtp_hf_index(cfg)}: {hf_mtp}")
     rep.add("missing vs HF layout: " + " ".join(f"{k}={v}" for k, v in missing.items()))
 
 
@@ -556,30 +720,44 @@ def matches_reference_shapes(cfg: GLM5Config) -> bool:
     return all(getattr(cfg, f) == getattr(ref, f) for f in SHAPE_FIELDS)
 
 
-def _reconciliation(cfg: GLM5Config, b: Totals, absent: frozenset[str], rep: Report) -> None:
-    missing = missing_vs_hf(cfg, absent)
+def _reconciliation(cfg: GLM5Config, built: Built, absent: frozenset[str], rep: Report) -> None:
+    b, m, sets = built_totals(cfg, built), built_mtp_totals(cfg, built), len(built.mtp)
+    missing = missing_vs_hf(cfg, absent, sets)
     main = b.total + missing["indexer"] + missing["expert_bias"]
+    hf_mtp = m.total + missing["mtp"]
     active = b.active + missing["indexer"] + missing["expert_bias"]
     rep.add()
     rep.add(f"reconciliation with the released GLM-5 checkpoint ({REFERENCE_FLAVOUR} shapes):")
-    indexer_row = (("+ indexer, not built (formula)", missing["indexer"], None),) \
-        if "indexer" in absent else ()
-    rows = (
-        ("built (megatron)", b.total, None),
-        *indexer_row,
-        ("+ e_score_correction_bias (buffer)", missing["expert_bias"], None),
-        ("= HF main model", main, HF_MAIN_PARAMS),
-        ("+ MTP layer (formula)", missing["mtp"], HF_MTP_PARAMS),
-        ("= HF total", main + missing["mtp"], HF_TOTAL_PARAMS),
-        ("HF active (main)", active, HF_ACTIVE_PARAMS),
-        ("HF active without embedding+head", active - b.embed_head, HF_ACTIVE_NO_EMBED_PARAMS),
-    )
+    indexer = "indexer" in absent
+    rows = [("built main model (megatron)", b.total, None)]
+    if indexer:
+        rows.append(("+ indexer, not built (formula)", missing["indexer"], None))
+    rows += [("+ e_score_correction_bias (buffers)", missing["expert_bias"], None),
+             ("= HF main model", main, HF_MAIN_PARAMS)]
+    if sets:
+        mtp_indexer = sets * indexer_params(cfg) if indexer else 0
+        rows.append((f"built MTP layer (megatron, {_sets(sets)})", m.total, None))
+        if indexer:
+            rows.append(("+ its indexer, not built (formula)", mtp_indexer, None))
+        rows.append(("+ its e_score_correction_bias (buffer)", missing["mtp"] - mtp_indexer,
+                     None))
+    else:
+        rows.append(("MTP layer, not built (formula)", missing["mtp"], None))
+    rows += [(f"= HF MTP layer ({_mtp_hf_index(cfg)})", hf_mtp, HF_MTP_PARAMS),
+             ("= HF total (main + MTP)", main + hf_mtp, HF_TOTAL_PARAMS),
+             ("HF active (main)", active, HF_ACTIVE_PARAMS),
+             ("HF active without embedding+head", active - b.embed_head,
+              HF_ACTIVE_NO_EMBED_PARAMS)]
     for label, value, released in rows:
         tail = ("" if released is None
                 else f"  released {_n(released):>19}  {rep.check(value, released)}")
-        rep.add(f"  {label:<33}{_n(value):>19}{tail}")
-    lacking = (["the DSA indexer in every layer"] if "indexer" in absent else []) + [
-        "the expert bias as a parameter (it is a buffer)", "the MTP layer"]
+        rep.add(f"  {label:<41}{_n(value):>19}{tail}")
+    extra = sum(missing.values())
+    rep.add(f"  built total_params {_n(b.total + m.total)} + {_n(extra)} not held as parameters "
+            f"= {_n(b.total + m.total + extra)} = HF total")
+    lacking = (["the DSA indexer in every layer"] if indexer else []) + [
+        "the expert bias as a parameter (it is a buffer)"] + (
+        [] if sets else ["the MTP layer (model.mtp_num_steps=0)"])
     rep.add("  missing from the built model: " + ", ".join(lacking))
 
 
@@ -591,13 +769,14 @@ def build_report(cfg: GLM5Config, built: Built, header: list[str]) -> Report:
     absent = absent_components(built)
     _component_rows(cfg, built, absent, rep)
     _layer_rows(cfg, built, absent, rep)
-    b, f = built_totals(cfg, built), formula_totals(cfg, absent)
-    _total_rows(cfg, b, f, absent, rep)
+    _total_rows(cfg, built, absent, rep)
     rep.add(f"built model matches the formula: {'yes' if rep.ok else 'NO'}")
     _hf_differences(cfg, built, absent, rep)
     if matches_reference_shapes(cfg):
-        _reconciliation(cfg, b, absent, rep)
-    rep.add(f"total_params={b.total} active_params={b.active}")
+        _reconciliation(cfg, built, absent, rep)
+    b, m = built_totals(cfg, built), built_mtp_totals(cfg, built)
+    rep.add(f"main_params={b.total} mtp_params={m.total}")
+    rep.add(f"total_params={b.total + m.total} active_params={b.active}")
     return rep
 
 
@@ -609,13 +788,16 @@ def _header(cfg: GLM5Config, materialize: bool, seconds: float, built: Built) ->
     spec = "Transformer Engine spec" if transformer_engine_available() else "local spec (no TE)"
     where = "CPU (materialized)" if materialize else "meta device (no memory)"
     n_dense = cfg.first_k_dense_replace
+    mtp = (f"MTP: {_sets(cfg.mtp_sets)} applied for {cfg.mtp_num_steps} steps" if cfg.mtp_sets
+           else "MTP: not built (model.mtp_num_steps=0)")
     return [
         (f"GLM-5 parameter count: model={cfg.name}, megatron-core {megatron.core.__version__}, "
          f"{spec}, TP1 PP1 EP1, built on {where} in {seconds:.1f} s "
          f"(parameter devices: {','.join(sorted(built.devices))}; {PARAMS_DTYPE_NAME})"),
         (f"{cfg.num_hidden_layers} layers = {n_dense} dense + {cfg.num_hidden_layers - n_dense} "
          f"MoE; {cfg.n_routed_experts} routed experts ({cfg.num_experts_per_tok} per token) + "
-         f"{cfg.n_shared_experts} shared; vocab {cfg.vocab_size}, hidden {cfg.hidden_size}"),
+         f"{cfg.n_shared_experts} shared; vocab {cfg.vocab_size}, hidden {cfg.hidden_size}; "
+         f"{mtp}"),
     ]
 
 
