@@ -193,8 +193,14 @@ class ParallelSizes:
 
 def to_mcore_config(model: GLM5Config, par: ParallelSizes,
                     params_dtype: torch.dtype = torch.float32,
-                    perform_initialization: bool = True) -> MLATransformerConfig:
-    """Map GLM-5's HF-named architecture plus a parallel layout onto megatron-core's config."""
+                    perform_initialization: bool = True,
+                    use_cpu_initialization: bool = True) -> MLATransformerConfig:
+    """Map GLM-5's HF-named architecture plus a parallel layout onto megatron-core's config.
+
+    ``use_cpu_initialization``: True builds parameters with no device (the CPU, or whatever a
+    ``with torch.device(...)`` context says: tools/count_params.py builds on meta); False builds
+    them on ``torch.cuda.current_device()`` as megatron-core's GPU path does (the trainer on
+    CUDA, see ``glm5_train.train.build_model``)."""
     model.validate()
     bf16 = params_dtype == torch.bfloat16
     kwargs = dict(
@@ -263,7 +269,7 @@ def to_mcore_config(model: GLM5Config, par: ParallelSizes,
         bf16=bf16,
         calculate_per_token_loss=True,
         perform_initialization=perform_initialization,
-        use_cpu_initialization=True,
+        use_cpu_initialization=use_cpu_initialization,
         apply_rope_fusion=False,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,

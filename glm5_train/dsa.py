@@ -30,7 +30,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from glm5_train.dsa_loss import (DSATrainingConfig, KLMeter, dense_indexer_kl,
                                   sparse_indexer_kl)
-from glm5_train.layers import MLACoreAttention
+from glm5_train.layers import MLACoreAttention, param_device
 
 # Working-set budget (elements) for one query chunk: bounds the indexer's [B, T, Hi, S] scores
 # and the sparse attention's gathered [B, T, K, N, D] keys and values instead of materialising
@@ -49,7 +49,8 @@ def interleaved_rope(x_BSHD: torch.Tensor, positions_S: torch.Tensor, rope_dim: 
     together; rotated dims come out de-interleaved (evens then odds), as in HF's GLM-5 code —
     dot products are unaffected because q and k get the same layout."""
     rot, rest = x_BSHD[..., :rope_dim], x_BSHD[..., rope_dim:]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    exponents = torch.arange(0, rope_dim, 2, dtype=torch.float32, device=x_BSHD.device)
+    inv_freq = 1.0 / (theta ** (exponents / rope_dim))
     angles_SF = positions_S.float()[:, None] * inv_freq[None, :]
     cos = angles_SF.cos()[None, :, None, :].to(x_BSHD.dtype)
     sin = angles_SF.sin()[None, :, None, :].to(x_BSHD.dtype)
@@ -66,11 +67,11 @@ class DSAIndexer(torch.nn.Module):
         super().__init__()
         self.n_heads, self.head_dim, self.topk = n_heads, head_dim, topk
         self.rope_dim, self.rope_theta = rope_dim, rope_theta
-        dtype = config.params_dtype
-        self.wq_b = torch.nn.Linear(config.q_lora_rank, n_heads * head_dim, bias=False, dtype=dtype)
-        self.wk = torch.nn.Linear(config.hidden_size, head_dim, bias=False, dtype=dtype)
-        self.k_norm = torch.nn.LayerNorm(head_dim, eps=1e-6, dtype=dtype)
-        self.weights_proj = torch.nn.Linear(config.hidden_size, n_heads, bias=False, dtype=dtype)
+        kw = dict(dtype=config.params_dtype, device=param_device(config))
+        self.wq_b = torch.nn.Linear(config.q_lora_rank, n_heads * head_dim, bias=False, **kw)
+        self.wk = torch.nn.Linear(config.hidden_size, head_dim, bias=False, **kw)
+        self.k_norm = torch.nn.LayerNorm(head_dim, eps=1e-6, **kw)
+        self.weights_proj = torch.nn.Linear(config.hidden_size, n_heads, bias=False, **kw)
 
     def scores(self, x_BSH: torch.Tensor, qr_BSQ: torch.Tensor,
                allowed_BSS: torch.Tensor | None = None) -> torch.Tensor:

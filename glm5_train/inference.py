@@ -13,22 +13,27 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
+from parallel.layout import comm_device
+
 
 def _store_logits(output_BSV: torch.Tensor):
     # Logits come out [B, S, V/TP] with the vocab split over TP ranks.
     full = gather_from_tensor_model_parallel_region(output_BSV).float()
-    return torch.zeros(()), torch.ones((), dtype=torch.int), {"logits": full.detach()}
+    device = output_BSV.device
+    return (torch.zeros((), device=device), torch.ones((), dtype=torch.int, device=device),
+            {"logits": full.detach()})
 
 
 def _forward_step(data_iterator, model):
-    tokens = next(data_iterator)
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    tokens = next(data_iterator).to(comm_device())
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     output = model(tokens, positions, None)
     return output, _store_logits
 
 
 def compute_logits(chunks: list, tokens_BS: torch.Tensor) -> torch.Tensor | None:
-    """Logits [B, S, V] for ``tokens_BS`` on last-stage ranks, else None.
+    """Logits [B, S, V] on the CPU for ``tokens_BS`` (any device) on last-stage ranks, else
+    None.
 
     Each sequence is one micro-batch (the interleaved schedule needs at least PP of them)."""
     for chunk in chunks:
@@ -48,4 +53,4 @@ def compute_logits(chunks: list, tokens_BS: torch.Tensor) -> torch.Tensor | None
         )
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
-    return torch.cat([item["logits"] for item in stored])
+    return torch.cat([item["logits"] for item in stored]).cpu()

@@ -85,7 +85,10 @@ def _std_for(key: str, std: float, num_layers: int) -> float:
 
 
 def _fill_local_shard(sharded: ShardedTensor, seed: int, std: float) -> None:
-    """Draw the global tensor for this shard's prepended index and copy out the local slice."""
+    """Draw the global tensor for this shard's prepended index and copy out the local slice.
+
+    The draw is on the CPU generator whatever the parameter's device, so CUDA runs start from
+    the same weights as CPU runs; the slice is then written into the parameter where it lives."""
     lead = sharded.prepend_axis_num
     index = tuple(sharded.global_offset[:lead])
     global_shape = tuple(sharded.global_shape[lead:])
@@ -94,7 +97,8 @@ def _fill_local_shard(sharded: ShardedTensor, seed: int, std: float) -> None:
     slices = tuple(slice(off, off + size)
                    for off, size in zip(sharded.global_offset[lead:], sharded.data.shape))
     with torch.no_grad():
-        sharded.data.copy_(full[slices].to(sharded.data.dtype))
+        local = sharded.data
+        local.copy_(full[slices].to(device=local.device, dtype=local.dtype))
 
 
 def _stable_seed(seed: int, key: str, index: tuple[int, ...]) -> int:

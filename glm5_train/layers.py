@@ -17,6 +17,16 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
+def param_device(config: TransformerConfig):
+    """Where this project's modules create their parameters, as megatron-core's own layers do:
+    no device (the CPU, or an enclosing ``with torch.device(...)``, e.g. meta) under
+    ``use_cpu_initialization``, else the current CUDA device. A duck-typed config without
+    the field (unit-test stubs) counts as CPU initialisation."""
+    if getattr(config, "use_cpu_initialization", True):
+        return None
+    return torch.cuda.current_device()
+
+
 class RMSNorm(torch.nn.Module):
     """RMSNorm whose weight is marked for sequence-parallel gradient all-reduce.
 
@@ -29,7 +39,8 @@ class RMSNorm(torch.nn.Module):
                  sequence_parallel: bool | None = None) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype,
+                                                    device=param_device(config)))
         split = config.sequence_parallel if sequence_parallel is None else sequence_parallel
         setattr(self.weight, "sequence_parallel", split)
 
@@ -110,7 +121,8 @@ class MLADownProjection(MegatronModule):
         if bias:
             raise ValueError("GLM-5's MLA down projections have no bias (attention_bias=false)")
         self.weight = torch.nn.Parameter(
-            torch.empty(output_size, input_size, dtype=config.params_dtype))
+            torch.empty(output_size, input_size, dtype=config.params_dtype,
+                        device=param_device(config)))
         if config.perform_initialization:
             init_method(self.weight)
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)

@@ -17,6 +17,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from parallel.layout import comm_device
+
 
 def rank_memory_bytes() -> tuple[int, int]:
     """(current, peak) memory of this rank in bytes."""
@@ -29,8 +31,10 @@ def rank_memory_bytes() -> tuple[int, int]:
 
 def gather_memory() -> tuple[list[int], list[int]]:
     """Every rank's (current, peak) memory, in rank order, on every rank."""
-    local = torch.tensor(rank_memory_bytes(), dtype=torch.int64)
-    gathered = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    device = comm_device()  # NCCL gathers CUDA tensors only
+    local = torch.tensor(rank_memory_bytes(), dtype=torch.int64, device=device)
+    gathered = [torch.zeros(2, dtype=torch.int64, device=device)
+                for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
     return [int(t[0]) for t in gathered], [int(t[1]) for t in gathered]
 

@@ -16,6 +16,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from parallel.layout import comm_device
+
 
 def loss_func(loss_mask: torch.Tensor, take_mtp_report, output_tensor: torch.Tensor):
     """Per-token loss sum over unmasked tokens. ``output_tensor`` [B, S] token losses.
@@ -31,12 +33,20 @@ def loss_func(loss_mask: torch.Tensor, take_mtp_report, output_tensor: torch.Ten
 
 
 def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
-    """megatron-core forward_step_func: every chunk reads its own aligned iterator."""
-    batch = next(data_iterator)
+    """megatron-core forward_step_func: every chunk reads its own aligned iterator. Batches
+    come from the data loader on the CPU and move to this rank's device here (a no-op on CPU)."""
+    batch = to_device(next(data_iterator))
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                    labels=batch["labels"], loss_mask=batch["loss_mask"])
     inner = _unwrap(model)
     return output, partial(loss_func, batch["loss_mask"], getattr(inner, "take_mtp_report", None))
+
+
+def to_device(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every tensor of a micro-batch on ``comm_device()`` (the same tensors on CPU)."""
+    device = comm_device()
+    return {key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor)
+            else value for key, value in batch.items()}
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -62,7 +72,7 @@ def run_step(chunks: list[torch.nn.Module], iterators: list[Iterator], num_micro
 
 def global_mtp_losses(reports: list[dict[str, torch.Tensor]], steps: int) -> list[float]:
     """Per-step MTP loss of the global batch (token-weighted, as ``global_loss``)."""
-    totals = torch.zeros(steps, 2, dtype=torch.float64)
+    totals = torch.zeros(steps, 2, dtype=torch.float64, device=comm_device())
     for report in reports:
         if "mtp loss" in report:
             totals += report["mtp loss"].double()
@@ -78,7 +88,7 @@ def global_loss(reports: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
     Only last-stage ranks hold reports. Summing (loss_sum, tokens) over the whole world counts
     each data-parallel partial once per TP x CP replica; the ratio is unaffected.
     """
-    totals = torch.zeros(2, dtype=torch.float64)
+    totals = torch.zeros(2, dtype=torch.float64, device=comm_device())
     for report in reports:
         totals += report["lm loss"].double()
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):

@@ -16,7 +16,7 @@ import torch
 from glm5_train.job_config import JobConfig
 from glm5_train.run_dir import register_resolvers
 from parallel import device
-from parallel.layout import init_distributed, validate_layout, world_from_env
+from parallel.layout import comm_device, init_distributed, validate_layout, world_from_env
 
 
 @dataclass
@@ -50,16 +50,25 @@ def validate_job(job: JobConfig) -> int:
 
 
 def build_model(job: JobConfig) -> tuple[object, list]:
-    """(megatron-core config, this rank's initialised model chunks), process groups existing."""
+    """(megatron-core config, this rank's initialised model chunks), process groups existing.
+
+    On CUDA megatron-core builds the parameters on this rank's GPU (no CPU copy of the model);
+    the few it leaves on the host (the MoE router's weight) follow with ``.to``, as
+    megatron's own ``get_model`` moves every chunk. On CPU nothing moves."""
     from glm5_train.config import to_mcore_config
     from glm5_train.init_weights import initialize_weights
     from glm5_train.model import build_model_chunks
 
     from glm5_train.tokenizer import build_tokenizer
 
-    config = to_mcore_config(job.model, job.parallel.sizes(), job.train.torch_dtype)
+    where = comm_device()
+    config = to_mcore_config(job.model, job.parallel.sizes(), job.train.torch_dtype,
+                             use_cpu_initialization=where.type == "cpu")
     eod = build_tokenizer(job.data.tokenizer).eod
     chunks = build_model_chunks(job.model, config, dsa_training=job.dsa, eod_token_id=eod)
+    if where.type != "cpu":
+        for chunk in chunks:
+            chunk.to(where)
     initialize_weights(chunks, job.train.seed, job.model.initializer_range,
                        job.model.num_hidden_layers)
     return config, chunks
@@ -200,7 +209,7 @@ def global_indexer_kl(kl_sum: float, queries: int) -> float:
     indexer is replicated), so the TP replicas cancel in the ratio."""
     import torch.distributed as dist
 
-    totals = torch.tensor([kl_sum, float(queries)], dtype=torch.float64)
+    totals = torch.tensor([kl_sum, float(queries)], dtype=torch.float64, device=comm_device())
     dist.all_reduce(totals)
     return float(totals[0] / totals[1]) if totals[1] > 0 else 0.0
 
