@@ -42,13 +42,15 @@ def torchrun_command(nproc: int, overrides: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    from glm5_train.pipeline_plan import resolve_pipeline_layout
     from parallel.layout import validate_layout
 
     job = compose_job(argv)
     nproc = nproc_for(job)
     t = job.train
-    validate_layout(job.parallel, job.model, nproc, t.global_batch_size, t.micro_batch_size,
-                    t.seq_length)
+    dp = validate_layout(job.parallel, job.model, nproc, t.global_batch_size, t.micro_batch_size,
+                         t.seq_length)
+    resolve_pipeline_layout(job, dp)  # a bad layout fails here, before any process starts
     cmd = torchrun_command(nproc, argv)
     env = dict(os.environ)
     env.setdefault("GLM5_RUN_ID", time.strftime("%Y-%m-%d_%H-%M-%S") + f"_{os.getpid()}")
@@ -58,6 +60,15 @@ def main(argv: list[str]) -> int:
     return 0  # not reached
 
 
+def _main_or_error(argv: list[str]) -> int:
+    """Config and layout errors are the user's to fix: one line, no traceback."""
+    try:
+        return main(argv)
+    except ValueError as err:  # LayoutError is a ValueError
+        print(f"launch: error: {err}", file=sys.stderr, flush=True)
+        return 2
+
+
 if __name__ == "__main__":
     sys.path.insert(0, REPO)
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(_main_or_error(sys.argv[1:]))

@@ -66,3 +66,21 @@ def test_contradictory_mtp_settings_are_refused(changes, message):
 def test_mtp_off_builds_no_mtp_sets():
     assert GLM5Config().mtp_sets == 1
     assert dataclasses.replace(GLM5Config(), mtp_num_steps=0).mtp_sets == 0
+
+
+def test_launcher_refuses_a_layout_without_the_mtp_layer(capsys):
+    """The error comes before any process starts, naming the value, the rule and the fix."""
+    from launch.local import _main_or_error
+
+    assert _main_or_error(["parallel=pp2_vpp2",
+                           "parallel.pipeline_model_parallel_layout='Et|t|tt|L'"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.pipeline_model_parallel_layout='Et|t|tt|L' has 0 'm'" in err
+    assert "write 1 'm'" in err
+
+
+def test_launcher_refuses_an_unknown_placement(capsys):
+    from launch.local import _main_or_error
+
+    assert _main_or_error(["parallel=pp2_vpp2", "parallel.mtp_placement=middle"]) == 2
+    assert "parallel.mtp_placement='middle'" in capsys.readouterr().err
