@@ -14,28 +14,33 @@ activations in flight from a replay of megatron-core's (interleaved) 1F1B order 
 
 from __future__ import annotations
 
-import dataclasses
 from bisect import bisect_right
 from dataclasses import dataclass
-from functools import cached_property
 from itertools import accumulate
 from operator import mul
 
 from glm5_train.config import GLM5Config
-from parallel.layout import LayoutError
-from tools.count_params import layer_terms, top_terms
 
-GLM5_MTP_STEPS = 3  # used when the model config predates model.mtp_num_steps
+# Re-exported: the memory model's inputs are part of this module's interface.
+from glm5_train.pipeline_memory import (
+    MemoryInputs,
+    Part,
+    StageCosts,
+    head_part,
+    inputs_from_job,
+    layer_part,
+    mtp_part,
+    mtp_sets,
+    mtp_steps,
+    rms_norm_bytes,
+    stage_costs,
+    vocab_part,
+)
+from parallel.layout import LayoutError
+
 LAYOUT_FIELD = "parallel.pipeline_model_parallel_layout"
 
 
-def mtp_steps(cfg: GLM5Config) -> int:
-    return getattr(cfg, "mtp_num_steps", GLM5_MTP_STEPS if cfg.num_nextn_predict_layers else 0)
-
-
-def mtp_sets(cfg: GLM5Config) -> int:
-    """MTP parameter sets built (megatron-core's mtp_num_layers): none when MTP is off."""
-    return cfg.num_nextn_predict_layers if mtp_steps(cfg) > 0 else 0
 
 
 # ---------------------------------------------------------------------------------- layouts
@@ -127,303 +132,6 @@ def _check_mtp(lay: PipelineLayout, fail, mtp_sets: int) -> None:
                    f"({(lay.vpp or 1) - 1}), i.e. one of the last {lay.pp} stages")
 
 
-# ------------------------------------------------------------------------------ model inputs
-
-
-@dataclass(frozen=True)
-class MemoryInputs:
-    """Parallel sizes, batch shape, and bytes per value: all the estimate needs besides the
-    model and the layout. Defaults: bf16 weights, fp32 main grads, fp32 master + Adam m, v."""
-
-    tp: int = 1
-    ep: int = 1
-    etp: int | None = None  # None: 1 with EP > 1, else TP (parallel.layout.ParallelConfig)
-    cp: int = 1
-    dp: int = 1
-    sequence_parallel: bool = False
-    seq_length: int = 4096
-    micro_batch_size: int = 1
-    num_microbatches: int = 1
-    weight_bytes: int = 2
-    grad_bytes: int = 4
-    optimizer_bytes: int = 12
-    activation_bytes: int = 2
-    distributed_optimizer: bool = False  # optimizer state sharded over data-parallel ranks
-    shard_grads: bool = False  # ZeRO-2 (GLM-5's pipeline ZeRO2); megatron-core keeps them whole
-    dsa_kl: bool = True  # the indexer trains with the KL (dense_warmup estimated as sparse)
-    fused_attention: bool = True  # CUDA SDPA kernels; False: SDPA's math path (CPU)
-
-    @property
-    def expert_tp(self) -> int:
-        return self.etp if self.etp is not None else (1 if self.ep > 1 else self.tp)
-
-    @property
-    def expert_dp(self) -> int:
-        return max(1, self.tp * self.cp * self.dp // (self.ep * self.expert_tp))
-
-    @property
-    def seq(self) -> int:  # queries per context-parallel rank
-        return self.seq_length // self.cp
-
-    @property
-    def tokens(self) -> int:  # per micro-batch in tensor-parallel regions (whole local sequence)
-        return self.micro_batch_size * self.seq
-
-    @property
-    def sp_tokens(self) -> int:  # per micro-batch where sequence parallelism splits over TP
-        return self.tokens // self.tp if self.sequence_parallel else self.tokens
-
-
-def inputs_from_job(job, dp: int | None = None, **changes) -> MemoryInputs:
-    """MemoryInputs of a JobConfig; ``dp`` defaults to parallel.data_parallel_size or 1."""
-    par, train = job.parallel, job.train
-    dp = dp or par.data_parallel_size or 1
-    micro = train.micro_batch_size * dp
-    if train.global_batch_size % micro:
-        raise LayoutError(f"train.global_batch_size={train.global_batch_size} is not a multiple "
-                          f"of train.micro_batch_size x data-parallel size = {micro}")
-    bf16 = train.params_dtype == "bf16"
-    dsa = getattr(job, "dsa", None)
-    inputs = MemoryInputs(
-        tp=par.tensor_model_parallel_size, ep=par.expert_model_parallel_size,
-        etp=par.expert_tensor_parallel_size, cp=par.context_parallel_size, dp=dp,
-        sequence_parallel=par.sequence_parallel, seq_length=train.seq_length,
-        micro_batch_size=train.micro_batch_size,
-        num_microbatches=train.global_batch_size // micro,
-        # fp32 training has no separate master copy: Adam's m and v only.
-        weight_bytes=2 if bf16 else 4, optimizer_bytes=12 if bf16 else 8,
-        activation_bytes=2 if bf16 else 4,
-        distributed_optimizer=par.use_distributed_optimizer,
-        dsa_kl=bool(getattr(dsa, "trains_indexer", True)))
-    inputs = dataclasses.replace(inputs, **changes)
-    if (inputs.tp * inputs.cp * dp) % (inputs.ep * inputs.expert_tp):
-        raise LayoutError(
-            f"expert x expert-tensor parallel = {inputs.ep} x {inputs.expert_tp} must divide "
-            f"TP x CP x DP = {inputs.tp} x {inputs.cp} x {dp}: raise the data-parallel size")
-    return inputs
-
-
-# -------------------------------------------------------------- activations per micro-batch
-# Bytes each tensor saved for backward holds, per rank, as our implementation saves them
-# (glm5_train/layers.py, dsa.py, dsa_loss.py; megatron-core's MLA, MoE and output layer).
-# ``a`` is the activation dtype's size; fp32 internals are 4 bytes, int64 indices 8, masks 1.
-# Checked: an fp32 CPU forward of the tiny model, MTP on and off (tests), and the fused-SDPA
-# terms in bf16 on an H200. Not modelled: recompute, offloading, transient workspace inside a
-# layer's forward or backward, allocator fragmentation.
-
-
-def _rms_norm_bytes(tokens: int, width: int, inp: MemoryInputs) -> int:
-    # glm5_train.layers.RMSNorm runs in fp32: it saves the fp32 input and the normalised fp32
-    # product [tokens, width], the fp32 inverse rms per token, and (non-fp32 models) the
-    # weight's fp32 copy.
-    return 8 * tokens * width + 4 * tokens + (4 * width if inp.activation_bytes != 4 else 0)
-
-
-def _swiglu_bytes(tokens: int, ffn: int, a: int) -> int:
-    # fc1's output [t, 2F] (SiLU keeps its gate half), the SiLU output, the up half plus
-    # megatron's glu offset (a new tensor), and the gated product that feeds fc2: 5F per token.
-    return 5 * a * tokens * ffn
-
-
-def attention_activation_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
-    """MLA + DSA of one decoder layer, input norm included."""
-    a, n, n_sp, s = inp.activation_bytes, inp.tokens, inp.sp_tokens, inp.seq
-    heads, q_rank = cfg.num_attention_heads // inp.tp, cfg.q_lora_rank
-    C, R = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    total = _rms_norm_bytes(n_sp, cfg.hidden_size, inp)
-    total += a * n_sp * cfg.hidden_size  # normed input, shared by the q and kv down projections
-    if q_rank:  # q latent norm + q_up's input (kept sequence-split under SP, gathered again)
-        total += _rms_norm_bytes(n_sp, q_rank, inp) + a * n_sp * q_rank
-    total += _rms_norm_bytes(n_sp, C, inp) + a * n_sp * C  # kv latent norm + kv_up's input
-    if a == 4:  # in fp32 the kv norm's input aliases the whole [latent | rope key] output
-        total += 4 * n_sp * R
-    total += 4 * a * s * R  # RoPE cos and sin for q and k, per position
-    total += _core_attention_bytes(cfg, inp, heads)
-    total += a * n * heads * cfg.v_head_dim  # o_proj's input
-    if dsa_sparse(cfg, inp) and inp.dsa_kl:
-        total += _indexer_kl_bytes(cfg, inp)
-    return total
-
-
-def dsa_sparse(cfg: GLM5Config, inp: MemoryInputs) -> bool:
-    """DSACoreAttention falls back to dense causal attention (and no KL) when every key fits."""
-    return cfg.index_topk < inp.seq
-
-
-def _core_attention_bytes(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> int:
-    a, n, s = inp.activation_bytes, inp.tokens, inp.seq
-    dqk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-    sparse = dsa_sparse(cfg, inp)
-    if not inp.fused_attention:  # SDPA's math path (CPU, where it computes in fp32): copies
-        # of the scaled q, k^T and v, and the probabilities [b, heads, s, s]
-        return 4 * n * heads * (2 * dqk + dv) + 4 * n * heads * s
-    # Fused kernels: q, k, v and the output, an fp32 log-sum-exp per head and query, and for
-    # the top-k selection the additive [b, 1, s, s] mask the kernel keeps for backward.
-    return a * n * heads * 2 * (dqk + dv) + 4 * n * heads + (a * n * s if sparse else 0)
-
-
-def _indexer_kl_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
-    """The indexer's second, differentiable pass for the sparse-stage KL (dsa_loss.py). Its
-    inputs are gathered to the full sequence under SP and it is replicated over TP."""
-    a, n, s, keys = inp.activation_bytes, inp.tokens, inp.seq, inp.seq_length
-    Hi, Di, topk = cfg.index_n_heads, cfg.index_head_dim, min(cfg.index_topk, inp.seq)
-    H = cfg.hidden_size
-    q_in = cfg.q_lora_rank or H
-    if inp.micro_batch_size > 1:  # [s, b] -> [b, s] inputs copy in each linear: qr for wq_b,
-        total = a * n * (q_in + 2 * H)  # x for wk and for weights_proj
-    else:  # a view: only the all-gathered full-sequence x and qr under SP are new tensors
-        total = a * n * (q_in + H) if inp.sequence_parallel and inp.tp > 1 else 0
-    total += a * n * Di + 8 * n  # wk's output and the key LayerNorm's mean and rstd
-    total += 2 * a * s * cfg.qk_rope_head_dim  # RoPE cos and sin for indexer q and k
-    total += 4 * n * (Di + Hi * Di + Hi)  # fp32 k, q and head weights of the score einsums
-    total += 4 * n * Hi * keys  # ReLU(q . k) [b, s, Hi, s] in fp32: the dominant term
-    total += s * keys + 4 * n * keys  # causal mask; index scores [b, s, s] kept by the gather
-    return total + 18 * n * topk  # top-k ids (int64), valid mask, log-softmax, target, mask
-
-
-def mlp_activation_bytes(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> int:
-    """Pre-MLP norm plus the dense SwiGLU MLP or the MoE block of one decoder layer."""
-    a, n, n_sp, H = inp.activation_bytes, inp.tokens, inp.sp_tokens, cfg.hidden_size
-    total = _rms_norm_bytes(n_sp, H, inp) + a * n_sp * H  # norm + its output (fc1's input)
-    if not moe:
-        return total + _swiglu_bytes(n, cfg.intermediate_size // inp.tp, a)
-    E, k, F = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
-    # Router: fp32 logits and probabilities and the bool routing map [n, E]; top-k ids (int64)
-    # and probabilities, the sorted token ids of the permutation (int64), a score per token.
-    total += 9 * n_sp * E + 20 * n_sp * k + 4 * n_sp
-    if cfg.n_shared_experts:
-        total += _swiglu_bytes(n, cfg.n_shared_experts * F // inp.tp, a)
-    # Routed copies per rank: the all-to-all leaves each rank its SP tokens x top-k on average;
-    # expert-TP gathers the TP group's tokens. Each keeps its permuted input, SwiGLU, the
-    # product scaled by its routing probability (one more [t, F]) and that fp32 probability.
-    routed = k * (n_sp * inp.expert_tp if inp.sequence_parallel else n)
-    ffn = F // inp.expert_tp
-    return total + a * routed * H + _swiglu_bytes(routed, ffn, a) + a * routed * ffn + 4 * routed
-
-
-def decoder_layer_activation_bytes(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> int:
-    return attention_activation_bytes(cfg, inp) + mlp_activation_bytes(cfg, moe, inp)
-
-
-def loss_head_activation_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
-    """One output head + cross-entropy: the head's input (sequence-split under SP) and
-    megatron's fp32 softmax [n, V/TP], plus its target mask (bool) and ids (int64)."""
-    n = inp.tokens
-    vocab = cfg.vocab_size // inp.tp
-    return inp.activation_bytes * inp.sp_tokens * cfg.hidden_size + 4 * n * vocab + 9 * n
-
-
-def mtp_step_activation_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
-    """One MTP step: rolled token ids, enorm, hnorm, eh_proj's input [n, 2H], the MoE layer,
-    and the MTP final norm."""
-    n_sp, H = inp.sp_tokens, cfg.hidden_size
-    norms = 3 * _rms_norm_bytes(n_sp, H, inp)
-    return (8 * inp.tokens + norms + 2 * inp.activation_bytes * n_sp * H
-            + decoder_layer_activation_bytes(cfg, True, inp))
-
-
-# ------------------------------------------------------------- parameters, compute, stages
-
-# Components split over TP ranks; the rest of a layer (down projections, norms, indexer,
-# router) is replicated in our model, and routed experts split over EP x expert-TP.
-TP_SPLIT = frozenset({"q_up", "kv_up", "o_proj", "dense_mlp", "shared_expert"})
-
-
-@dataclass(frozen=True)
-class Part:
-    """One piece of a stage per rank: dense and expert parameters (they shard over different
-    data-parallel groups), activation bytes and flops (forward + backward) per micro-batch."""
-
-    dense_params: int = 0
-    expert_params: int = 0
-    activation_bytes: int = 0
-    flops: int = 0
-
-    def __add__(self, other: Part) -> Part:
-        return Part(self.dense_params + other.dense_params,
-                    self.expert_params + other.expert_params,
-                    self.activation_bytes + other.activation_bytes, self.flops + other.flops)
-
-    def times(self, k: int) -> Part:
-        return Part(k * self.dense_params, k * self.expert_params, k * self.activation_bytes,
-                    k * self.flops)
-
-
-def _attention_flops(cfg: GLM5Config, inp: MemoryInputs) -> int:
-    b, s, sparse = inp.micro_batch_size, inp.seq_length, dsa_sparse(cfg, inp)
-    # Our sparse path runs dense SDPA under a top-k mask: every (query, key) pair costs.
-    pairs = b * s * s if sparse else b * s * (s + 1) // 2
-    dims = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
-    core = 6 * pairs * cfg.num_attention_heads * dims // (inp.tp * inp.cp)
-    # The indexer (replicated over TP) scores all pairs for the selection; with the KL a
-    # second differentiable pass and its backward add three more.
-    passes = (4 if inp.dsa_kl else 1) if sparse else 0
-    return core + passes * 2 * b * s * s * cfg.index_n_heads * cfg.index_head_dim // inp.cp
-
-
-def layer_part(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> Part:
-    dense = expert = active = 0
-    for term in layer_terms(cfg, moe):
-        if term.key == "routed_experts":
-            expert += term.count // (inp.ep * inp.expert_tp)
-            active += term.count * cfg.num_experts_per_tok // cfg.n_routed_experts
-        else:
-            dense += term.count // inp.tp if term.key in TP_SPLIT else term.count
-            active += term.count
-    flops = 6 * active * inp.tokens // inp.tp + _attention_flops(cfg, inp)
-    return Part(dense, expert, decoder_layer_activation_bytes(cfg, moe, inp), flops)
-
-
-def mtp_layer_params(cfg: GLM5Config) -> int:
-    """One MTP parameter set as megatron-core builds it: an MoE layer, eh_proj [H, 2H] and
-    enorm, hnorm, final norm (HF's count less the expert bias, a buffer in megatron)."""
-    H = cfg.hidden_size
-    return sum(t.count for t in layer_terms(cfg, True)) + 2 * H * H + 3 * H
-
-
-def _vocab_part(cfg: GLM5Config, inp: MemoryInputs, key: str) -> Part:
-    count = next(t.count for t in top_terms(cfg) if t.key == key)
-    return Part(dense_params=count // inp.tp)
-
-
-def _mtp_part(cfg: GLM5Config, inp: MemoryInputs) -> Part:
-    H, sets, steps = cfg.hidden_size, mtp_sets(cfg), mtp_steps(cfg)
-    layer = layer_part(cfg, True, inp)
-    eh_proj = 2 * H * H // inp.tp
-    params = Part(dense_params=layer.dense_params + eh_proj + 3 * H,
-                  expert_params=layer.expert_params).times(sets)
-    flops = layer.flops + 6 * 2 * H * H * inp.tokens // inp.tp
-    return params + Part(activation_bytes=mtp_step_activation_bytes(cfg, inp),
-                         flops=flops).times(steps)
-
-
-def _head_part(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> Part:
-    """Output head(s) on the last stage: the main loss plus one per MTP step."""
-    flops = 6 * cfg.vocab_size * cfg.hidden_size * inp.tokens // inp.tp
-    return _vocab_part(cfg, inp, "output_head") + Part(
-        activation_bytes=loss_head_activation_bytes(cfg, inp), flops=flops).times(heads)
-
-
-@dataclass(frozen=True)
-class StageCosts:
-    param_bytes: int
-    grad_bytes: int
-    optimizer_bytes: int
-    activation_bytes_per_microbatch: int
-    flops_per_microbatch: int
-
-    @cached_property  # read in the balancer's inner loop
-    def static_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
-
-
-def stage_costs(part: Part, inp: MemoryInputs) -> StageCosts:
-    d, e = part.dense_params, part.expert_params
-    sharded = -(-d // (inp.dp * inp.cp)) - (-e // inp.expert_dp)  # per rank, rounded up
-    grads = sharded if inp.shard_grads else d + e
-    states = sharded if inp.distributed_optimizer else d + e
-    return StageCosts(inp.weight_bytes * (d + e), inp.grad_bytes * grads,
-                      inp.optimizer_bytes * states, part.activation_bytes, part.flops)
 
 
 class _StageModel:
@@ -434,13 +142,13 @@ class _StageModel:
         self.cfg, self.inp, self.last, self.mtp_stage = cfg, inp, num_stages - 1, mtp_stage
         steps = mtp_steps(cfg) if mtp_stage is not None else 0
         self.layer = {moe: layer_part(cfg, moe, inp) for moe in (False, True)}
-        self.embedding = _vocab_part(cfg, inp, "embedding")
+        self.embedding = vocab_part(cfg, inp, "embedding")
         hidden = Part(activation_bytes=inp.activation_bytes * inp.sp_tokens * cfg.hidden_size)
         self.stage_input = hidden  # megatron keeps each received input until its backward
         self.concat_input = hidden.times(1 + steps)  # main + MTP hidden states, concatenated
-        self.mtp = _mtp_part(cfg, inp) if mtp_stage is not None else Part()
-        self.head = _head_part(cfg, inp, 1 + steps)
-        self.final_norm = Part(dense_params=cfg.hidden_size, activation_bytes=_rms_norm_bytes(
+        self.mtp = mtp_part(cfg, inp) if mtp_stage is not None else Part()
+        self.head = head_part(cfg, inp, 1 + steps)
+        self.final_norm = Part(dense_params=cfg.hidden_size, activation_bytes=rms_norm_bytes(
             inp.sp_tokens, cfg.hidden_size, inp))
         self._cache: dict[tuple[int, int, int, bool], StageCosts] = {}
 

@@ -22,6 +22,7 @@ import torch
 
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
+from glm5_train import pipeline_memory as memory
 from glm5_train import pipeline_plan as plan
 from glm5_train.config import GLM5Config
 from parallel.layout import LayoutError
@@ -178,7 +179,7 @@ def test_uniform_peak_is_megatron_warmup_plus_one(pp, vpp, microbatches):
 def test_parameter_bytes_sum_to_the_count_params_formula(tiny, big):
     for cfg in (tiny, big):
         sets = plan.mtp_sets(cfg)
-        mtp = plan.mtp_layer_params(cfg)
+        mtp = memory.mtp_layer_params(cfg)
         assert sets * mtp == count_params.mtp_params(cfg) - sets * \
             count_params.expert_bias_params(cfg)  # HF's count holds the bias buffer
         total = count_params.formula_totals(cfg).total + sets * mtp
@@ -251,12 +252,12 @@ def test_activation_estimate_matches_a_measured_forward(tiny, mtp_steps):
     seq, batch = 128, 2
     inputs = plan.MemoryInputs(seq_length=seq, micro_batch_size=batch, activation_bytes=4,
                                fused_attention=False)
-    layers = sum(plan.decoder_layer_activation_bytes(cfg, bool(moe), inputs)
+    layers = sum(memory.decoder_layer_activation_bytes(cfg, bool(moe), inputs)
                  for moe in cfg.moe_layer_pattern)
     estimate = (8 * inputs.tokens + layers
-                + plan._rms_norm_bytes(inputs.tokens, cfg.hidden_size, inputs)  # final norm
-                + mtp_steps * plan.mtp_step_activation_bytes(cfg, inputs)
-                + (1 + mtp_steps) * plan.loss_head_activation_bytes(cfg, inputs))
+                + memory.rms_norm_bytes(inputs.tokens, cfg.hidden_size, inputs)  # final norm
+                + mtp_steps * memory.mtp_step_activation_bytes(cfg, inputs)
+                + (1 + mtp_steps) * memory.loss_head_activation_bytes(cfg, inputs))
     measured = _measured_forward_bytes(cfg, seq, batch)
     print(f"tiny forward activations, {mtp_steps} MTP steps: estimate {estimate} B, "
           f"measured {measured} B")
@@ -265,8 +266,8 @@ def test_activation_estimate_matches_a_measured_forward(tiny, mtp_steps):
 
 def test_indexer_kl_dominates_744b_activations_at_4k(big):
     """The [b, s, Hi, s] fp32 ReLU scores of the KL pass: 2 GiB per layer at 4K tokens."""
-    with_kl = plan.decoder_layer_activation_bytes(big, True, BIG_INPUTS)
-    without = plan.decoder_layer_activation_bytes(big, True,
+    with_kl = memory.decoder_layer_activation_bytes(big, True, BIG_INPUTS)
+    without = memory.decoder_layer_activation_bytes(big, True,
                                                   dataclasses.replace(BIG_INPUTS, dsa_kl=False))
     assert with_kl - without > 4 * 4096 * 32 * 4096
 
