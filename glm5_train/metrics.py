@@ -62,7 +62,9 @@ class MetricsLogger:
         peak_mib = max(r.get("mem_peak_bytes", [0])) / 2**20
         kl = f" | indexer_kl {r['indexer_kl']:.3e}" if "indexer_kl" in r else ""
         mtp = f" | mtp_loss {r['mtp_loss']:.4f}" if "mtp_loss" in r else ""
+        comm = (f" | max rank sent {max(r['comm_bytes']) / 2**20:.1f} MiB"
+                if r.get("comm_bytes") else "")
         return (f"step {step}/{self.train_iters} ({pct:5.1f}%) | loss {r['loss']:.4f}{mtp}{kl} | "
                 f"grad_norm {r['grad_norm']:.3f} | lr {r['lr']:.3e} | "
                 f"tokens/s {r['tokens_per_s']:.0f} | consumed_tokens {r['consumed_tokens']} | "
-                f"max rank peak {peak_mib:.0f} MiB | elapsed {elapsed:.0f}s")
+                f"max rank peak {peak_mib:.0f} MiB{comm} | elapsed {elapsed:.0f}s")

@@ -154,6 +154,7 @@ def train(job: JobConfig, run_dir: str) -> list[dict]:
     """Run the whole job in this (already torchrun-launched) process; returns step records."""
     from glm5_train.checkpoint import TrainState, load_checkpoint, save_checkpoint
     from glm5_train.metrics import MetricsLogger, gather_memory
+    from parallel.comm_meter import CommMeter, buffer_bytes, gather_fields
 
     validate_job(job)
     device.install()
@@ -168,9 +169,11 @@ def train(job: JobConfig, run_dir: str) -> list[dict]:
     records = []
     while state.iteration < job.train.train_iters:
         started = time.perf_counter()
-        grad_norm, reports = train_step(rt, iterators)
-        elapsed = time.perf_counter() - started
-        stats = step_statistics(rt, reports)
+        meter = CommMeter()  # this step's collectives on this rank (the loss's included)
+        with meter.measure():
+            grad_norm, reports = train_step(rt, iterators)
+            elapsed = time.perf_counter() - started
+            stats = step_statistics(rt, reports)
         state.iteration += 1
         state.consumed_samples += job.train.global_batch_size
         batch_tokens = job.train.global_batch_size * job.train.seq_length
@@ -178,6 +181,7 @@ def train(job: JobConfig, run_dir: str) -> list[dict]:
         record = _record(rt, state, stats, grad_norm, batch_tokens / elapsed)
         if state.iteration % job.train.log_interval == 0 or state.iteration == 1:
             record["mem_rss_bytes"], record["mem_peak_bytes"] = gather_memory()
+            record.update(gather_fields(meter, buffer_bytes(rt.chunks, rt.optimizer)))
             logger.log(record)
         records.append(record)
         if _should_save(job, state.iteration):
