@@ -28,15 +28,19 @@ def _resume_from_step2(ckpt, tmp_path, nprocs, layout):
                             f"checkpoint.load={ckpt}"], str(run)).records
 
 
-@pytest.mark.parametrize("nprocs,layout", [(2, "tp2"), (1, "single")])
+# pp2_vpp2: the MTP layer moves to the split placement (Et|ttt|m|L), where pipeline rank 0
+# holds two copies of the word embedding; both must come back from the checkpoint.
+@pytest.mark.parametrize("nprocs,layout", [(2, "tp2"), (1, "single"), (2, "pp2_vpp2")])
 def test_resume_reproduces_losses_exactly(uninterrupted, tmp_path, nprocs, layout):
     full, ckpt = uninterrupted
     resumed = _resume_from_step2(ckpt, tmp_path, nprocs, layout)
     assert [r["step"] for r in resumed] == [3, 4]
     for ref, got in zip(full[2:], resumed):
-        # Same layout: bit-exact. TP2 -> 1 process: only reduction order differs.
+        # Same layout: bit-exact. Another layout: only reduction order differs.
         tol = 0.0 if layout == "tp2" else 1e-5 * abs(ref["loss"])
         assert abs(got["loss"] - ref["loss"]) <= tol, (layout, got, ref)
+        mtp_tol = 0.0 if layout == "tp2" else 1e-5 * abs(ref["mtp_loss"])
+        assert abs(got["mtp_loss"] - ref["mtp_loss"]) <= mtp_tol, (layout, got, ref)
         assert got["consumed_tokens"] == ref["consumed_tokens"]
 
 
