@@ -16,7 +16,7 @@ TINY = dict(vocab_size=320, hidden_size=128, num_hidden_layers=4, first_k_dense_
             intermediate_size=256, moe_intermediate_size=64, n_routed_experts=8,
             num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64,
             kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-            index_n_heads=4, index_head_dim=32)
+            index_n_heads=4, index_head_dim=32, mtp_num_steps=0)  # MTP: see the tests below
 
 
 def check(par: ParallelConfig, world: int, gbs: int = 8, mbs: int = 1, seq: int = 64,
@@ -43,6 +43,15 @@ def test_impossible_layouts_are_named(par, world, fragment):
     with pytest.raises(LayoutError) as err:
         check(par, world)
     assert fragment in str(err.value)
+
+
+def test_with_mtp_an_uneven_pipeline_is_balanced_not_refused():
+    """With MTP the layout is balanced for the placement (glm5_train.pipeline_plan), so 4
+    layers on 3 stages are fine; overlapped grad reduction would race with the embedding tie."""
+    assert check(ParallelConfig(pipeline_model_parallel_size=3), 3, mtp_num_steps=3) == 1
+    with pytest.raises(LayoutError, match="overlap_grad_reduce=true with pipeline"):
+        check(ParallelConfig(pipeline_model_parallel_size=2, overlap_grad_reduce=True), 2,
+              mtp_num_steps=3)
 
 
 def test_batch_must_split_over_data_parallel():
