@@ -25,6 +25,7 @@ from megatron.core.transformer.multi_token_prediction import (
     MultiTokenPredictionBlockSubmodules, MultiTokenPredictionLayer,
     MultiTokenPredictionLayerSubmodules, get_mtp_ranks, mtp_on_this_rank)
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.utils import unwrap_model
 
 
 def chunk_hosts_mtp(config, vp_stage: int | None) -> bool:
@@ -90,7 +91,7 @@ class EmbeddingTie:
         """This rank's copies: one per chunk that holds the embedding (or a tied head)."""
         copies = []
         for chunk in chunks:
-            model = _unwrap(chunk)
+            model = unwrap_model(chunk)
             mtp = getattr(model, "mtp_process", False)
             if model.pre_process or mtp or (model.post_process and self.tie_word_embeddings):
                 copies.append(model.shared_embedding_or_output_weight())
@@ -114,18 +115,16 @@ def _grad_of(param: torch.nn.Parameter) -> torch.Tensor:
     return grad if grad is not None else param.grad
 
 
-def _unwrap(chunk):
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def _holder_group(config, tie_word_embeddings: bool):
-    """A process group over the pipeline ranks holding an embedding copy (this rank's).
+    """A process group over the pipeline ranks holding an embedding copy (this rank's), None
+    when its copies all sit on this rank (or there is one copy).
 
-    Every rank must create every group in the same order: gather all pipeline groups first."""
+    Every rank must create every group in the same order: gather all pipeline groups first.
+    Only groups of two or more ranks are created (``new_group`` is a collective on NCCL)."""
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return None
+    if not config.mtp_num_layers and not tie_word_embeddings:
+        return None  # one copy: the first stage's
     own = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, own)
@@ -134,6 +133,8 @@ def _holder_group(config, tie_word_embeddings: bool):
         holders = {pp_ranks[0], *get_mtp_ranks(list(pp_ranks), config)}
         if tie_word_embeddings:
             holders.add(pp_ranks[-1])
+        if len(holders) < 2:
+            continue
         group = dist.new_group(sorted(holders))
         if dist.get_rank() in holders:
             mine = group

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import unwrap_model
 
 from parallel.layout import comm_device
 
@@ -38,7 +39,7 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
     batch = to_device(next(data_iterator))
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                    labels=batch["labels"], loss_mask=batch["loss_mask"])
-    inner = _unwrap(model)
+    inner = unwrap_model(model)
     return output, partial(loss_func, batch["loss_mask"], getattr(inner, "take_mtp_report", None))
 
 
@@ -47,12 +48,6 @@ def to_device(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     device = comm_device()
     return {key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor)
             else value for key, value in batch.items()}
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def run_step(chunks: list[torch.nn.Module], iterators: list[Iterator], num_microbatches: int,
