@@ -46,6 +46,9 @@ class TrainConfig:
     muon_nesterov: bool = True
     muon_ns_steps: int = 5
     muon_split_mla: bool = True  # Muon Split: per-head W_UQ / W_UK / W_UV (GLM-5 default)
+    # With parallel.use_distributed_optimizer: one owner rank per matrix (true), or the naive
+    # reference where every rank gathers every Muon gradient (false; for bench/muon_comm.py).
+    muon_zero_redundant: bool = True
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -103,11 +106,14 @@ class JobConfig:
         self.dsa.validate()
         _check_checkpoint(self.checkpoint)
         _check_distributed_optimizer_checkpoint(self.parallel, self.checkpoint)
-        if self.train.optimizer == "muon" and self.parallel.use_distributed_optimizer:
+        if (self.train.optimizer == "muon" and self.parallel.use_distributed_optimizer
+                and (self.checkpoint.save or self.checkpoint.load)):
             raise ValueError(
-                "train.optimizer=muon with parallel.use_distributed_optimizer=true: Muon needs "
-                "whole matrices and megatron-core's distributed optimizer shards flat buffers; "
-                "set parallel.use_distributed_optimizer=false")
+                "train.optimizer=muon with parallel.use_distributed_optimizer=true and "
+                "checkpoint.save/load: distributed Muon keeps each matrix's momentum on its owner "
+                "rank, which megatron-core's distributed-optimizer checkpoint format cannot hold "
+                "(not implemented yet). Set parallel.use_distributed_optimizer=false (Muon "
+                "checkpoints then work), or checkpoint.save=null and checkpoint.load=null")
 
 
 def _build(kind: type, group: str, values: dict[str, Any]):

@@ -14,8 +14,8 @@ Tensor parallelism: a TP-sharded matrix that is orthogonalised as a whole is all
 its TP group (the expert-TP group for expert weights), orthogonalised, and each rank keeps its
 own shard; Newton-Schulz commutes with row/column permutations, so the shard-interleaved
 layout of a gathered SwiGLU fc1 ([g0; u0; g1; u1]) gives the same result as [gate; up].
-Every data-parallel rank computes every update (the zero-redundant distributed Muon is a
-separate piece: it cannot work with megatron-core's ZeRO-1 optimizer, which is refused).
+Without the distributed optimizer every data-parallel rank computes every update; with it,
+``glm5_train/distributed_muon.py`` gives each matrix one owner rank (zero-redundant Muon).
 
 This optimizer replaces the torch optimizer inside megatron-core's FP32 optimizer wrappers, so
 megatron-core still does gradient gathering from DDP buffers, norm, clipping and checkpointing.
@@ -199,9 +199,20 @@ def _layout(name: str, param: torch.Tensor, cfg: MuonConfig, model_cfg, ps) -> M
     return MatrixLayout(name, muon=True, tp_group=group, tp_dim=param.partition_dim)
 
 
-def install_muon(optimizer, chunks: list[torch.nn.Module], cfg: MuonConfig, model_cfg) -> None:
-    """Swap the torch optimizer inside each of megatron-core's FP32 optimizer wrappers."""
+def install_muon(optimizer, chunks: list[torch.nn.Module], cfg: MuonConfig, model_cfg,
+                 zero_redundant: bool = True) -> None:
+    """Swap the torch optimizer inside each of megatron-core's optimizer wrappers: MuonAdamW in
+    its FP32 optimizers, distributed Muon in its distributed optimizers (``zero_redundant``:
+    one owner per matrix; otherwise the naive every-rank-gathers-everything reference)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from glm5_train.distributed_muon import install_distributed_muon
+
     layouts = matrix_layouts(chunks, cfg, model_cfg)
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(sub, DistributedOptimizer):
+            if not sub.is_stub_optimizer:
+                install_distributed_muon(sub, layouts, cfg, zero_redundant)
+            continue
         sub.optimizer = MuonAdamW(sub.optimizer.param_groups, layouts, cfg)
         sub.init_state_fn = sub.optimizer.init_state

@@ -95,7 +95,8 @@ def build_runtime(job: JobConfig) -> Runtime:
 
         t = job.train
         install_muon(optimizer, chunks, MuonConfig(t.muon_momentum, t.muon_nesterov,
-                                                   t.muon_ns_steps, t.muon_split_mla), job.model)
+                                                   t.muon_ns_steps, t.muon_split_mla), job.model,
+                     zero_redundant=t.muon_zero_redundant)
     scheduler = build_scheduler(optimizer, job.train, job.train.train_iters)
     attach_schedule_hooks(chunks, config, optimizer,
                           EmbeddingTie(config, job.model.tie_word_embeddings))

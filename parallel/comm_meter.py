@@ -671,6 +671,9 @@ def optimizer_tensors(optimizer, model_storages: set[int]) -> list[torch.Tensor]
         inner = getattr(sub, "optimizer", sub)
         for state in inner.state.values():
             out.extend(_state_tensors(state))
+        # Distributed Muon keeps whole-matrix state (momentum, bf16 masters) outside ``state``.
+        for state in getattr(inner, "matrix_state", {}).values():
+            out.extend(_state_tensors(state))
         for group in inner.param_groups:
             for param in group["params"]:
                 if param.untyped_storage().data_ptr() not in model_storages:
