@@ -97,11 +97,17 @@ class EmbeddingTie:
                 copies.append(model.shared_embedding_or_output_weight())
         return [p for p in copies if p is not None and p.requires_grad]
 
-    def sync(self, chunks: list) -> None:
+    def needs_sync(self, chunks: list) -> bool:
+        """Whether this rank has copies to sum (several, or one shared with other ranks)."""
         copies = self.holders(chunks)
         group_size = dist.get_world_size(self.group) if self.group is not None else 1
-        if not copies or (len(copies) == 1 and group_size == 1):
+        return bool(copies) and (len(copies) > 1 or group_size > 1)
+
+    def sync(self, chunks: list) -> None:
+        if not self.needs_sync(chunks):
             return
+        copies = self.holders(chunks)
+        group_size = dist.get_world_size(self.group) if self.group is not None else 1
         grads = [_grad_of(p) for p in copies]
         total = torch.stack(grads).sum(dim=0) if len(grads) > 1 else grads[0].clone()
         if group_size > 1:

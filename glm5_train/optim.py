@@ -17,8 +17,11 @@ if TYPE_CHECKING:
 
 
 def wrap_ddp(chunks: list[torch.nn.Module], config: TransformerConfig,
-             use_distributed_optimizer: bool, overlap_grad_reduce: bool) -> list:
-    """Wrap each chunk in megatron-core's DDP (contiguous fp32 grad buffers)."""
+             use_distributed_optimizer: bool, overlap_grad_reduce: bool, zero2=None,
+             pinned: list | None = None) -> list:
+    """Wrap each chunk in megatron-core's DDP (contiguous fp32 grad buffers). With Pipeline
+    ZeRO2 (``zero2``) each chunk's full buffer is handed over right after its wrapping, so at
+    most one exists at a time; ``pinned`` parameters keep a full gradient of their own."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap_grad_reduce,
@@ -31,14 +34,23 @@ def wrap_ddp(chunks: list[torch.nn.Module], config: TransformerConfig,
         # Only the first chunk may skip bucketing; megatron's rule for overlapped grad reduce.
         wrapped.append(DistributedDataParallel(config=config, ddp_config=ddp_config,
                                                module=chunk, disable_bucketing=index > 0))
+        if zero2 is not None:
+            mine = {id(p) for p in chunk.parameters()}
+            zero2.adopt(wrapped[-1], [p for p in pinned or [] if id(p) in mine])
     return wrapped
 
 
 def attach_schedule_hooks(chunks: list, config: TransformerConfig, optimizer,
-                          embedding_tie=None) -> None:
+                          embedding_tie=None, zero2=None) -> None:
     """Tell the pipeline schedules how to sync and finalise grads (megatron-core's contract)."""
     config.grad_scale_func = optimizer.scale_loss
-    config.finalize_model_grads_func = partial(finalize_grads, embedding_tie=embedding_tie)
+    if zero2 is not None:
+        from parallel.pipeline_zero2 import finalize_zero2_grads
+
+        config.finalize_model_grads_func = partial(finalize_zero2_grads, zero2=zero2,
+                                                   embedding_tie=embedding_tie)
+    else:
+        config.finalize_model_grads_func = partial(finalize_grads, embedding_tie=embedding_tie)
     config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
     if chunks[0].ddp_config.overlap_grad_reduce:
         config.grad_sync_func = ([c.start_grad_sync for c in chunks] if len(chunks) > 1

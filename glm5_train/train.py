@@ -31,6 +31,7 @@ class Runtime:
     dataset: object
     dp_rank: int
     dp_size: int
+    zero2: object = None  # parallel.pipeline_zero2.PipelineZero2 when enabled
 
 
 def validate_job(job: JobConfig) -> int:
@@ -86,10 +87,21 @@ def build_runtime(job: JobConfig) -> Runtime:
     dataset = _build_dataset(job)
     config, chunks = build_model(job)
     apply_dsa_freezing(chunks, job.dsa)
+    embedding_tie = EmbeddingTie(config, job.model.tie_word_embeddings)
+    zero2, pinned = None, []
+    if job.parallel.pipeline_zero2:
+        from parallel.pipeline_zero2 import PipelineZero2
+
+        zero2 = PipelineZero2()
+        pinned = embedding_tie.holders(chunks) if embedding_tie.needs_sync(chunks) else []
     chunks = wrap_ddp(chunks, config, job.parallel.use_distributed_optimizer,
-                      job.parallel.overlap_grad_reduce)
+                      job.parallel.overlap_grad_reduce, zero2=zero2, pinned=pinned)
     optimizer = build_optimizer(chunks, job.train, job.parallel.use_distributed_optimizer,
                                 job.train.torch_dtype)
+    if zero2 is not None:
+        from parallel.pipeline_zero2 import attach_to_optimizer
+
+        attach_to_optimizer(optimizer, zero2)
     if job.train.optimizer == "muon":
         from glm5_train.muon import MuonConfig, install_muon
 
@@ -98,11 +110,10 @@ def build_runtime(job: JobConfig) -> Runtime:
                                                    t.muon_ns_steps, t.muon_split_mla), job.model,
                      zero_redundant=t.muon_zero_redundant)
     scheduler = build_scheduler(optimizer, job.train, job.train.train_iters)
-    attach_schedule_hooks(chunks, config, optimizer,
-                          EmbeddingTie(config, job.model.tie_word_embeddings))
+    attach_schedule_hooks(chunks, config, optimizer, embedding_tie, zero2)
     return Runtime(job, config, chunks, optimizer, scheduler, dataset,
                    parallel_state.get_data_parallel_rank(),
-                   parallel_state.get_data_parallel_world_size())
+                   parallel_state.get_data_parallel_world_size(), zero2)
 
 
 def _build_dataset(job: JobConfig):
@@ -141,6 +152,8 @@ def train_step(rt: Runtime, iterators: list) -> tuple[float, list]:
     t = rt.job.train
     for chunk in rt.chunks:
         chunk.zero_grad_buffer()
+    if rt.zero2 is not None:
+        rt.zero2.begin_step()
     rt.optimizer.zero_grad()
     num_micro = t.global_batch_size // (t.micro_batch_size * rt.dp_size)
     reports = run_step(rt.chunks, iterators, num_micro, t.seq_length, t.micro_batch_size)
@@ -182,7 +195,7 @@ def train(job: JobConfig, run_dir: str) -> list[dict]:
         record = _record(rt, state, stats, grad_norm, batch_tokens / elapsed)
         if state.iteration % job.train.log_interval == 0 or state.iteration == 1:
             record["mem_rss_bytes"], record["mem_peak_bytes"] = gather_memory()
-            record.update(gather_fields(meter, buffer_bytes(rt.chunks, rt.optimizer)))
+            record.update(gather_fields(meter, buffer_bytes(rt.chunks, rt.optimizer, rt.zero2)))
             logger.log(record)
         records.append(record)
         if _should_save(job, state.iteration):

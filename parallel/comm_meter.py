@@ -681,19 +681,22 @@ def optimizer_tensors(optimizer, model_storages: set[int]) -> list[torch.Tensor]
     return out
 
 
-def buffer_bytes(chunks: list, optimizer) -> dict[str, int]:
+def buffer_bytes(chunks: list, optimizer, zero2=None) -> dict[str, int]:
     """This rank's bytes held in gradient buffers, optimizer state and parameters.
 
     ``grad_buffer_bytes``: megatron-core DDP's contiguous grad buffers (fp32 here,
     ``grad_reduce_in_fp32``). The distributed optimizer does not shrink them: every rank keeps
     the full buffer and reduce-scatters into its own shard of it, so this equals plain DDP's.
+    With Pipeline ZeRO2 (``zero2``): its slices, two accumulation buffers (which the DDP buffers
+    now view) and pinned embedding gradients.
     ``optimizer_state_bytes``: ``optimizer_tensors`` (state is created by the first step).
     ``param_bytes``: the model parameters of this rank's chunks (shared storage counted once).
     """
     params = [p for chunk in chunks for p in chunk.parameters()]
     model_storages = {p.untyped_storage().data_ptr() for p in params}
     return {
-        "grad_buffer_bytes": _unique_bytes(grad_buffers(chunks)),
+        "grad_buffer_bytes": _unique_bytes(
+            grad_buffers(chunks) + (zero2.held_tensors() if zero2 is not None else [])),
         "optimizer_state_bytes": _unique_bytes(optimizer_tensors(optimizer, model_storages),
                                                exclude_storages=model_storages),
         "param_bytes": _unique_bytes(params),

@@ -40,6 +40,10 @@ class ParallelConfig:
     # The balancer evens out compute per stage among layouts whose ranks fit this many GiB
     # (estimated); null: no limit, memory only breaks ties.
     stage_memory_limit_gib: float | None = None
+    # Pipeline ZeRO2 (parallel/pipeline_zero2.py): keep 1/dp of each chunk's gradients plus two
+    # shared full-size accumulation buffers, instead of every chunk's full gradient buffer.
+    # Needs use_distributed_optimizer=true (it steps those slices).
+    pipeline_zero2: bool = False
 
     @property
     def model_parallel_size(self) -> int:
@@ -91,6 +95,7 @@ def validate_layout(par: ParallelConfig, model: GLM5Config, world_size: int,
     dp = _check_world(par, world_size)
     _check_tensor(par, model)
     _check_pipeline(par, model)
+    _check_zero2(par)
     _check_experts(par, model, dp)
     _check_sequence(par, seq_length)
     _check_batch(global_batch_size, micro_batch_size, dp)
@@ -163,6 +168,21 @@ def _check_pipeline(par: ParallelConfig, model: GLM5Config) -> None:
             f"model.num_hidden_layers={layers} cannot be placed evenly on pipeline x virtual "
             f"stages = {pp} x {vpp or 1} = {stages}: choose PP x VPP dividing {layers}, or give "
             "parallel.pipeline_model_parallel_layout (e.g. 'Et|tt|t|tL') for an uneven split")
+
+
+def _check_zero2(par: ParallelConfig) -> None:
+    if not par.pipeline_zero2:
+        return
+    if not par.use_distributed_optimizer:
+        raise LayoutError(
+            "parallel.pipeline_zero2=true with parallel.use_distributed_optimizer=false: ZeRO2 "
+            "keeps only each rank's gradient slice, which only the distributed optimizer "
+            "steps; set parallel.use_distributed_optimizer=true")
+    if par.overlap_grad_reduce:
+        raise LayoutError(
+            "parallel.pipeline_zero2=true with parallel.overlap_grad_reduce=true: ZeRO2 runs "
+            "its own reduce-scatters, overlapped with the next chunk's backward; set "
+            "parallel.overlap_grad_reduce=false")
 
 
 def _check_experts(par: ParallelConfig, model: GLM5Config, dp: int) -> None:
