@@ -105,7 +105,6 @@ class JobConfig:
         self.data.validate()
         self.dsa.validate()
         _check_checkpoint(self.checkpoint)
-        _check_distributed_optimizer_checkpoint(self.parallel, self.checkpoint)
         if (self.train.optimizer == "muon" and self.parallel.use_distributed_optimizer
                 and (self.checkpoint.save or self.checkpoint.load)):
             raise ValueError(
@@ -114,6 +113,7 @@ class JobConfig:
                 "rank, which megatron-core's distributed-optimizer checkpoint format cannot hold "
                 "(not implemented yet). Set parallel.use_distributed_optimizer=false (Muon "
                 "checkpoints then work), or checkpoint.save=null and checkpoint.load=null")
+        _check_distributed_optimizer_checkpoint(self.parallel, self.checkpoint)
 
 
 def _build(kind: type, group: str, values: dict[str, Any]):

@@ -688,19 +688,24 @@ def buffer_bytes(chunks: list, optimizer, zero2=None) -> dict[str, int]:
     ``grad_reduce_in_fp32``). The distributed optimizer does not shrink them: every rank keeps
     the full buffer and reduce-scatters into its own shard of it, so this equals plain DDP's.
     With Pipeline ZeRO2 (``zero2``): its slices, two accumulation buffers (which the DDP buffers
-    now view) and pinned embedding gradients.
+    now view) and pinned embedding gradients; also each part on its own
+    (``zero2_slice_bytes``, ``zero2_accum_bytes``, ``zero2_pinned_bytes``).
     ``optimizer_state_bytes``: ``optimizer_tensors`` (state is created by the first step).
     ``param_bytes``: the model parameters of this rank's chunks (shared storage counted once).
     """
     params = [p for chunk in chunks for p in chunk.parameters()]
     model_storages = {p.untyped_storage().data_ptr() for p in params}
-    return {
+    held = {
         "grad_buffer_bytes": _unique_bytes(
             grad_buffers(chunks) + (zero2.held_tensors() if zero2 is not None else [])),
         "optimizer_state_bytes": _unique_bytes(optimizer_tensors(optimizer, model_storages),
                                                exclude_storages=model_storages),
         "param_bytes": _unique_bytes(params),
     }
+    if zero2 is not None:  # its parts: slices, the two accumulation buffers, pinned copies
+        held.update({f"zero2_{name}_bytes": _unique_bytes(tensors)
+                     for name, tensors in zero2.held_by_kind().items()})
+    return held
 
 
 # ----------------------------------------------------------------------------------------------
@@ -725,6 +730,6 @@ def gather_fields(meter: CommMeter, held: dict[str, int]) -> dict[str, Any]:
                              for part in ("calls", "bytes", "payload_bytes")}
                        for key in keys},
     }
-    for name in ("grad_buffer_bytes", "optimizer_state_bytes", "param_bytes"):
+    for name in everyone[0]["held"]:
         fields[name] = [e["held"][name] for e in everyone]
     return fields

@@ -248,10 +248,13 @@ class PipelineZero2:
             for shard in chunk.buffers:
                 shard.shard.mul_(factor)
 
+    def held_by_kind(self) -> dict[str, list[torch.Tensor]]:
+        """Every gradient tensor this rank keeps between steps, by part (byte accounting)."""
+        return {"slice": [s.shard for c in self.chunks for s in c.buffers],
+                "accum": list(self.accum), "pinned": list(self.pinned.values())}
+
     def held_tensors(self) -> list[torch.Tensor]:
-        """Every gradient tensor this rank keeps between steps (for byte accounting)."""
-        shards = [s.shard for c in self.chunks for s in c.buffers]
-        return [*self.accum, *shards, *self.pinned.values()]
+        return [t for tensors in self.held_by_kind().values() for t in tensors]
 
 
 def _buffer_shard(buffer, offset: int) -> BufferShard:

@@ -38,6 +38,9 @@ def check(par: ParallelConfig, world: int, gbs: int = 8, mbs: int = 1, seq: int 
     (ParallelConfig(tensor_model_parallel_size=2, expert_tensor_parallel_size=1), 2,
      "expert_tensor_parallel_size=1 differs"),
     (ParallelConfig(virtual_pipeline_model_parallel_size=2), 1, "needs pipeline_model_parallel"),
+    (ParallelConfig(pipeline_zero2=True), 2, "pipeline_zero2=true with parallel.use_distributed"),
+    (ParallelConfig(pipeline_zero2=True, use_distributed_optimizer=True,
+                    overlap_grad_reduce=True), 2, "pipeline_zero2=true with parallel.overlap"),
 ])
 def test_impossible_layouts_are_named(par, world, fragment):
     with pytest.raises(LayoutError) as err:
@@ -101,3 +104,13 @@ def test_bad_layout_fails_before_process_groups(tmp_path):
 def test_unimplemented_model_variants_are_refused(field):
     with pytest.raises(ValueError, match=f"model.{field}=false"):
         GLM5Config(**{**TINY, field: False}).validate()
+
+
+def test_distributed_muon_checkpoints_are_refused_before_work():
+    from glm5_train.checkpoint import CheckpointConfig
+    from glm5_train.job_config import JobConfig, TrainConfig
+
+    job = JobConfig(parallel=ParallelConfig(use_distributed_optimizer=True),
+                    train=TrainConfig(optimizer="muon"), checkpoint=CheckpointConfig(save="/x"))
+    with pytest.raises(ValueError, match="distributed Muon keeps each matrix's momentum"):
+        job.validate()

@@ -1,0 +1,122 @@
+"""Pipeline ZeRO2: persistent gradient bytes per rank against plain megatron-core DDP.
+
+    python bench/zero2_memory.py [--micro 2 8] [--dp 4 --pp 2 --vpp 8 --layers 16]
+
+Runs the real training job (tiny GLM-5 with ``--layers`` layers, MTP off, fp32, 8 CPU processes
+by default: PP2 x VPP8 x DP4, one layer per virtual stage) three ways: plain DDP, megatron-core's
+distributed optimizer (ZeRO-1) and Pipeline ZeRO2 (``parallel.pipeline_zero2=true``), and reads
+from ``metrics.jsonl`` the exact per-rank bytes counted from the tensors
+(``parallel/comm_meter.py``): gradient storage held between steps and gradient bytes sent per
+step. Bytes are counted, not timed, so 8 processes on 2 cores are fine.
+
+Theory for a rank holding gradients G over v virtual stages: G/dp (its slices) + 2G/v (two
+accumulation buffers, each one chunk). Uneven chunks (the embedding and head share a chunk with
+a layer) make the real buffers 2 x the largest chunk: printed as the layout's bound.
+
+Cost: the interleaved backward runs a chunk for a group of PP consecutive micro-batches, so with
+M micro-batches per rank each chunk is reduce-scattered M/PP times per step instead of once:
+the first ``--micro`` value is the cheapest (M = PP), the others show the cost growing.
+Last line: ``ours=<bytes> baseline=<bytes> theory=<bytes> ratio=<ours/baseline>`` with the
+largest rank's gradient bytes, ZeRO2 (ours) against plain DDP (baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MODES = {
+    "ddp": ["parallel.use_distributed_optimizer=false"],
+    "zero1": ["parallel.use_distributed_optimizer=true"],
+    "zero2": ["parallel.use_distributed_optimizer=true", "parallel.pipeline_zero2=true"],
+}
+
+
+def run(mode: str, args, micro: int, run_dir: str) -> dict:
+    """The last step's metrics record of one job."""
+    overrides = [
+        "model=glm5_tiny", "model.mtp_num_steps=0", f"model.num_hidden_layers={args.layers}",
+        "parallel=single", f"parallel.pipeline_model_parallel_size={args.pp}",
+        f"parallel.virtual_pipeline_model_parallel_size={args.vpp}",
+        f"train.train_iters={args.steps}", "train.warmup_iters=1", "train.micro_batch_size=1",
+        f"train.global_batch_size={micro * args.dp}", f"train.seq_length={args.seq}",
+        "checkpoint.save=null", f"hydra.run.dir={run_dir}", *MODES[mode]]
+    nproc = args.pp * args.dp
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", "-m", "glm5_train.train", *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode:
+        raise SystemExit(f"{mode} run failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as handle:
+        return [json.loads(line) for line in handle if line.strip()][-1]
+
+
+def grad_sent(record: dict) -> list[int]:
+    """Per rank: bytes sent by gradient reductions over the data-parallel group (the
+    all-reduce of plain DDP, the reduce-scatters of ZeRO-1/2; loss and token-count scalars,
+    a few hundred bytes, excluded by taking only ops with >= 1 KiB)."""
+    ranks = len(record["grad_buffer_bytes"])
+    out = [0] * ranks
+    for key, entry in record["comm_by_op"].items():
+        op, size = key.split(":")
+        if op in ("all_reduce", "reduce_scatter") and int(size) > 1:
+            for r in range(ranks):
+                if entry["bytes"][r] >= 1024:
+                    out[r] += entry["bytes"][r]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dp", type=int, default=4)
+    p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--vpp", type=int, default=8)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--micro", type=int, nargs="+", default=[2, 8],
+                   help="micro-batches per rank per step (first: the memory comparison)")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--seq", type=int, default=32)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        first = args.micro[0]
+        rec = {mode: run(mode, args, first, os.path.join(tmp, f"{mode}_{first}"))
+               for mode in MODES}
+        extra = {m: {mode: run(mode, args, m, os.path.join(tmp, f"{mode}_{m}"))
+                     for mode in ("zero1", "zero2")} for m in args.micro[1:]}
+    ranks = args.pp * args.dp
+    print(f"layout: PP{args.pp} x VPP{args.vpp} x DP{args.dp} ({ranks} processes), "
+          f"{args.layers} layers (tiny GLM-5, MTP off), fp32 gradients")
+    print("persistent gradient bytes per rank:")
+    for mode, label in (("ddp", "plain DDP"), ("zero1", "distributed optimizer (ZeRO-1)"),
+                        ("zero2", "Pipeline ZeRO2")):
+        print(f"  {label:32s} {rec[mode]['grad_buffer_bytes']}")
+    z = rec["zero2"]
+    for part in ("slice", "accum", "pinned"):
+        print(f"  ZeRO2 {part:26s} {z[f'zero2_{part}_bytes']}")
+    worst = max(range(ranks), key=lambda r: rec["ddp"]["grad_buffer_bytes"][r])
+    full = rec["ddp"]["grad_buffer_bytes"][worst]
+    ours = max(z["grad_buffer_bytes"])
+    theory = full // args.dp + 2 * full // args.vpp
+    bound = full // args.dp + z["zero2_accum_bytes"][worst]
+    print(f"largest rank {worst}: G={full}  theory G/dp + 2G/v = {theory}  layout bound "
+          f"G/dp + 2 x largest chunk = {bound}")
+    print(f"gradient bytes sent per step per rank (M={first} micro-batches per rank):")
+    for mode in MODES:
+        print(f"  {mode:6s} {grad_sent(rec[mode])}")
+    for m, runs in extra.items():
+        zero1, zero2 = grad_sent(runs["zero1"]), grad_sent(runs["zero2"])
+        print(f"gradient bytes sent per step per rank (M={m}): zero1 {zero1} zero2 {zero2} "
+              f"(x{zero2[worst] / zero1[worst]:.2f}, expected M/PP = {m / args.pp:g})")
+    baseline = max(rec["ddp"]["grad_buffer_bytes"])
+    print(f"ours={ours} baseline={baseline} theory={theory} ratio={ours / baseline:.4f}")
+
+
+if __name__ == "__main__":
+    main()
