@@ -27,12 +27,15 @@ def test_zero2_matches_plain_ddp_and_reduces_once_per_group(plain_ddp, tmp_path)
     problems = compare(plain_ddp, zero2)
     assert not problems, "\n".join(problems)
     ddp, ours = plain_ddp[-1], zero2[-1]
-    full = ddp["grad_buffer_bytes"]  # G per rank: plain DDP's full fp32 buffers
     micro, pp, dp = 16 // 2, 2, 2
     groups = micro // pp  # backward groups per chunk
+    # Each group reduce-scatters the chunk's (padded) buffer: (dp-1) slices leave the rank.
     scattered = ours["comm_by_op"]["reduce_scatter:2"]["bytes"]
-    assert scattered == [groups * g * (dp - 1) // dp for g in full]
+    assert scattered == [groups * s * (dp - 1) for s in ours["zero2_slice_bytes"]]
     assert "reduce_scatter:2" not in ddp["comm_by_op"]  # plain DDP all-reduces once instead
+    # The slices are 1/dp of the (padded) full buffers plain DDP keeps.
+    for full, slices in zip(ddp["grad_buffer_bytes"], ours["zero2_slice_bytes"]):
+        assert full <= slices * dp < full + 4096
 
 
 def test_zero2_under_tensor_and_sequence_parallel_matches(plain_ddp, tmp_path):
