@@ -208,41 +208,42 @@ class DistributedMuon(MuonAdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if not self.zero_redundant:
+            self._step_adamw()
+            grads = self._gradients_everywhere()
+            for slot in self.owned:
+                self._update_matrix(slot, grads[id(slot.param)])
+            return
+        # Overlap: the pieces travel while AdamW runs and while the owner orthogonalises the
+        # matrices it already holds whole.
+        exchange = self._send_pieces_to_owners()
+        self._step_adamw()
+        held_whole = [s for s in self.owned if set(s.pieces) == {self.rank}]
+        for slot in held_whole:
+            self._update_matrix(slot, self._local_piece(slot))
+        received = exchange()
+        for slot in self.owned:
+            if set(slot.pieces) != {self.rank}:
+                self._update_matrix(slot, self._assemble(slot, received))
+
+    def _step_adamw(self) -> None:
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is not None and not self.layouts[id(param)].muon:
                     self._adamw(param, group)
-        grads = (self._gradients_to_owners() if self.zero_redundant
-                 else self._gradients_everywhere())
-        for slot in self.owned:
-            self._update_matrix(slot, grads[id(slot.param)])
 
     def _local_piece(self, slot: MatrixSlot) -> torch.Tensor:
         grad = self.shard_of[slot.param].grad
         return grad.reshape(-1).float()
 
-    def _gradients_to_owners(self) -> dict[int, torch.Tensor]:
-        """One all_to_all: every slice piece of a matrix goes to the matrix's owner."""
+    def _send_pieces_to_owners(self):
+        """Start one all_to_all sending every slice piece of a matrix to the matrix's owner;
+        returns a function that waits and gives, per source rank, the pieces it sent here (in
+        ``self.owned`` order)."""
         sends = [[] for _ in range(self.dp)]
         for slot in self.slots:
             if slot.owner != self.rank and self.rank in slot.pieces:
                 sends[slot.owner].append(self._local_piece(slot))
-        received = self._all_to_all(sends)
-        grads = {}
-        for slot in self.owned:
-            full = torch.empty(slot.end - slot.start, dtype=torch.float32,
-                               device=slot.param.device)
-            for rank, (lo, hi) in slot.pieces.items():
-                piece = (self._local_piece(slot) if rank == self.rank
-                         else received[rank][:hi - lo])
-                if rank != self.rank:
-                    received[rank] = received[rank][hi - lo:]
-                full[lo - slot.start:hi - slot.start] = piece
-            grads[id(slot.param)] = full
-        return grads
-
-    def _all_to_all(self, sends: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        """Exchange the per-destination piece lists; returns what each rank sent here."""
         device = self.buffers[0].grad_data.device
         in_splits = [sum(t.numel() for t in parts) for parts in sends]
         out_splits = [sum(s.piece_numel(src) for s in self.owned) if src != self.rank else 0
@@ -250,9 +251,25 @@ class DistributedMuon(MuonAdamW):
         flat = [t for parts in sends for t in parts]
         send = torch.cat(flat) if flat else torch.empty(0, device=device)
         recv = torch.empty(sum(out_splits), dtype=torch.float32, device=device)
-        if self.dp > 1:
-            dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group)
-        return list(torch.split(recv, out_splits))
+        work = (dist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group,
+                                       async_op=True) if self.dp > 1 else None)
+
+        def finish() -> list[torch.Tensor]:
+            if work is not None:
+                work.wait()
+            return list(torch.split(recv, out_splits))
+        return finish
+
+    def _assemble(self, slot: MatrixSlot, received: list[torch.Tensor]) -> torch.Tensor:
+        """The whole gradient of an owned matrix from its pieces (consumes ``received``)."""
+        full = torch.empty(slot.end - slot.start, dtype=torch.float32, device=slot.param.device)
+        for rank, (lo, hi) in slot.pieces.items():
+            if rank == self.rank:
+                piece = self._local_piece(slot)
+            else:
+                piece, received[rank] = received[rank][:hi - lo], received[rank][hi - lo:]
+            full[lo - slot.start:hi - slot.start] = piece
+        return full
 
     def _gradients_everywhere(self) -> dict[int, torch.Tensor]:
         """The naive reference: per bucket, every rank's Muon gradient pieces to every rank."""
