@@ -52,7 +52,10 @@ class MemoryInputs:
     optimizer_bytes: int = 12
     activation_bytes: int = 2
     distributed_optimizer: bool = False  # optimizer state sharded over data-parallel ranks
-    shard_grads: bool = False  # ZeRO-2 (GLM-5's pipeline ZeRO2); megatron-core keeps them whole
+    # Pipeline ZeRO2 (parallel.pipeline_zero2): 1/dp of each stage's gradients, plus two
+    # accumulation buffers per rank the size of its largest stage's gradients; without it
+    # megatron-core keeps every gradient whole.
+    shard_grads: bool = False
     dsa_kl: bool = True  # the indexer trains with the KL (dense_warmup estimated as sparse)
     fused_attention: bool = True  # CUDA SDPA kernels; False: SDPA's math path (CPU)
 
@@ -97,6 +100,7 @@ def inputs_from_job(job, dp: int | None = None, **changes) -> MemoryInputs:
         weight_bytes=2 if bf16 else 4, optimizer_bytes=12 if bf16 else 8,
         activation_bytes=2 if bf16 else 4,
         distributed_optimizer=par.use_distributed_optimizer,
+        shard_grads=getattr(par, "pipeline_zero2", False),
         dsa_kl=bool(getattr(dsa, "trains_indexer", True)))
     inputs = dataclasses.replace(inputs, **changes)
     if (inputs.tp * inputs.cp * dp) % (inputs.ep * inputs.expert_tp):
@@ -314,6 +318,7 @@ class StageCosts:
     optimizer_bytes: int
     activation_bytes_per_microbatch: int
     flops_per_microbatch: int
+    accum_grad_bytes: int = 0  # Pipeline ZeRO2: this stage's full gradients, accumulated
 
     @cached_property  # read in the balancer's inner loop
     def static_bytes(self) -> int:
@@ -326,4 +331,5 @@ def stage_costs(part: Part, inp: MemoryInputs) -> StageCosts:
     grads = sharded if inp.shard_grads else d + e
     states = sharded if inp.distributed_optimizer else d + e
     return StageCosts(inp.weight_bytes * (d + e), inp.grad_bytes * grads,
-                      inp.optimizer_bytes * states, part.activation_bytes, part.flops)
+                      inp.optimizer_bytes * states, part.activation_bytes, part.flops,
+                      inp.grad_bytes * (d + e) if inp.shard_grads else 0)

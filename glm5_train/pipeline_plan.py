@@ -253,9 +253,11 @@ class PipelineSchedule:
         return self.peak_activation_bytes(rank, [1] * self.chunks)
 
     def rank_bytes(self, rank: int, costs: list[StageCosts]) -> tuple[int, int]:
-        """(static, peak activation) bytes of ``rank`` given every stage's costs."""
+        """(static, peak activation) bytes of ``rank`` given every stage's costs. Pipeline
+        ZeRO2's two accumulation buffers are per rank: each as large as its largest stage."""
         mine = costs[rank::self.pp]
-        return (sum(c.static_bytes for c in mine), self.peak_activation_bytes(
+        accum = 2 * max(c.accum_grad_bytes for c in mine)
+        return (sum(c.static_bytes for c in mine) + accum, self.peak_activation_bytes(
             rank, [c.activation_bytes_per_microbatch for c in mine]))
 
 

@@ -36,6 +36,29 @@ def test_zero2_matches_plain_ddp_and_reduces_once_per_group(plain_ddp, tmp_path)
     # The slices are 1/dp of the (padded) full buffers plain DDP keeps.
     for full, slices in zip(ddp["grad_buffer_bytes"], ours["zero2_slice_bytes"]):
         assert full <= slices * dp < full + 4096
+    # The planner's model of it (tools/plan_pipeline.py) agrees (it leaves out the pinned
+    # embedding copies and megatron-core's bucket padding).
+    planned = planned_zero2_grad_bytes()
+    for rank, expected in enumerate(planned):
+        measured = ours["zero2_slice_bytes"][rank * dp] + ours["zero2_accum_bytes"][rank * dp]
+        assert abs(measured - expected) < 0.005 * expected, (rank, measured, expected)
+
+
+def planned_zero2_grad_bytes() -> list[int]:
+    """Per pipeline rank: the planner's ZeRO2 gradient bytes for the balanced PP2 x VPP2 split
+    layout of the tiny model (its slices plus two accumulation buffers)."""
+    from glm5_train.pipeline_memory import inputs_from_job
+    from glm5_train.pipeline_plan import parse_layout, plan_report
+    from launch.local import compose_job
+    from tests.parity import BASE_OVERRIDES
+
+    job = compose_job([*BASE_OVERRIDES, "parallel=pp2_vpp2", *BATCH, *ZERO2])
+    layout = parse_layout("Et|ttt|m|L", 2, 2, job.model.num_hidden_layers, job.model.mtp_sets)
+    inputs = inputs_from_job(job, 2, weight_bytes=4, grad_bytes=4, optimizer_bytes=8)
+    stages = plan_report(job.model, layout, inputs).stages
+    return [sum(s.costs.grad_bytes for s in stages if s.rank == r)
+            + 2 * max(s.costs.accum_grad_bytes for s in stages if s.rank == r)
+            for r in range(2)]
 
 
 def test_zero2_under_tensor_and_sequence_parallel_matches(plain_ddp, tmp_path):
