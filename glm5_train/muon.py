@@ -214,5 +214,17 @@ def install_muon(optimizer, chunks: list[torch.nn.Module], cfg: MuonConfig, mode
             if not sub.is_stub_optimizer:
                 install_distributed_muon(sub, layouts, cfg, zero_redundant)
             continue
-        sub.optimizer = MuonAdamW(sub.optimizer.param_groups, layouts, cfg)
+        sub.optimizer = MuonAdamW(sub.optimizer.param_groups, _with_main_params(sub, layouts),
+                                  cfg)
         sub.init_state_fn = sub.optimizer.init_state
+
+
+def _with_main_params(sub, layouts: dict[int, MatrixLayout]) -> dict[int, MatrixLayout]:
+    """bf16/fp16 models: megatron-core steps fp32 copies of the parameters (its
+    ``fp32_from_float16_groups``); they take their model parameter's layout."""
+    out = dict(layouts)
+    for models, mains in zip(getattr(sub, "float16_groups", []),
+                             getattr(sub, "fp32_from_float16_groups", [])):
+        for model, main in zip(models, mains):
+            out[id(main)] = layouts[id(model)]
+    return out
