@@ -254,7 +254,8 @@ def test_nesting_and_restoring(probe):
 def test_bound_names_cover_the_training_path():
     """Every module on the training path that binds a collective under its own name is listed
     (and every listed binding still exists): a new one would be missed by the meter."""
-    for module in ("glm5_train.checkpoint", "glm5_train.muon", "glm5_train.optim",
+    for module in ("glm5_train.checkpoint", "glm5_train.muon", "glm5_train.distributed_muon",
+                   "parallel.pipeline_zero2", "glm5_train.optim",
                    "glm5_train.step", "glm5_train.train", "megatron.core.optimizer.distrib_optimizer",
                    "megatron.core.pipeline_parallel.schedules", "megatron.core.timers",
                    "megatron.core.transformer.moe.token_dispatcher",
