@@ -15,7 +15,9 @@ a layer) make the real buffers 2 x the largest chunk: printed as the layout's bo
 
 Cost: the interleaved backward runs a chunk for a group of PP consecutive micro-batches, so with
 M micro-batches per rank each chunk is reduce-scattered M/PP times per step instead of once:
-the first ``--micro`` value is the cheapest (M = PP), the others show the cost growing.
+the first ``--micro`` value is the cheapest (M = PP), the others show the cost growing, and
+what ``parallel.microbatch_group_size_per_vp_stage=M`` (one group per chunk, at the price of
+more activations in flight) brings it back to.
 Last line: ``ours=<bytes> baseline=<bytes> theory=<bytes> ratio=<ours/baseline>`` with the
 largest rank's gradient bytes, ZeRO2 (ours) against plain DDP (baseline).
 """
@@ -38,15 +40,17 @@ MODES = {
 }
 
 
-def run(mode: str, args, micro: int, run_dir: str) -> dict:
-    """The last step's metrics record of one job."""
+def run(mode: str, args, micro: int, run_dir: str, group: int | None = None) -> dict:
+    """The last step's metrics record of one job (``group``: micro-batches per virtual stage
+    group, megatron-core's microbatch_group_size_per_vp_stage; None: PP)."""
     overrides = [
         "model=glm5_tiny", "model.mtp_num_steps=0", f"model.num_hidden_layers={args.layers}",
         "parallel=single", f"parallel.pipeline_model_parallel_size={args.pp}",
         f"parallel.virtual_pipeline_model_parallel_size={args.vpp}",
         f"train.train_iters={args.steps}", "train.warmup_iters=1", "train.micro_batch_size=1",
         f"train.global_batch_size={micro * args.dp}", f"train.seq_length={args.seq}",
-        "checkpoint.save=null", f"hydra.run.dir={run_dir}", *MODES[mode]]
+        "checkpoint.save=null", f"hydra.run.dir={run_dir}", *MODES[mode],
+        *([f"parallel.microbatch_group_size_per_vp_stage={group}"] if group else [])]
     nproc = args.pp * args.dp
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "-m", "glm5_train.train", *overrides]
@@ -88,8 +92,11 @@ def main() -> None:
         first = args.micro[0]
         rec = {mode: run(mode, args, first, os.path.join(tmp, f"{mode}_{first}"))
                for mode in MODES}
-        extra = {m: {mode: run(mode, args, m, os.path.join(tmp, f"{mode}_{m}"))
-                     for mode in ("zero1", "zero2")} for m in args.micro[1:]}
+        extra = {m: {**{mode: run(mode, args, m, os.path.join(tmp, f"{mode}_{m}"))
+                        for mode in ("zero1", "zero2")},
+                     "zero2_grouped": run("zero2", args, m, os.path.join(tmp, f"grouped_{m}"),
+                                          group=m)}
+                 for m in args.micro[1:]}
     ranks = args.pp * args.dp
     print(f"layout: PP{args.pp} x VPP{args.vpp} x DP{args.dp} ({ranks} processes), "
           f"{args.layers} layers (tiny GLM-5, MTP off), fp32 gradients")
@@ -112,8 +119,12 @@ def main() -> None:
         print(f"  {mode:6s} {grad_sent(rec[mode])}")
     for m, runs in extra.items():
         zero1, zero2 = grad_sent(runs["zero1"]), grad_sent(runs["zero2"])
+        grouped = grad_sent(runs["zero2_grouped"])
         print(f"gradient bytes sent per step per rank (M={m}): zero1 {zero1} zero2 {zero2} "
               f"(x{zero2[worst] / zero1[worst]:.2f}, expected M/PP = {m / args.pp:g})")
+        print(f"  zero2 with parallel.microbatch_group_size_per_vp_stage={m} (one group per "
+              f"chunk, more activations in flight): {grouped} "
+              f"(x{grouped[worst] / zero1[worst]:.2f})")
     baseline = max(rec["ddp"]["grad_buffer_bytes"])
     print(f"ours={ours} baseline={baseline} theory={theory} ratio={ours / baseline:.4f}")
 

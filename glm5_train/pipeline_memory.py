@@ -47,6 +47,7 @@ class MemoryInputs:
     seq_length: int = 4096
     micro_batch_size: int = 1
     num_microbatches: int = 1
+    microbatch_group: int | None = None  # interleaved: consecutive micro-batches per chunk (PP)
     weight_bytes: int = 2
     grad_bytes: int = 4
     optimizer_bytes: int = 12
@@ -96,6 +97,7 @@ def inputs_from_job(job, dp: int | None = None, **changes) -> MemoryInputs:
         sequence_parallel=par.sequence_parallel, seq_length=train.seq_length,
         micro_batch_size=train.micro_batch_size,
         num_microbatches=train.global_batch_size // micro,
+        microbatch_group=getattr(par, "microbatch_group_size_per_vp_stage", None),
         # fp32 training has no separate master copy: Adam's m and v only.
         weight_bytes=2 if bf16 else 4, optimizer_bytes=12 if bf16 else 8,
         activation_bytes=2 if bf16 else 4,

@@ -198,15 +198,18 @@ class PipelineSchedule:
     (pipeline_parallel.schedules), plain 1F1B otherwise. Tracks which chunks' micro-batches
     are forwarded and not yet backwarded, i.e. hold their activations."""
 
-    def __init__(self, pp: int, vpp: int | None, num_microbatches: int) -> None:
+    def __init__(self, pp: int, vpp: int | None, num_microbatches: int,
+                 group: int | None = None) -> None:
         self.pp, self.vpp, self.num_microbatches = pp, vpp, num_microbatches
+        self.group = group or pp  # megatron-core's microbatch_group_size_per_vp_stage
         self.chunks = vpp or 1
         self._vectors: dict[int, list[tuple[int, ...]]] = {}
 
     def chunk_table(self) -> list[int]:
-        """Model chunk of each forward in order: groups of PP micro-batches run chunk by chunk
-        (the last group takes the remainder), as megatron-core's get_schedule_table."""
-        table, n, group = [], self.num_microbatches, self.pp
+        """Model chunk of each forward in order: groups of ``group`` (default PP) micro-batches
+        run chunk by chunk (the last group takes the remainder), as megatron-core's
+        get_schedule_table."""
+        table, n, group = [], self.num_microbatches, self.group
         for first in range(0, n, group):
             size = n - first if first + group >= n else group
             table += [chunk for chunk in range(self.chunks) for _ in range(size)]
@@ -218,7 +221,7 @@ class PipelineSchedule:
             return 0
         if self.vpp is None:
             return min(self.pp - rank - 1, total)
-        return min((self.pp - rank - 1) * 2 + (self.chunks - 1) * self.pp, total)
+        return min((self.pp - rank - 1) * 2 + (self.chunks - 1) * self.group, total)
 
     def order(self, rank: int) -> list[tuple[str, int]]:
         """('F' | 'B', chunk) in execution order: warm-up forwards, 1F1B, cool-down."""
@@ -308,7 +311,8 @@ def plan_report(model_cfg: GLM5Config, layout: PipelineLayout,
     """Per-stage costs and per-rank memory (static + peak in-flight activations)."""
     costs = _StageModel(model_cfg, inputs, len(layout.stages), layout.mtp_stage).costs(
         list(layout.layers_per_stage))
-    schedule = PipelineSchedule(layout.pp, layout.vpp, inputs.num_microbatches)
+    schedule = PipelineSchedule(layout.pp, layout.vpp, inputs.num_microbatches,
+                                inputs.microbatch_group)
     stages = tuple(StageReport(s, layout.rank_of(s), "".join(layout.stages[s]), c)
                    for s, c in enumerate(costs))
     ranks = tuple(RankReport(r, *schedule.rank_bytes(r, costs)) for r in range(layout.pp))
@@ -339,7 +343,7 @@ def balance_layout(model_cfg: GLM5Config, pp: int, vpp: int | None, placement: s
         raise LayoutError(f"MTP placement {placement!r} at PP={pp}: use 'with_loss', or "
                           "'split' (needs pipeline_model_parallel_size >= 2)")
     model = _StageModel(model_cfg, inputs, num_stages, mtp_stage)
-    schedule = PipelineSchedule(pp, vpp, inputs.num_microbatches)
+    schedule = PipelineSchedule(pp, vpp, inputs.num_microbatches, inputs.microbatch_group)
     open_stages = num_stages - 1 if placement == "split" and sets else num_stages
     layers = model_cfg.num_hidden_layers
     search = _balanced(model, schedule, open_stages, layers, None)

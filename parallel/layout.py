@@ -44,6 +44,10 @@ class ParallelConfig:
     # shared full-size accumulation buffers, instead of every chunk's full gradient buffer.
     # Needs use_distributed_optimizer=true (it steps those slices).
     pipeline_zero2: bool = False
+    # Interleaved schedule: consecutive micro-batches a virtual stage runs before the next
+    # (megatron-core's microbatch_group_size_per_vp_stage; null: PP). Larger groups keep more
+    # activations in flight but cut Pipeline ZeRO2's reduce-scatters to one per group.
+    microbatch_group_size_per_vp_stage: int | None = None
 
     @property
     def model_parallel_size(self) -> int:
@@ -73,7 +77,10 @@ class ParallelConfig:
             sequence_parallel=self.sequence_parallel,
             pipeline_model_parallel_layout=self.pipeline_model_parallel_layout,
             moe_token_dispatcher_type=self.moe_token_dispatcher_type,
-            extra={"batch_p2p_comm": not self.uses_gloo},
+            extra={"batch_p2p_comm": not self.uses_gloo,
+                   **({"microbatch_group_size_per_vp_stage":
+                       self.microbatch_group_size_per_vp_stage}
+                      if self.microbatch_group_size_per_vp_stage else {})},
         )
 
     @property
@@ -232,6 +239,21 @@ def _check_interleaving(par: ParallelConfig, num_microbatches: int) -> None:
             f"the interleaved schedule needs at least PP={pp} micro-batches per step, got "
             f"global_batch_size / (micro_batch_size x data-parallel size) = {num_microbatches}: "
             "raise train.global_batch_size or lower train.micro_batch_size")
+    group = par.microbatch_group_size_per_vp_stage
+    if group is None:
+        return
+    name = f"parallel.microbatch_group_size_per_vp_stage={group}"
+    if not vpp or vpp < 2:
+        raise LayoutError(f"{name} needs the interleaved schedule "
+                          "(virtual_pipeline_model_parallel_size >= 2): set it to null")
+    if not pp <= group <= num_microbatches:
+        raise LayoutError(f"{name} must lie in [PP={pp}, micro-batches per step="
+                          f"{num_microbatches}] (megatron-core's interleaved schedule)")
+    if 0 < num_microbatches % group < pp:
+        raise LayoutError(
+            f"{name}: the last group would hold {num_microbatches % group} < PP={pp} "
+            f"micro-batches ({num_microbatches} per step): pick a group size dividing "
+            f"{num_microbatches}, or leaving a remainder >= {pp}")
 
 
 def world_from_env() -> tuple[int, int, int]:

@@ -39,6 +39,11 @@ def check(par: ParallelConfig, world: int, gbs: int = 8, mbs: int = 1, seq: int 
      "expert_tensor_parallel_size=1 differs"),
     (ParallelConfig(virtual_pipeline_model_parallel_size=2), 1, "needs pipeline_model_parallel"),
     (ParallelConfig(pipeline_zero2=True), 2, "pipeline_zero2=true with parallel.use_distributed"),
+    (ParallelConfig(microbatch_group_size_per_vp_stage=2), 1, "needs the interleaved schedule"),
+    (ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                    microbatch_group_size_per_vp_stage=16), 2, "must lie in [PP=2, micro-batches"),
+    (ParallelConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                    microbatch_group_size_per_vp_stage=7), 2, "the last group would hold 1"),
     (ParallelConfig(pipeline_zero2=True, use_distributed_optimizer=True,
                     overlap_grad_reduce=True), 2, "pipeline_zero2=true with parallel.overlap"),
 ])

@@ -146,27 +146,31 @@ def test_balancer_is_fast_at_pp16_vpp4(big):
 # ----------------------------------------------------------------------------------- schedule
 
 
-def _megatron_warmup(pp: int, vpp: int | None, rank: int, microbatches: int) -> int:
+def _megatron_warmup(pp: int, vpp: int | None, rank: int, microbatches: int,
+                     group: int | None = None) -> int:
     from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
 
-    group = types.SimpleNamespace(size=lambda: pp, rank=lambda: rank)
-    comm = types.SimpleNamespace(pp_group=group, virtual_pipeline_model_parallel_size=vpp)
-    return get_pp_rank_microbatches(microbatches, vpp or 1, pp, p2p_communicator=comm)[2]
+    pp_group = types.SimpleNamespace(size=lambda: pp, rank=lambda: rank)
+    comm = types.SimpleNamespace(pp_group=pp_group, virtual_pipeline_model_parallel_size=vpp)
+    return get_pp_rank_microbatches(microbatches, vpp or 1, group or pp,
+                                    p2p_communicator=comm)[2]
 
 
-@pytest.mark.parametrize("pp,vpp,microbatches", [
-    (2, None, 4), (4, None, 8), (4, None, 2), (2, 2, 4), (4, 2, 8), (4, 2, 6), (8, 2, 64),
-    (4, 4, 4), (16, 4, 64), (3, 2, 7)])
-def test_uniform_peak_is_megatron_warmup_plus_one(pp, vpp, microbatches):
+@pytest.mark.parametrize("pp,vpp,microbatches,group", [
+    (2, None, 4, None), (4, None, 8, None), (4, None, 2, None), (2, 2, 4, None),
+    (4, 2, 8, None), (4, 2, 6, None), (8, 2, 64, None), (4, 4, 4, None), (16, 4, 64, None),
+    (3, 2, 7, None), (2, 2, 8, 4), (2, 8, 8, 8), (4, 2, 12, 6), (2, 4, 10, 4)])
+def test_uniform_peak_is_megatron_warmup_plus_one(pp, vpp, microbatches, group):
+    """Also with megatron-core's microbatch_group_size_per_vp_stage (``group``)."""
     from megatron.core.pipeline_parallel.schedules import get_schedule_table
 
-    schedule = plan.PipelineSchedule(pp, vpp, microbatches)
+    schedule = plan.PipelineSchedule(pp, vpp, microbatches, group)
     total = microbatches * (vpp or 1)
     if vpp:
-        table = get_schedule_table(microbatches, vpp, pp)
+        table = get_schedule_table(microbatches, vpp, group or pp)
         assert schedule.chunk_table() == [chunk for _, chunk in table]
     for rank in range(pp):
-        warmup = _megatron_warmup(pp, vpp, rank, microbatches)
+        warmup = _megatron_warmup(pp, vpp, rank, microbatches, group)
         assert schedule.warmup(rank) == warmup
         assert schedule.peak_in_flight(rank) == min(warmup + 1, total)
         order = schedule.order(rank)
