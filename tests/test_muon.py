@@ -81,9 +81,9 @@ def no_split_reference(tmp_path_factory):
 @pytest.mark.parametrize("nprocs,overrides", [
     (2, ["parallel=single"]),                                   # DP2, every rank updates all
     (4, ["parallel=pp2_vpp2", DISTRIBUTED, "parallel.pipeline_zero2=true"]),  # owners, ZeRO2
-    (4, ["parallel=tp2", DISTRIBUTED]),                         # TP2 (+SP) x DP2, owners
+    (4, ["parallel=tp2", DISTRIBUTED, "parallel.pipeline_zero2=true"]),  # TP2 (+SP) x DP2
     (4, ["parallel=ep2", DISTRIBUTED]),                         # DP4, EP2: expert owners in EDP2
-], ids=["dp2", "dp2_pp2_vpp2_zero2", "tp2_dp2_distributed", "dp4_ep2_distributed"])
+], ids=["dp2", "dp2_pp2_vpp2_zero2", "tp2_dp2_zero2", "dp4_ep2_distributed"])
 def test_muon_matches_single_process(muon_reference, nprocs, overrides, tmp_path):
     result = run_job(nprocs, [*overrides, *MUON], str(tmp_path / "run"))
     problems = compare(muon_reference, result.records)

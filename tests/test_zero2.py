@@ -4,7 +4,9 @@
 runs each chunk in 4 groups of 2 consecutive micro-batches, so both accumulation buffers are
 reused and every chunk is reduce-scattered 4 times per step. MTP is on (the tiny model's
 default), so the word embedding has two copies on pipeline rank 0 (pinned gradients).
-Tolerances: tests/parity.py (fp32; only summation order differs)."""
+Tolerances: tests/parity.py (fp32; only summation order differs). ZeRO2 under TP2 (+SP), where
+the sequence-parallel norms' TP all-reduce runs on the slices, and in bf16 is tested with Muon in
+tests/test_muon.py."""
 
 from __future__ import annotations
 
@@ -59,10 +61,3 @@ def planned_zero2_grad_bytes() -> list[int]:
     return [sum(s.costs.grad_bytes for s in stages if s.rank == r)
             + 2 * max(s.costs.accum_grad_bytes for s in stages if s.rank == r)
             for r in range(2)]
-
-
-def test_zero2_under_tensor_and_sequence_parallel_matches(plain_ddp, tmp_path):
-    """TP2 (+SP) x DP2: the sequence-parallel norms' TP all-reduce runs on the slices."""
-    zero2 = run_job(4, ["parallel=tp2", *BATCH, *ZERO2], str(tmp_path / "tp2")).records
-    problems = compare(plain_ddp, zero2)
-    assert not problems, "\n".join(problems)
