@@ -125,6 +125,10 @@ def main() -> None:
         print(f"  zero2 with parallel.microbatch_group_size_per_vp_stage={m} (one group per "
               f"chunk, more activations in flight): {grouped} "
               f"(x{grouped[worst] / zero1[worst]:.2f})")
+        losses = {name: record["loss"] for name, record in runs.items()}
+        spread = max(losses.values()) - min(losses.values())
+        print(f"  last-step loss {losses} (largest relative difference "
+              f"{spread / losses['zero1']:.1e}: same training)")
     baseline = max(rec["ddp"]["grad_buffer_bytes"])
     print(f"ours={ours} baseline={baseline} theory={theory} ratio={ours / baseline:.4f}")
 
