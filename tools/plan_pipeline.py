@@ -20,7 +20,9 @@ placement balanced. With MTP off (``model.mtp_num_steps=0``) there is one plan, 
 
 The memory is a closed-form estimate (see ``glm5_train/pipeline_plan.py``): weights, gradients and
 optimizer state of each rank's stages, plus the activations its pipeline schedule keeps in flight
-at its peak. The last lines are one summary per plan::
+at its peak. The config's memory options count: ``parallel.use_distributed_optimizer`` (state
+sharded), ``parallel.pipeline_zero2`` (gradient slices plus two accumulation buffers per rank),
+``parallel.microbatch_group_size_per_vp_stage`` (the interleaved schedule's group size). The last lines are one summary per plan::
 
     placement=<p> layout=<str> max_rank_bytes=<int> min_rank_bytes=<int> spread_bytes=<int>
 
