@@ -23,13 +23,10 @@ ratio=<ours/baseline>``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from job import run_training
 
 MODES = {
     "adamw": ["train.optimizer=adamw"],
@@ -42,15 +39,8 @@ def run(mode: str, args, run_dir: str) -> list[dict]:
     overrides = ["model=glm5_tiny", "parallel=single", "parallel.use_distributed_optimizer=true",
                  f"train.train_iters={args.steps}", "train.warmup_iters=1",
                  f"train.global_batch_size={args.dp}", f"train.seq_length={args.seq}",
-                 "checkpoint.save=null", f"hydra.run.dir={run_dir}", *MODES[mode]]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={args.dp}", "-m", "glm5_train.train", *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False)
-    if proc.returncode:
-        raise SystemExit(f"{mode} run failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
-    with open(os.path.join(run_dir, "metrics.jsonl")) as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+                 "checkpoint.save=null", *MODES[mode]]
+    return run_training(args.dp, overrides, run_dir, mode)
 
 
 def main() -> None:

@@ -25,13 +25,10 @@ largest rank's gradient bytes, ZeRO2 (ours) against plain DDP (baseline).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from job import run_training
 
 MODES = {
     "ddp": ["parallel.use_distributed_optimizer=false"],
@@ -49,17 +46,9 @@ def run(mode: str, args, micro: int, run_dir: str, group: int | None = None) -> 
         f"parallel.virtual_pipeline_model_parallel_size={args.vpp}",
         f"train.train_iters={args.steps}", "train.warmup_iters=1", "train.micro_batch_size=1",
         f"train.global_batch_size={micro * args.dp}", f"train.seq_length={args.seq}",
-        "checkpoint.save=null", f"hydra.run.dir={run_dir}", *MODES[mode],
+        "checkpoint.save=null", *MODES[mode],
         *([f"parallel.microbatch_group_size_per_vp_stage={group}"] if group else [])]
-    nproc = args.pp * args.dp
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "glm5_train.train", *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False)
-    if proc.returncode:
-        raise SystemExit(f"{mode} run failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
-    with open(os.path.join(run_dir, "metrics.jsonl")) as handle:
-        return [json.loads(line) for line in handle if line.strip()][-1]
+    return run_training(args.pp * args.dp, overrides, run_dir, mode)[-1]
 
 
 def grad_sent(record: dict) -> list[int]:
