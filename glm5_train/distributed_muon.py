@@ -19,8 +19,8 @@ Newton-Schulz cost, preferring the rank that already holds most of the matrix):
    gathering every gradient everywhere, less where an owner already holds its matrix.
 
 ``zero_redundant=False`` is that naive reference: every rank gathers the Muon gradient pieces
-of every bucket from every rank, orthogonalises every matrix and keeps its own slice (megatron's usual
-parameter all-gather then runs); ``bench/muon_comm.py`` compares the two.
+of every bucket from every rank, orthogonalises every matrix and keeps its own slice
+(megatron's usual parameter all-gather then runs); ``bench/muon_comm.py`` compares the two.
 
 AdamW parameters (embedding, head, norms, biases, router) stay elementwise on the slices.
 """
@@ -99,7 +99,8 @@ def matrix_slots(buffers: list, layouts: dict[int, MatrixLayout], dp: int) -> li
             if layout is None or not layout.muon:
                 continue
             pieces = {r: (max(start, lo), min(end, hi))
-                      for r, (lo, hi) in enumerate(bounds[bucket_index]) if min(end, hi) > max(start, lo)}
+                      for r, (lo, hi) in enumerate(bounds[bucket_index])
+                      if min(end, hi) > max(start, lo)}
             slots.append(MatrixSlot(param, layout, buffer_index, bucket_index, start, end, pieces,
                                     newton_schulz_cost(tuple(param.shape), layout)))
     return slots
@@ -355,7 +356,7 @@ def all_gather_uneven(payload: torch.Tensor, sizes: list[int], group) -> list[to
 
 
 def install_distributed_muon(sub, layouts: dict[int, MatrixLayout], cfg: MuonConfig,
-                             zero_redundant: bool) -> "DistributedMuon":
+                             zero_redundant: bool) -> DistributedMuon:
     """Make ``sub`` (a megatron-core DistributedOptimizer) step with distributed Muon. In the
     zero-redundant mode its parameter all-gather is ours (matrices from their owners)."""
     inner = DistributedMuon(sub, layouts, cfg, zero_redundant)

@@ -281,7 +281,9 @@ def finalize_zero2_grads(model: list, num_tokens, pg_collection=None, force_all_
     persistent slices instead of full buffers."""
     from megatron.core import parallel_state
     from megatron.core.distributed.finalize_model_grads import (
-        _update_router_expert_bias, reset_model_temporary_tensors)
+        _update_router_expert_bias,
+        reset_model_temporary_tensors,
+    )
     from megatron.core.pipeline_parallel.utils import get_pp_last_rank
     from megatron.core.utils import get_model_config
 
