@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from glm5_train.muon import MatrixLayout, MuonAdamW, MuonConfig, orthogonal_update
+from glm5_train.optim import main_param_pairs
 
 
 @dataclass
@@ -158,7 +159,7 @@ class DistributedMuon(MuonAdamW):
 
     def __init__(self, sub, layouts: dict[int, MatrixLayout], cfg: MuonConfig,
                  zero_redundant: bool = True) -> None:
-        shard_of = _shard_params(sub)
+        shard_of = dict(main_param_pairs(sub))
         shard_layouts = {id(shard): layouts[id(model)] for model, shard in shard_of.items()}
         # The slices are views (not leaves), which torch's constructor refuses; megatron-core
         # assigns its groups the same way after constructing its own inner optimizer.
@@ -198,12 +199,6 @@ class DistributedMuon(MuonAdamW):
             if slot.param.dtype != torch.float32:  # the fp32 master lives with the owner
                 state["master"] = slot.param.detach().float().clone()
         return state
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        """Every optimizer-state tensor this rank holds (for buffer accounting)."""
-        tensors = [t for s in self.state.values() for t in s.values()
-                   if isinstance(t, torch.Tensor)]
-        return tensors + [t for s in self.matrix_state.values() for t in s.values()]
 
     # ---- step --------------------------------------------------------------------------------
 
@@ -375,17 +370,6 @@ def _step_and_redistribute(sub, inner: DistributedMuon) -> bool:
     ok = MixedPrecisionOptimizer.step_with_ready_grads(sub)
     inner.redistribute()
     return ok
-
-
-def _shard_params(sub) -> dict[torch.nn.Parameter, torch.Tensor]:
-    """Model parameter -> its main-parameter slice in ``sub`` (the tensor the inner optimizer
-    steps; the model parameters whose buffer range misses this rank's slices are absent)."""
-    pairs = {}
-    for models, shards in ((sub.model_float16_groups, sub.shard_fp32_from_float16_groups),
-                           (sub.model_fp32_groups, sub.shard_fp32_groups)):
-        for model_group, shard_group in zip(models, shards):
-            pairs.update(zip(model_group, shard_group))
-    return pairs
 
 
 def _resolve_group_indices(slots: list[MatrixSlot], sub, group) -> None:

@@ -99,15 +99,19 @@ class EmbeddingTie:
 
     def needs_sync(self, chunks: list) -> bool:
         """Whether this rank has copies to sum (several, or one shared with other ranks)."""
-        copies = self.holders(chunks)
-        group_size = dist.get_world_size(self.group) if self.group is not None else 1
-        return bool(copies) and (len(copies) > 1 or group_size > 1)
+        return self._needs_sync(self.holders(chunks))
+
+    def _needs_sync(self, copies: list) -> bool:
+        return bool(copies) and (len(copies) > 1 or self._group_size() > 1)
+
+    def _group_size(self) -> int:
+        return dist.get_world_size(self.group) if self.group is not None else 1
 
     def sync(self, chunks: list) -> None:
-        if not self.needs_sync(chunks):
-            return
         copies = self.holders(chunks)
-        group_size = dist.get_world_size(self.group) if self.group is not None else 1
+        if not self._needs_sync(copies):
+            return
+        group_size = self._group_size()
         grads = [_grad_of(p) for p in copies]
         total = torch.stack(grads).sum(dim=0) if len(grads) > 1 else grads[0].clone()
         if group_size > 1:

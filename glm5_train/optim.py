@@ -87,6 +87,16 @@ def build_optimizer(chunks: list, cfg: "TrainConfig", use_distributed_optimizer:
     return get_megatron_optimizer(opt_config, chunks)
 
 
+def main_param_pairs(sub):
+    """(model parameter, the main-parameter slice the inner optimizer steps) for each parameter
+    with a slice on this rank, in a megatron-core DistributedOptimizer ``sub`` (bf16 models:
+    fp32 copies; fp32 models: views of the parameters)."""
+    for models, mains in ((sub.model_float16_groups, sub.shard_fp32_from_float16_groups),
+                          (sub.model_fp32_groups, sub.shard_fp32_groups)):
+        for model_group, main_group in zip(models, mains):
+            yield from zip(model_group, main_group)
+
+
 def build_scheduler(optimizer, cfg: "TrainConfig", train_iters: int) -> OptimizerParamScheduler:
     """Linear warm-up to ``lr`` then cosine decay to ``min_lr``; counted in optimizer steps."""
     decay = cfg.lr_decay_iters or train_iters

@@ -337,9 +337,8 @@ def attach_to_optimizer(optimizer, zero2: PipelineZero2) -> None:
 
 
 def _copy_slices_to_main_grads(sub, zero2: PipelineZero2) -> None:
-    for models, shards in ((sub.model_float16_groups, sub.shard_fp32_from_float16_groups),
-                           (sub.model_fp32_groups, sub.shard_fp32_groups)):
-        for model_group, shard_group in zip(models, shards):
-            for model_param, shard_main_param in zip(model_group, shard_group):
-                world = sub._get_model_param_range_map(model_param)["gbuf_world"]
-                shard_main_param.grad = zero2.slice_of(model_param, world.start, world.end)
+    from glm5_train.optim import main_param_pairs
+
+    for model_param, main_param in main_param_pairs(sub):
+        world = sub._get_model_param_range_map(model_param)["gbuf_world"]
+        main_param.grad = zero2.slice_of(model_param, world.start, world.end)
