@@ -46,6 +46,18 @@ def test_zero2_matches_plain_ddp_and_reduces_once_per_group(plain_ddp, tmp_path)
         assert abs(measured - expected) < 0.005 * expected, (rank, measured, expected)
 
 
+def test_larger_microbatch_groups_reduce_scatter_once(plain_ddp, tmp_path):
+    """parallel.microbatch_group_size_per_vp_stage=8: each chunk runs all 8 micro-batches in one
+    group, so ZeRO2 reduce-scatters it once per step; training is unchanged."""
+    grouped = run_job(4, ["parallel=pp2_vpp2", *BATCH, *ZERO2,
+                          "parallel.microbatch_group_size_per_vp_stage=8"],
+                      str(tmp_path / "grouped")).records
+    problems = compare(plain_ddp, grouped)
+    assert not problems, "\n".join(problems)
+    last = grouped[-1]
+    assert last["comm_by_op"]["reduce_scatter:2"]["bytes"] == last["zero2_slice_bytes"]  # dp-1=1
+
+
 def planned_zero2_grad_bytes() -> list[int]:
     """Per pipeline rank: the planner's ZeRO2 gradient bytes for the balanced PP2 x VPP2 split
     layout of the tiny model (its slices plus two accumulation buffers)."""
