@@ -40,7 +40,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
-from parallel import device  # noqa: E402
+from parallel import device, mcore_compat  # noqa: E402
 
 WARMUP_STEPS = 2
 ROUNDS = 6            # each round times both modes; the order flips every round
@@ -99,8 +99,7 @@ def build(total_steps: int):
     from glm5_train.job_config import JobConfig
     from glm5_train.run_dir import register_resolvers
     from glm5_train.train import _iterators, build_runtime
-    from parallel.layout import init_distributed
-
+    from parallel.process_groups import init_distributed
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
                        ("LOCAL_WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", str(_free_port()))):
@@ -109,7 +108,7 @@ def build(total_steps: int):
     with initialize_config_dir(config_dir=os.path.join(REPO, "configs"), version_base=None):
         tree = compose("config", overrides=OVERRIDES + [f"train.train_iters={total_steps}"])
     job = JobConfig.from_hydra(tree)
-    device.install()
+    mcore_compat.install()
     init_distributed(job.parallel, job.train.seed)
     rt = build_runtime(job)
     return rt, _iterators(rt, 0)
@@ -155,7 +154,7 @@ class _CountingView:
         self.__dict__["_cv_module"], self.__dict__["_cv_inner"] = module, inner
 
     def __getattr__(self, name: str) -> Any:
-        if name in device._CpuTorch._FACTORIES:
+        if name in device.CpuTorch._FACTORIES:
             kind = "factory"
         elif name == "distributed":
             kind = "distributed"
@@ -178,16 +177,16 @@ def counting_wrappers():
                         if isinstance(owner, type) else getattr(owner, attr)))
         setattr(owner, attr, value)
 
-    installed = set(device.installed())
-    for redirect in device.all_redirects():
+    installed = set(mcore_compat.installed())
+    for redirect in mcore_compat.PATCHES:
         if redirect.target not in installed:
             continue
-        owner = device.resolve_owner(redirect.module)
+        owner = mcore_compat.resolve_owner(redirect.module)
         current = getattr(owner, redirect.attr)
         key = redirect.target
-        if redirect.attr == "torch" and redirect.module in device.CUDA_LITERAL_MODULES:
+        if redirect.kind == mcore_compat.TORCH_VIEW:
             patch(owner, "torch", _CountingView(redirect.module, current))
-        elif isinstance(current, device._CpuGenerators):
+        elif isinstance(current, device.CpuGenerators):
             patch(owner, redirect.attr, _CountingGenerators(key, current))
         elif isinstance(current, type):
             # Keep the class itself (isinstance checks on existing objects); count constructions.
@@ -195,9 +194,9 @@ def counting_wrappers():
         elif callable(current):
             patch(owner, redirect.attr, _counting(key, current))
         # else: a plain value (HAVE_TE=False, te_general_gemm=None): read, never called
-    patch(device._GlooDistributed, "all_to_all_single",
+    patch(device.GlooDistributed, "all_to_all_single",
           _counting("_GlooDistributed.all_to_all_single",
-                    device._GlooDistributed.all_to_all_single))
+                    device.GlooDistributed.all_to_all_single))
     try:
         yield
     finally:
@@ -234,7 +233,7 @@ def probe_costs() -> dict[str, float]:
     """ns per call of a representative invocation of each redirect (as installed)."""
     from megatron.core.tensor_parallel import random as mcore_random
 
-    view = device._CPU_TORCH
+    view = device.CpuTorch()
     tensor = torch.ones(4)
     state = torch.get_rng_state()
     stream = torch.cuda.Stream()
@@ -355,7 +354,7 @@ def main() -> None:
         us = per_step * cost / 1e3
         total_us += us
         print(f"{key:<72}{per_step:>10.1f}{cost:>9.0f}{us:>9.1f}{note}")
-    never = sorted(set(device.installed()) - {k.split(" [")[0] for k in hits}
+    never = sorted(set(mcore_compat.installed()) - {k.split(" [")[0] for k in hits}
                    - {k for k in hits})
     print(f"installed but not invoked in a step ({len(never)}): {', '.join(never) or '-'}")
 
@@ -375,8 +374,7 @@ def main() -> None:
         print(f"(costed at the max probed cost, no probe of their own: {', '.join(guessed)})")
     print(f"device_overhead: targeted_cost_fraction={fraction:.4f} function_mode_ratio={ratio:.3f}")
 
-    from parallel.layout import destroy_distributed
-
+    from parallel.process_groups import destroy_distributed
     destroy_distributed()
 
 

@@ -1,7 +1,7 @@
 """Sparse (DSA, top-k) vs dense causal MLA attention cost at long sequences, on this machine.
 
 Two figures per length: the measured time ratio of our implementation (indexer + top-k + masked
-attention on dense kernels, see ``glm5_train.dsa.sparse_attention``) against dense causal
+attention on dense kernels, see ``glm5_train.model.dsa.sparse_attention``) against dense causal
 attention, and the FLOP ratio a sparse MLA kernel would get (attention over K keys per query
 plus the indexer's own S^2 scoring at its smaller width), which is where GLM-5's 1.5-2x claim
 lives. On a CPU without such a kernel DSA costs more than dense attention, and this says so.
@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from glm5_train.dsa import DSAIndexer, sparse_attention  # noqa: E402
+from glm5_train.model.dsa import DSAIndexer, sparse_attention  # noqa: E402
 
 
 class _Cfg:  # the few TransformerConfig fields DSAIndexer reads

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from glm5_train.config import TRAINING_FIELDS, GLM5Config
+from glm5_train.model.config import TRAINING_FIELDS, GLM5Config
+from parallel import mcore_compat
 
 LATEST = "latest_iteration.txt"
 
@@ -89,22 +90,6 @@ def _optimizer_parts(optimizer) -> int:
     return len(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def _use_in_process_results_queue() -> None:
-    """Save synchronously without megatron-core's multiprocessing Manager.
-
-    The torch_dist writer collects write results through a queue it creates with a *spawned*
-    Manager process on first use: 10-15 s per training process (it re-imports the entry module)
-    and a hard requirement on a ``__main__`` guard. We save synchronously, so the results are
-    put and taken by this process and a plain queue carries them.
-    """
-    import queue
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
-
-
 def save_checkpoint(root: str, chunks, optimizer, scheduler, state: TrainState,
                     model_cfg: GLM5Config) -> str:
     """Write a complete checkpoint for ``state.iteration``; returns its directory.
@@ -118,7 +103,7 @@ def save_checkpoint(root: str, chunks, optimizer, scheduler, state: TrainState,
         os.makedirs(partial)
     dist.barrier()
     sharded = _sharded_state(chunks, optimizer, scheduler, state, model_cfg, is_loading=False)
-    _use_in_process_results_queue()
+    mcore_compat.in_process_checkpoint_results_queue()
     dist_checkpointing.save(sharded, partial)
     dist.barrier()
     if dist.get_rank() == 0:

@@ -24,6 +24,8 @@ from typing import Any, Iterator
 import numpy
 import torch
 
+from parallel import mcore_compat
+
 _PREPROCESS_HINT = ("python tools/preprocess_data.py --input <docs.jsonl> --output-prefix {prefix} "
                     "--tokenizer <byte|tokenizer-dir>")
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
@@ -374,7 +376,7 @@ def build_train_valid_test_datasets(cfg: DataConfig, tokenizer, seq_length: int,
         _check_split_nonempty(prefix, cfg.split)
     gpt_cfg = _gpt_dataset_config(cfg, tokenizer, paths, seq_length, seed)
     builder = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), lambda: True, gpt_cfg)
-    with _single_process_rank_zero():
+    with mcore_compat.single_process_rank_zero():
         return tuple(builder.build())
 
 
@@ -421,26 +423,6 @@ def _check_split_nonempty(prefix: str, split: str) -> None:
             raise ValueError(f"data.split={split!r} gives the {name} split 0 of the {n_docs} "
                              f"documents in {prefix}: add data, or set that split's weight to 0 "
                              "(e.g. '100,0,0')")
-
-
-@contextlib.contextmanager
-def _single_process_rank_zero():
-    """Let megatron's BlendedDataset run without torch.distributed.
-
-    megatron-core 0.16 ``BlendedDataset._build_indices`` calls ``torch.distributed.get_rank()``
-    on a cache miss without checking ``is_initialized()``, which raises in a single process.
-    Without a process group the only sensible rank is 0, so report that for the build's duration.
-    """
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        yield
-        return
-    original = dist.get_rank
-    dist.get_rank = lambda *args, **kwargs: 0
-    try:
-        yield
-    finally:
-        dist.get_rank = original
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from glm5_train.config import TRAINING_FIELDS, GLM5Config
+from glm5_train.model.config import TRAINING_FIELDS, GLM5Config
 
 HF_ARCHITECTURE = "GlmMoeDsaForCausalLM"
 HF_MODEL_TYPE = "glm_moe_dsa"

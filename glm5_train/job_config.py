@@ -13,11 +13,10 @@ from typing import Any
 import torch
 
 from glm5_train.checkpoint import CheckpointConfig
-from glm5_train.config import GLM5Config
+from glm5_train.model.config import GLM5Config
 from glm5_train.data import DataConfig
-from glm5_train.dsa_loss import DSATrainingConfig
+from glm5_train.model.dsa_loss import DSATrainingConfig
 from parallel.layout import ParallelConfig
-
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

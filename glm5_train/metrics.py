@@ -17,9 +17,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from parallel.layout import comm_device
-
-
+from parallel.device import comm_device
 def rank_memory_bytes() -> tuple[int, int]:
     """(current, peak) memory of this rank in bytes."""
     if torch.cuda.is_available():

@@ -12,6 +12,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from parallel.pipeline_zero2 import finalize_zero2_grads
+
 if TYPE_CHECKING:
     from glm5_train.job_config import TrainConfig
 
@@ -40,17 +42,17 @@ def wrap_ddp(chunks: list[torch.nn.Module], config: TransformerConfig,
     return wrapped
 
 
-def attach_schedule_hooks(chunks: list, config: TransformerConfig, optimizer,
+def attach_schedule_hooks(chunks: list, config: TransformerConfig, optimizer, groups,
                           embedding_tie=None, zero2=None) -> None:
-    """Tell the pipeline schedules how to sync and finalise grads (megatron-core's contract)."""
+    """Tell the pipeline schedules how to sync and finalise grads (megatron-core's contract).
+    ``groups``: this rank's ProcessGroupCollection, handed to megatron-core's finalize."""
     config.grad_scale_func = optimizer.scale_loss
     if zero2 is not None:
-        from parallel.pipeline_zero2 import finalize_zero2_grads
-
         config.finalize_model_grads_func = partial(finalize_zero2_grads, zero2=zero2,
-                                                   embedding_tie=embedding_tie)
+                                                   groups=groups, embedding_tie=embedding_tie)
     else:
-        config.finalize_model_grads_func = partial(finalize_grads, embedding_tie=embedding_tie)
+        config.finalize_model_grads_func = partial(finalize_grads, groups=groups,
+                                                   embedding_tie=embedding_tie)
     config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
     if chunks[0].ddp_config.overlap_grad_reduce:
         config.grad_sync_func = ([c.start_grad_sync for c in chunks] if len(chunks) > 1
@@ -58,13 +60,13 @@ def attach_schedule_hooks(chunks: list, config: TransformerConfig, optimizer,
 
 
 def finalize_grads(model: list, num_tokens, pg_collection=None, force_all_reduce=False, *,
-                   embedding_tie):
+                   groups, embedding_tie):
     """megatron-core's ``finalize_model_grads``, with the word-embedding copies summed by our
     ``EmbeddingTie`` first (megatron's own embedding group holds the first stage only, see
-    ``parallel.layout.first_stage_only``)."""
+    ``parallel.process_groups.first_stage_only``)."""
     if embedding_tie is not None:
         embedding_tie.sync(model)
-    finalize_model_grads(model, num_tokens, pg_collection=pg_collection,
+    finalize_model_grads(model, num_tokens, pg_collection=pg_collection or groups,
                          force_all_reduce=force_all_reduce)
 
 
@@ -85,16 +87,6 @@ def build_optimizer(chunks: list, cfg: "TrainConfig", use_distributed_optimizer:
         use_distributed_optimizer=use_distributed_optimizer,
     )
     return get_megatron_optimizer(opt_config, chunks)
-
-
-def main_param_pairs(sub):
-    """(model parameter, the main-parameter slice the inner optimizer steps) for each parameter
-    with a slice on this rank, in a megatron-core DistributedOptimizer ``sub`` (bf16 models:
-    fp32 copies; fp32 models: views of the parameters)."""
-    for models, mains in ((sub.model_float16_groups, sub.shard_fp32_from_float16_groups),
-                          (sub.model_fp32_groups, sub.shard_fp32_groups)):
-        for model_group, main_group in zip(models, mains):
-            yield from zip(model_group, main_group)
 
 
 def build_scheduler(optimizer, cfg: "TrainConfig", train_iters: int) -> OptimizerParamScheduler:

@@ -1,455 +1,61 @@
-"""Pipeline layouts for GLM-5: validate a layout string, estimate each rank's memory, balance.
+"""GLM-5's pipeline plans: a given layout checked, a balanced one for an MTP placement, and the
+per-stage / per-rank memory report, from GLM-5's closed-form stage costs
+(``glm5_train.model.stage_costs``) and the model-agnostic layouts, schedule replay and balancer
+of ``parallel.pipeline_layout``.
 
-A layout is megatron-core's string (``E`` embedding, ``t`` decoder layer, ``m`` MTP layer, ``L``
-loss/output head, ``|`` between stages); global stage s runs on pipeline rank s % PP as virtual
-chunk s // PP. GLM-5 places its MTP layer in one of two ways (``../shared/glm5_reference.md``
-sec. 3): ``with_loss`` (megatron-core's: ``m`` with ``L`` on the last stage, ``Et|tt|tt|tmL``) or
-``split`` (GLM-5's: ``m`` on the stage before, the last stage holds only ``L``, ``Ett|tt|tm|L``).
-
-The memory model is closed-form: parameters from ``tools/count_params.py``'s formula, sharded as
-our model shards them; activations per micro-batch tensor by tensor as our implementation saves
-them for backward (checked against a measured forward in ``tests/test_pipeline_plan.py``); and the
-activations in flight from a replay of megatron-core's (interleaved) 1F1B order per rank.
+The memory model is closed-form: parameters from ``glm5_train.model.param_count``'s formula,
+sharded as our model shards them; activations per micro-batch tensor by tensor as our
+implementation saves them for backward (checked against a measured forward in
+``tests/test_pipeline_plan.py``); and the activations in flight from a replay of megatron-core's
+(interleaved) 1F1B order per rank.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
-from dataclasses import dataclass
-from itertools import accumulate
-from operator import mul
-
-from glm5_train.config import GLM5Config
-
-# Re-exported: the memory model's inputs are part of this module's interface.
-from glm5_train.pipeline_memory import (
+from glm5_train.model.config import GLM5Config
+from glm5_train.model.stage_costs import (
+    GLM5StageModel,
     MemoryInputs,
-    Part,
-    StageCosts,
-    head_part,
     inputs_from_job,
-    layer_part,
-    mtp_part,
     mtp_sets,
     mtp_steps,
-    rms_norm_bytes,
-    stage_costs,
-    vocab_part,
 )
-from parallel.layout import LayoutError
+from parallel.pipeline_layout import (
+    NO_MEMORY_LIMIT,
+    PipelineLayout,
+    PipelineSchedule,
+    PlanReport,
+    balance,
+    layout_from_counts,
+    mtp_stage_for,
+    parse_layout,
+    plan_for,
+)
 
-LAYOUT_FIELD = "parallel.pipeline_model_parallel_layout"
-
-
-
-
-# ---------------------------------------------------------------------------------- layouts
-
-
-@dataclass(frozen=True)
-class PipelineLayout:
-    """Stages of 'E', 't', 'm', 'L'; stage s on pipeline rank s % pp, virtual stage s // pp."""
-
-    stages: tuple[tuple[str, ...], ...]
-    pp: int
-    vpp: int | None = None
-
-    def rank_of(self, stage: int) -> int:
-        return stage % self.pp
-
-    @property
-    def mtp_stage(self) -> int | None:
-        return next((i for i, stage in enumerate(self.stages) if "m" in stage), None)
-
-    @property
-    def placement(self) -> str:
-        last, m = len(self.stages) - 1, self.mtp_stage
-        return {None: "none", last: "with_loss", last - 1: "split"}.get(m, "custom")
-
-    @property
-    def layers_per_stage(self) -> tuple[int, ...]:
-        return tuple(stage.count("t") for stage in self.stages)
-
-    def to_string(self) -> str:
-        return "|".join("".join(stage) for stage in self.stages)
-
-
-def parse_layout(layout: str, pp: int, vpp: int | None, num_layers: int,
-                 mtp_sets: int) -> PipelineLayout:
-    """Parse and check a layout string against every megatron-core rule; raise LayoutError."""
-    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
-
-    def fail(rule: str) -> LayoutError:
-        return LayoutError(f"{LAYOUT_FIELD}={layout!r} {rule}")
-
-    chars = {"embedding": "E", "decoder": "t", "mtp": "m", "loss": "L"}
-    try:
-        parsed = PipelineParallelLayerLayout.parse_str_to_list(layout)
-    except AssertionError as err:
-        raise fail(f"has an unknown character ({err}): use only E, t, m, L, '|' and the "
-                   "repeats '(...)*n' / 'x*n'") from None
-    result = PipelineLayout(tuple(tuple(chars[k.name] for k in stage) for stage in parsed),
-                            pp, vpp)
-    _check_shape(result, fail, num_layers)
-    _check_mtp(result, fail, mtp_sets)
-    return result
-
-
-def _check_shape(lay: PipelineLayout, fail, num_layers: int) -> None:
-    """Stage count, one 'E' opening stage 0, one 'L' closing the last stage, one 't' a layer."""
-    want, flat = lay.pp * (lay.vpp or 1), [c for stage in lay.stages for c in stage]
-    first, last = "".join(lay.stages[0]), "".join(lay.stages[-1])
-    if len(lay.stages) != want:
-        raise fail(f"has {len(lay.stages)} stages but pipeline x virtual stages = {lay.pp} x "
-                   f"{lay.vpp or 1} = {want}: give {want} '|'-separated stages or change "
-                   "parallel.pipeline_model_parallel_size / virtual_pipeline_model_parallel_size")
-    if flat.count("E") != 1 or not first.startswith("E"):
-        raise fail(f"has {flat.count('E')} 'E' and stage 0 is {first!r}: the embedding 'E' "
-                   "must appear exactly once, first in stage 0")
-    if flat.count("L") != 1 or not last.endswith("L"):
-        raise fail(f"has {flat.count('L')} 'L' and the last stage is {last!r}: the loss 'L' "
-                   "must appear exactly once, last in the last stage")
-    if flat.count("t") != num_layers:
-        raise fail(f"has {flat.count('t')} 't' but model.num_hidden_layers={num_layers}: write "
-                   f"one 't' per decoder layer ({num_layers - flat.count('t'):+d})")
-
-
-def _check_mtp(lay: PipelineLayout, fail, mtp_sets: int) -> None:
-    flat = [c for stage in lay.stages for c in stage]
-    holders = [i for i, stage in enumerate(lay.stages) if "m" in stage]
-    if flat.count("m") != mtp_sets:
-        raise fail(f"has {flat.count('m')} 'm' but the model trains {mtp_sets} MTP layer(s) "
-                   "(model.num_nextn_predict_layers; 0 when model.mtp_num_steps=0): write "
-                   f"{mtp_sets} 'm'")
-    if len(holders) > 1:
-        raise fail(f"spreads 'm' over stages {holders}: all MTP layers go in one stage")
-    if holders and "t" in flat[flat.index("m"):]:
-        raise fail("has a 't' after an 'm': every decoder layer must come before the MTP layer")
-    if holders and holders[0] // lay.pp != (lay.vpp or 1) - 1:
-        m = holders[0]
-        raise fail(f"puts 'm' in stage {m}, virtual stage {m // lay.pp} of pipeline rank "
-                   f"{m % lay.pp}: megatron-core needs it in its rank's last virtual stage "
-                   f"({(lay.vpp or 1) - 1}), i.e. one of the last {lay.pp} stages")
-
-
-
-
-class _StageModel:
-    """Per-stage costs of a layout shape (stage count, MTP stage) for any layer counts."""
-
-    def __init__(self, cfg: GLM5Config, inp: MemoryInputs, num_stages: int,
-                 mtp_stage: int | None) -> None:
-        self.cfg, self.inp, self.last, self.mtp_stage = cfg, inp, num_stages - 1, mtp_stage
-        steps = mtp_steps(cfg) if mtp_stage is not None else 0
-        self.layer = {moe: layer_part(cfg, moe, inp) for moe in (False, True)}
-        self.embedding = vocab_part(cfg, inp, "embedding")
-        hidden = Part(activation_bytes=inp.activation_bytes * inp.sp_tokens * cfg.hidden_size)
-        self.stage_input = hidden  # megatron keeps each received input until its backward
-        self.concat_input = hidden.times(1 + steps)  # main + MTP hidden states, concatenated
-        self.mtp = mtp_part(cfg, inp) if mtp_stage is not None else Part()
-        self.head = head_part(cfg, inp, 1 + steps)
-        self.final_norm = Part(dense_params=cfg.hidden_size, activation_bytes=rms_norm_bytes(
-            inp.sp_tokens, cfg.hidden_size, inp))
-        self._cache: dict[tuple[int, int, int, bool], StageCosts] = {}
-
-    def final_norm_stage(self, counts: list[int]) -> int:
-        """megatron-core: with MTP the final norm follows the last decoder layer, else it is
-        part of the output stage."""
-        if self.mtp_stage is None:
-            return self.last
-        return next((s for s in range(len(counts) - 1, -1, -1) if counts[s]), 0)
-
-    def dense_layers(self, start: int, count: int) -> int:
-        """Dense-MLP layers among decoder layers start .. start + count - 1."""
-        return max(0, min(start + count, self.cfg.first_k_dense_replace) - start)
-
-    def part(self, stage: int, dense: int, count: int, final_norm: bool) -> Part:
-        part = self.layer[False].times(dense) + self.layer[True].times(count - dense)
-        if stage == 0:
-            part += self.embedding
-        else:
-            after_mtp = self.mtp_stage is not None and stage > self.mtp_stage
-            part += self.concat_input if after_mtp else self.stage_input
-        if stage == self.mtp_stage:  # MTP re-embeds: a stage other than 0 holds a copy
-            part += self.mtp + (self.embedding if stage else Part())
-        if stage == self.last:
-            tied = self.cfg.tie_word_embeddings and stage  # the tied head's copy
-            part += self.head + (self.embedding if tied else Part())
-        return part + self.final_norm if final_norm else part
-
-    def costs(self, counts: list[int]) -> list[StageCosts]:
-        norm, starts = self.final_norm_stage(counts), [0, *accumulate(counts)]
-        return [self.stage(s, self.dense_layers(starts[s], c), c, s == norm)
-                for s, c in enumerate(counts)]
-
-    def stage(self, *key) -> StageCosts:
-        """Costs of (stage, dense layers, layers, holds the final norm), cached: the search
-        asks for the same few stages again and again."""
-        if key not in self._cache:
-            self._cache[key] = stage_costs(self.part(*key), self.inp)
-        return self._cache[key]
-
-
-# ------------------------------------------------------------------- 1F1B activation peak
-
-
-class PipelineSchedule:
-    """megatron-core's 1F1B order per pipeline rank: interleaved whenever ``vpp`` is set
-    (pipeline_parallel.schedules), plain 1F1B otherwise. Tracks which chunks' micro-batches
-    are forwarded and not yet backwarded, i.e. hold their activations."""
-
-    def __init__(self, pp: int, vpp: int | None, num_microbatches: int,
-                 group: int | None = None) -> None:
-        self.pp, self.vpp, self.num_microbatches = pp, vpp, num_microbatches
-        self.group = group or pp  # megatron-core's microbatch_group_size_per_vp_stage
-        self.chunks = vpp or 1
-        self._vectors: dict[int, list[tuple[int, ...]]] = {}
-
-    def chunk_table(self) -> list[int]:
-        """Model chunk of each forward in order: groups of ``group`` (default PP) micro-batches
-        run chunk by chunk (the last group takes the remainder), as megatron-core's
-        get_schedule_table."""
-        table, n, group = [], self.num_microbatches, self.group
-        for first in range(0, n, group):
-            size = n - first if first + group >= n else group
-            table += [chunk for chunk in range(self.chunks) for _ in range(size)]
-        return table
-
-    def warmup(self, rank: int) -> int:
-        total = self.num_microbatches * self.chunks
-        if self.pp == 1:
-            return 0
-        if self.vpp is None:
-            return min(self.pp - rank - 1, total)
-        return min((self.pp - rank - 1) * 2 + (self.chunks - 1) * self.group, total)
-
-    def order(self, rank: int) -> list[tuple[str, int]]:
-        """('F' | 'B', chunk) in execution order: warm-up forwards, 1F1B, cool-down."""
-        table, warm = self.chunk_table(), self.warmup(rank)
-        backward = [("B", self.chunks - 1 - chunk) for chunk in table]
-        ops = [("F", chunk) for chunk in table[:warm]]
-        for k in range(len(table) - warm):
-            ops += [("F", table[warm + k]), backward[k]]
-        return ops + backward[len(table) - warm:]
-
-    def in_flight_vectors(self, rank: int) -> list[tuple[int, ...]]:
-        """Micro-batches in flight per chunk after each forward. The peak of a weighted sum
-        (non-negative weights) is reached at a vector that no other vector dominates and that
-        is not the midpoint of two others (an extreme point): only those are kept."""
-        if rank not in self._vectors:
-            live, seen = [0] * self.chunks, set()
-            for op, chunk in self.order(rank):
-                live[chunk] += 1 if op == "F" else -1
-                if op == "F":
-                    seen.add(tuple(live))
-            extreme = [v for v in seen if not any(
-                tuple(2 * x - y for x, y in zip(v, u)) in seen for u in seen if u != v)]
-            self._vectors[rank] = sorted(v for v in extreme if not any(
-                w != v and all(x <= y for x, y in zip(v, w)) for w in extreme))
-        return self._vectors[rank]
-
-    def peak_activation_bytes(self, rank: int, chunk_bytes: list[int]) -> int:
-        return max(sum(n * b for n, b in zip(v, chunk_bytes))
-                   for v in self.in_flight_vectors(rank))
-
-    def peak_in_flight(self, rank: int) -> int:
-        return self.peak_activation_bytes(rank, [1] * self.chunks)
-
-    def rank_bytes(self, rank: int, costs: list[StageCosts]) -> tuple[int, int]:
-        """(static, peak activation) bytes of ``rank`` given every stage's costs. Pipeline
-        ZeRO2's two accumulation buffers are per rank: each as large as its largest stage."""
-        mine = costs[rank::self.pp]
-        accum = 2 * max(c.accum_grad_bytes for c in mine)
-        return (sum(c.static_bytes for c in mine) + accum, self.peak_activation_bytes(
-            rank, [c.activation_bytes_per_microbatch for c in mine]))
-
-
-# ------------------------------------------------------------------------ report, balance
-
-
-@dataclass(frozen=True)
-class StageReport:
-    stage: int
-    rank: int
-    layers: str
-    costs: StageCosts
-
-
-@dataclass(frozen=True)
-class RankReport:
-    rank: int
-    static_bytes: int
-    peak_activation_bytes: int
-
-    @property
-    def total_bytes(self) -> int:
-        return self.static_bytes + self.peak_activation_bytes
-
-
-@dataclass(frozen=True)
-class PlanReport:
-    layout: PipelineLayout
-    stages: tuple[StageReport, ...]
-    ranks: tuple[RankReport, ...]
-
-    @property
-    def max_rank_bytes(self) -> int:
-        return max(r.total_bytes for r in self.ranks)
-
-    @property
-    def min_rank_bytes(self) -> int:
-        return min(r.total_bytes for r in self.ranks)
-
-    def summary_line(self) -> str:
-        return (f"placement={self.layout.placement} layout={self.layout.to_string()} "
-                f"max_rank_bytes={self.max_rank_bytes} min_rank_bytes={self.min_rank_bytes} "
-                f"spread_bytes={self.max_rank_bytes - self.min_rank_bytes}")
+__all__ = ["NO_MEMORY_LIMIT", "MemoryInputs", "PipelineLayout", "PipelineSchedule", "PlanReport",
+           "balance_layout", "inputs_from_job", "layout_from_counts", "mtp_sets", "mtp_steps",
+           "parse_layout", "plan_report", "resolve_pipeline_layout"]
 
 
 def plan_report(model_cfg: GLM5Config, layout: PipelineLayout,
                 inputs: MemoryInputs) -> PlanReport:
     """Per-stage costs and per-rank memory (static + peak in-flight activations)."""
-    costs = _StageModel(model_cfg, inputs, len(layout.stages), layout.mtp_stage).costs(
-        list(layout.layers_per_stage))
+    model = GLM5StageModel(model_cfg, inputs, len(layout.stages), layout.mtp_stage)
     schedule = PipelineSchedule(layout.pp, layout.vpp, inputs.num_microbatches,
                                 inputs.microbatch_group)
-    stages = tuple(StageReport(s, layout.rank_of(s), "".join(layout.stages[s]), c)
-                   for s, c in enumerate(costs))
-    ranks = tuple(RankReport(r, *schedule.rank_bytes(r, costs)) for r in range(layout.pp))
-    return PlanReport(layout, stages, ranks)
-
-
-def layout_from_counts(counts: list[int], pp: int, vpp: int | None, mtp_stage: int | None,
-                       sets: int) -> PipelineLayout:
-    stages = []
-    for s, count in enumerate(counts):
-        stage = ("E",) * (s == 0) + ("t",) * count + ("m",) * (sets if s == mtp_stage else 0)
-        stages.append(stage + ("L",) * (s == len(counts) - 1))
-    return PipelineLayout(tuple(stages), pp, vpp)
+    return plan_for(model, layout, schedule)
 
 
 def balance_layout(model_cfg: GLM5Config, pp: int, vpp: int | None, placement: str,
                    inputs: MemoryInputs, memory_limit_bytes: int | None = None) -> PipelineLayout:
-    """Decoder layers per stage minimising the largest rank's memory, then the largest stage's
-    compute, then the sums of squares of both. With ``memory_limit_bytes``: the largest
-    stage's compute among layouts whose ranks fit the limit (memory first; only the excess
-    over the limit counts). Placement 'with_loss' or 'split' with MTP on; ignored ('none')
-    with MTP off. Deterministic."""
-    sets, num_stages = mtp_sets(model_cfg), pp * (vpp or 1)
-    mtp_stage = {"with_loss": num_stages - 1, "split": num_stages - 2}.get(placement, -1)
-    if not sets:
-        mtp_stage = None
-    elif mtp_stage < 0 or mtp_stage // pp != (vpp or 1) - 1:
-        raise LayoutError(f"MTP placement {placement!r} at PP={pp}: use 'with_loss', or "
-                          "'split' (needs pipeline_model_parallel_size >= 2)")
-    model = _StageModel(model_cfg, inputs, num_stages, mtp_stage)
+    """GLM-5's layers balanced over PP x VPP stages for an MTP placement ('with_loss' or
+    'split'; ignored without MTP): see ``parallel.pipeline_layout.balance``."""
+    sets = mtp_sets(model_cfg)
+    mtp_stage = mtp_stage_for(placement, pp, vpp, sets)
+    model = GLM5StageModel(model_cfg, inputs, pp * (vpp or 1), mtp_stage)
     schedule = PipelineSchedule(pp, vpp, inputs.num_microbatches, inputs.microbatch_group)
-    open_stages = num_stages - 1 if placement == "split" and sets else num_stages
-    layers = model_cfg.num_hidden_layers
-    search = _balanced(model, schedule, open_stages, layers, None)
-    if memory_limit_bytes is not None:  # from the memory-first layout, and from scratch
-        fits = _Search(model, schedule, open_stages, list(search.counts), memory_limit_bytes)
-        fits.improve()
-        fast = _balanced(model, schedule, open_stages, layers, memory_limit_bytes)
-        search = min((fits, fast), key=lambda candidate: candidate.key)
-    return layout_from_counts(search.counts, pp, vpp, mtp_stage, sets)
-
-
-def _balanced(model: _StageModel, schedule: PipelineSchedule, open_stages: int, layers: int,
-              limit: int | None) -> _Search:
-    """Greedy fill, then local search. (An even split as the start fell into worse local
-    minima in every configuration tried, up to 25% more memory, and took 2-4x longer: the
-    cheap slots, late ranks' last chunks with few micro-batches in flight, are far from it.)"""
-    search = _Search(model, schedule, open_stages, [0] * (model.last + 1), limit)
-    search.fill(layers)
-    search.improve()
-    return search
-
-
-class _Search:
-    """Layer counts per stage with their costs; moves re-cost only the stages whose contents
-    change and re-simulate only those stages' ranks. Layers stay before 'm': none enters a
-    stage at or past ``open_stages``."""
-
-    def __init__(self, model: _StageModel, schedule: PipelineSchedule, open_stages: int,
-                 counts: list[int], limit: int | None) -> None:
-        self.model, self.schedule, self.open_stages = model, schedule, open_stages
-        self.limit, self.counts, self.costs = limit, counts, model.costs(counts)
-        self._rank_totals: dict[tuple[int, ...], int] = {}
-        self.totals = [self._rank_total(r, self.costs) for r in range(schedule.pp)]
-        self.key = self._key(self.costs, self.totals)
-
-    def _rank_total(self, rank: int, costs: list[StageCosts]) -> int:
-        # Stage costs are shared objects (_StageModel caches them): their ids name a rank's
-        # contents, and moves keep revisiting the same few.
-        key = (rank, *map(id, costs[rank::self.schedule.pp]))
-        if key not in self._rank_totals:
-            self._rank_totals[key] = sum(self.schedule.rank_bytes(rank, costs))
-        return self._rank_totals[key]
-
-    def _key(self, costs: list[StageCosts], totals: list[int]) -> tuple[int, ...]:
-        flops = [c.flops_per_microbatch for c in costs]
-        top, slowest = max(totals), max(flops)
-        squares = sum(map(mul, totals, totals)), sum(map(mul, flops, flops))
-        if self.limit is None:
-            return top, slowest, *squares
-        return max(0, top - self.limit), slowest, top, squares[1], squares[0]
-
-    def _try(self, new: list[int], changed: tuple[int, ...]):
-        model, costs, totals = self.model, list(self.costs), list(self.totals)
-        starts, norm = [0, *accumulate(new)], model.final_norm_stage(new)
-        # A stage's costs change with its count, its share of the leading dense layers, or
-        # the final norm moving in or out (a move shifts starts by at most one: only stages
-        # starting at or before the first MoE layer can change their dense share).
-        dense = range(min(len(new), bisect_right(starts, model.cfg.first_k_dense_replace)))
-        stages = {*changed, model.final_norm_stage(self.counts), norm}
-        stages |= {s for s in dense if new[s] or self.counts[s]}
-        for s in stages:
-            costs[s] = model.stage(s, model.dense_layers(starts[s], new[s]), new[s], s == norm)
-        for rank in {s % self.schedule.pp for s in stages if costs[s] is not self.costs[s]}:
-            totals[rank] = self._rank_total(rank, costs)
-        return self._key(costs, totals), new, costs, totals
-
-    def _take(self, candidates: list, even_if_worse: bool = False) -> bool:
-        """Move to the best candidate if it beats the current counts (or regardless)."""
-        best = min((self._try(*c) for c in candidates), key=lambda m: m[0])
-        if best[0] >= self.key and not even_if_worse:
-            return False
-        self.key, self.counts, self.costs, self.totals = best
-        return True
-
-    def _moved(self, src: int | None, dst: int) -> tuple[list[int], tuple[int, ...]]:
-        new = list(self.counts)
-        new[dst] += 1
-        if src is None:
-            return new, (dst,)
-        new[src] -= 1
-        return new, (src, dst)
-
-    def fill(self, layers: int) -> None:
-        """Greedy: add the layers one by one, each where the key grows least."""
-        for _ in range(layers - sum(self.counts)):
-            self._take([self._moved(None, s) for s in range(self.open_stages)], True)
-
-    def improve(self) -> tuple[int, ...]:
-        """Best-improvement local search over single-layer moves: across each stage boundary,
-        and from the slowest stage or a stage of the fullest rank to any stage (a layer behind
-        ranks that cannot take it would otherwise never reach a light one). Returns the key."""
-        stages = range(self.open_stages)
-        while True:
-            fullest = self.totals.index(max(self.totals))
-            flops = [c.flops_per_microbatch for c in self.costs[:self.open_stages]]
-            sources = {*stages[fullest::self.schedule.pp], flops.index(max(flops))}
-            pairs = {(i, i + d) for i in stages for d in (-1, 1) if i + d in stages}
-            pairs |= {(i, j) for i in sources for j in stages if i != j}
-            moves = [self._moved(i, j) for i, j in sorted(pairs) if self.counts[i]]
-            if not moves or not self._take(moves):
-                return self.key
-
-
-# The training job balances compute under this "limit" when the user sets none: every layout
-# fits, so stage compute decides and memory only breaks ties.
-NO_MEMORY_LIMIT = 1 << 62
+    return balance(model, schedule, placement, sets, model_cfg.num_hidden_layers,
+                   memory_limit_bytes)
 
 
 def resolve_pipeline_layout(job, dp: int) -> str | None:

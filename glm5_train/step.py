@@ -13,13 +13,11 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import unwrap_model
 
-from parallel.layout import comm_device
-
-
+from parallel.device import comm_device
 def loss_func(loss_mask: torch.Tensor, take_mtp_report, output_tensor: torch.Tensor):
     """Per-token loss sum over unmasked tokens. ``output_tensor`` [B, S] token losses.
     The MTP losses (already in the backward graph) are only reported: [steps, 2] sums."""
@@ -51,9 +49,11 @@ def to_device(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def run_step(chunks: list[torch.nn.Module], iterators: list[Iterator], num_microbatches: int,
-             seq_length: int, micro_batch_size: int, forward_only: bool = False) -> list[Any]:
+             seq_length: int, micro_batch_size: int, groups: ProcessGroupCollection,
+             forward_only: bool = False) -> list[Any]:
     """Run the pipeline schedule for one global batch; returns the last stage's loss reports."""
-    schedule = get_forward_backward_func()
+    schedule = get_forward_backward_func(pp_size=groups.pp.size(),
+                                         vp_size=len(chunks) if len(chunks) > 1 else None)
     return schedule(
         forward_step_func=forward_step,
         data_iterator=iterators if len(chunks) > 1 else iterators[0],
@@ -65,19 +65,25 @@ def run_step(chunks: list[torch.nn.Module], iterators: list[Iterator], num_micro
     )
 
 
-def global_mtp_losses(reports: list[dict[str, torch.Tensor]], steps: int) -> list[float]:
+def _is_last_stage(groups: ProcessGroupCollection) -> bool:
+    return groups.pp.rank() == groups.pp.size() - 1
+
+
+def global_mtp_losses(reports: list[dict[str, torch.Tensor]], steps: int,
+                      groups: ProcessGroupCollection) -> list[float]:
     """Per-step MTP loss of the global batch (token-weighted, as ``global_loss``)."""
     totals = torch.zeros(steps, 2, dtype=torch.float64, device=comm_device())
     for report in reports:
         if "mtp loss" in report:
             totals += report["mtp loss"].double()
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+    if not _is_last_stage(groups):
         totals.zero_()
     dist.all_reduce(totals)
     return [float(s / n) if n > 0 else 0.0 for s, n in totals.tolist()]
 
 
-def global_loss(reports: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
+def global_loss(reports: list[dict[str, torch.Tensor]],
+                groups: ProcessGroupCollection) -> tuple[float, int]:
     """Token-weighted loss of the global batch, identical on every rank.
 
     Only last-stage ranks hold reports. Summing (loss_sum, tokens) over the whole world counts
@@ -86,9 +92,8 @@ def global_loss(reports: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
     totals = torch.zeros(2, dtype=torch.float64, device=comm_device())
     for report in reports:
         totals += report["lm loss"].double()
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+    if not _is_last_stage(groups):
         totals.zero_()
     dist.all_reduce(totals)
-    replicas = (parallel_state.get_tensor_model_parallel_world_size()
-                * parallel_state.get_context_parallel_world_size())
+    replicas = groups.tp.size() * groups.cp.size()
     return float(totals[0] / totals[1]), int(round(float(totals[1]) / replicas))

@@ -44,7 +44,6 @@ def torchrun_command(nproc: int, overrides: list[str]) -> list[str]:
 def main(argv: list[str]) -> int:
     from glm5_train.pipeline_plan import resolve_pipeline_layout
     from parallel.layout import validate_layout
-
     job = compose_job(argv)
     nproc = nproc_for(job)
     t = job.train

@@ -7,13 +7,41 @@ value, the rule and the fix.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
-from glm5_train.config import GLM5Config, ParallelSizes
+
+
+class ModelShape(Protocol):
+    """What the layout rules read of a model config (GLM-5's ``GLM5Config`` is one)."""
+
+    num_attention_heads: int
+    index_n_heads: int
+    n_routed_experts: int
+    num_hidden_layers: int
+    tie_word_embeddings: bool
+
+    @property
+    def mtp_sets(self) -> int: ...
+
+
+@dataclass
+class ParallelSizes:
+    """The parallel sizes megatron-core's TransformerConfig needs (subset of ParallelConfig)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    pipeline_model_parallel_layout: str | None = None
+    moe_token_dispatcher_type: str = "alltoall"
+    extra: dict[str, Any] = field(default_factory=dict)
+
 
 
 @dataclass
@@ -95,7 +123,7 @@ class LayoutError(ValueError):
     """An impossible parallel layout, found before any process group is created."""
 
 
-def validate_layout(par: ParallelConfig, model: GLM5Config, world_size: int,
+def validate_layout(par: ParallelConfig, model: ModelShape, world_size: int,
                     global_batch_size: int, micro_batch_size: int, seq_length: int) -> int:
     """Check every layout rule; return the data-parallel size. Raises LayoutError."""
     _check_positive(par)
@@ -134,7 +162,7 @@ def _check_world(par: ParallelConfig, world_size: int) -> int:
     return world_size // mp
 
 
-def _check_tensor(par: ParallelConfig, model: GLM5Config) -> None:
+def _check_tensor(par: ParallelConfig, model: ModelShape) -> None:
     tp = par.tensor_model_parallel_size
     for name in ("num_attention_heads", "index_n_heads"):
         value = getattr(model, name)
@@ -150,7 +178,7 @@ def _check_tensor(par: ParallelConfig, model: GLM5Config) -> None:
 MTP_PLACEMENTS = ("split", "with_loss")
 
 
-def _check_pipeline(par: ParallelConfig, model: GLM5Config) -> None:
+def _check_pipeline(par: ParallelConfig, model: ModelShape) -> None:
     pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
     if par.mtp_placement not in MTP_PLACEMENTS:
         raise LayoutError(f"parallel.mtp_placement={par.mtp_placement!r}: use one of "
@@ -192,7 +220,7 @@ def _check_zero2(par: ParallelConfig) -> None:
             "parallel.overlap_grad_reduce=false")
 
 
-def _check_experts(par: ParallelConfig, model: GLM5Config, dp: int) -> None:
+def _check_experts(par: ParallelConfig, model: ModelShape, dp: int) -> None:
     ep = par.expert_model_parallel_size
     if model.n_routed_experts % ep:
         raise LayoutError(
@@ -254,60 +282,3 @@ def _check_interleaving(par: ParallelConfig, num_microbatches: int) -> None:
             f"{name}: the last group would hold {num_microbatches % group} < PP={pp} "
             f"micro-batches ({num_microbatches} per step): pick a group size dividing "
             f"{num_microbatches}, or leaving a remainder >= {pp}")
-
-
-def world_from_env() -> tuple[int, int, int]:
-    """(rank, world size, local rank) from torchrun's environment; 1 process without it."""
-    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-            int(os.environ.get("LOCAL_RANK", 0)))
-
-
-def init_distributed(par: ParallelConfig, seed: int) -> None:
-    """Create the default group and megatron-core's parallel groups; seed its RNG tracker."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    rank, world, local_rank = world_from_env()
-    backend = par.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group(backend=backend, rank=rank, world_size=world)
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=par.tensor_model_parallel_size,
-        pipeline_model_parallel_size=par.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
-        context_parallel_size=par.context_parallel_size,
-        expert_model_parallel_size=par.expert_model_parallel_size,
-        expert_tensor_parallel_size=par.expert_tp,
-        get_embedding_ranks=first_stage_only,
-    )
-    model_parallel_cuda_manual_seed(seed)
-
-
-def comm_device() -> torch.device:
-    """The device of this process's tensors: batches, scalar reductions, model parameters.
-
-    With CUDA: ``cuda:<local rank>``, the device ``init_distributed`` made current (NCCL
-    collectives need tensors there). Without: the CPU (gloo). Stateless: asks torch each call.
-    """
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def first_stage_only(pp_ranks: list[int], *_) -> list[int]:
-    """megatron-core's embedding group, reduced to the first stage: copies of the word
-    embedding (MTP stage, tied head) are tied by ``glm5_train.mtp.EmbeddingTie`` instead, which
-    also handles two copies on one rank (megatron-core deadlocks on those at construction)."""
-    return [pp_ranks[0]]
-
-
-def destroy_distributed() -> None:
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()

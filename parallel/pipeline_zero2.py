@@ -31,6 +31,16 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed.finalize_model_grads import (
+    _update_router_expert_bias,
+    reset_model_temporary_tensors,
+)
+from megatron.core.pipeline_parallel.utils import get_pp_last_rank
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import get_model_config
+
+from parallel import mcore_compat
+from parallel.distopt_slices import distributed_optimizers, main_param_pairs, slice_range
 
 
 @dataclass
@@ -276,32 +286,23 @@ def _buffer_shard(buffer, offset: int) -> BufferShard:
 
 
 def finalize_zero2_grads(model: list, num_tokens, pg_collection=None, force_all_reduce=False, *,
-                         zero2: PipelineZero2, embedding_tie=None) -> None:
+                         zero2: PipelineZero2, groups: ProcessGroupCollection,
+                         embedding_tie=None) -> None:
     """megatron-core's ``finalize_model_grads`` for Pipeline ZeRO2: the same steps, on the
-    persistent slices instead of full buffers."""
-    from megatron.core import parallel_state
-    from megatron.core.distributed.finalize_model_grads import (
-        _update_router_expert_bias,
-        reset_model_temporary_tensors,
-    )
-    from megatron.core.pipeline_parallel.utils import get_pp_last_rank
-    from megatron.core.utils import get_model_config
-
+    persistent slices instead of full buffers. ``groups``: this rank's process groups (the
+    schedules pass ``pg_collection`` only in some paths; ours is always set)."""
     config = get_model_config(model[0])
     zero2.finish()
     if embedding_tie is not None:
         embedding_tie.sync(model)
     zero2.reduce_pinned()
-    _reduce_tensor_parallel_replicas(model, config, zero2,
-                                     parallel_state.get_tensor_model_parallel_group())
+    _reduce_tensor_parallel_replicas(model, config, zero2, groups.tp)
     if config.moe_router_enable_expert_bias:
         _update_router_expert_bias(model, config)
     reset_model_temporary_tensors(config, model)
     if num_tokens is not None:
-        pp_group = parallel_state.get_pipeline_model_parallel_group()
-        dist.broadcast(num_tokens, src=get_pp_last_rank(pp_group), group=pp_group)
-        dist.all_reduce(num_tokens,
-                        group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        dist.broadcast(num_tokens, src=get_pp_last_rank(groups.pp), group=groups.pp)
+        dist.all_reduce(num_tokens, group=groups.dp_cp)
         if num_tokens > 0:
             zero2.scale(1.0 / float(num_tokens))
 
@@ -329,16 +330,12 @@ def _reduce_tensor_parallel_replicas(model: list, config, zero2: PipelineZero2, 
 def attach_to_optimizer(optimizer, zero2: PipelineZero2) -> None:
     """The distributed optimizer reads its gradient slices from ``zero2`` (megatron-core's own
     copy would read full ``main_grad`` views, which no longer hold them)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(sub, DistributedOptimizer) and not sub.is_stub_optimizer:
-            sub._copy_model_grads_to_main_grads = partial(_copy_slices_to_main_grads, sub, zero2)
+    for sub in distributed_optimizers(optimizer):
+        mcore_compat.override_method(sub, "_copy_model_grads_to_main_grads",
+                                     partial(_copy_slices_to_main_grads, sub, zero2))
 
 
 def _copy_slices_to_main_grads(sub, zero2: PipelineZero2) -> None:
-    from glm5_train.optim import main_param_pairs
-
     for model_param, main_param in main_param_pairs(sub):
-        world = sub._get_model_param_range_map(model_param)["gbuf_world"]
-        main_param.grad = zero2.slice_of(model_param, world.start, world.end)
+        world = slice_range(sub, model_param)
+        main_param.grad = zero2.slice_of(model_param, world.start, world.stop)

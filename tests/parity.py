@@ -4,7 +4,7 @@
 overrides, same entry point), reads the run's ``metrics.jsonl`` and returns its step records.
 ``compare`` checks per-step loss and grad norm against a reference run.
 
-Initial weights depend only on (seed, global tensor name), see ``glm5_train/init_weights.py``,
+Initial weights depend only on (seed, global tensor name), see ``glm5_train/model/init_weights.py``,
 and the data order depends only on the global batch index, so any layout must reproduce the
 single-process run up to floating-point reduction order.
 """

@@ -39,7 +39,7 @@ def _probe(rank: int) -> dict:
     """Every kind of call the meter knows, on 2 ranks; returns {label: summary or value}."""
     from megatron.core.tensor_parallel import mappings
 
-    from parallel import device
+    from parallel import mcore_compat
 
     out: dict = {}
     peer = 1 - rank
@@ -101,8 +101,8 @@ def _probe(rank: int) -> dict:
 
     # The device layer's caching torch.distributed view (CPU), with the MoE all-to-all's
     # tensor split sizes: counted once, not once per layer of delegation.
-    device.install()
-    view = device._GLOO_DISTRIBUTED
+    mcore_compat.install()
+    view = mcore_compat.VIEWS["megatron.core.tensor_parallel.mappings"].distributed
     assert view.all_reduce is not None  # cached before the block
     cached_before = dict(view.__dict__)
     t_splits = torch.tensor(splits)
@@ -254,7 +254,7 @@ def test_nesting_and_restoring(probe):
 def test_bound_names_cover_the_training_path():
     """Every module on the training path that binds a collective under its own name is listed
     (and every listed binding still exists): a new one would be missed by the meter."""
-    for module in ("glm5_train.checkpoint", "glm5_train.muon", "glm5_train.distributed_muon",
+    for module in ("glm5_train.checkpoint", "parallel.muon", "parallel.distributed_muon",
                    "parallel.pipeline_zero2", "glm5_train.optim",
                    "glm5_train.step", "glm5_train.train", "megatron.core.optimizer.distrib_optimizer",
                    "megatron.core.pipeline_parallel.schedules", "megatron.core.timers",

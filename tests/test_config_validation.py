@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from glm5_train.config import GLM5Config
+from glm5_train.model.config import GLM5Config
 from launch.local import compose_job, nproc_for
 from parallel.layout import LayoutError, ParallelConfig, validate_layout
 from tests.parity import REPO

@@ -159,12 +159,13 @@ sys.path.insert(0, sys.argv[1])
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from parallel import device
-device.install()
+from parallel import mcore_compat
+mcore_compat.install()
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-from glm5_train.config import GLM5Config, ParallelSizes, to_mcore_config
-from glm5_train.model import build_model_chunks, count_parameters
+from glm5_train.model.config import GLM5Config, to_mcore_config
+from parallel.layout import ParallelSizes
+from glm5_train.model.glm5 import build_model_chunks, count_parameters
 
 dist.init_process_group("gloo", init_method="file://" + sys.argv[3], rank=0, world_size=1)
 parallel_state.initialize_model_parallel(1, 1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from glm5_train.dsa import DSAIndexer, sparse_attention
+from glm5_train.model.dsa import DSAIndexer, sparse_attention
 
 
 class _Cfg:

@@ -176,14 +176,13 @@ import sys
 sys.path.insert(0, sys.argv[1])
 import torch
 from glm5_train.checkpoint import load_checkpoint
-from glm5_train.config import to_mcore_config
-from glm5_train.model import build_model_chunks
+from glm5_train.model.config import to_mcore_config
+from glm5_train.model.glm5 import build_model_chunks
 from launch.local import compose_job
-from parallel import device
-from parallel.layout import init_distributed
-
+from parallel import mcore_compat
+from parallel.process_groups import init_distributed
 job = compose_job(["model=glm5_tiny", "parallel=single"])
-device.install()
+mcore_compat.install()
 init_distributed(job.parallel, 0)
 config = to_mcore_config(job.model, job.parallel.sizes(), torch.float32)
 chunk = build_model_chunks(job.model, config)[0].eval()

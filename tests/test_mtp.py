@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from glm5_train.config import GLM5Config
-from glm5_train.mtp import shifted_targets
+from glm5_train.model.config import GLM5Config
+from glm5_train.model.mtp import shifted_targets
 
 EOD = 0
 

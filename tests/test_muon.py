@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm5_train.distributed_muon import MatrixSlot, _subtract, assign_owners
-from glm5_train.muon import MatrixLayout, newton_schulz, orthogonal_update
+from parallel.distributed_muon import MatrixSlot, _subtract, assign_owners
+from parallel.muon import MatrixLayout, newton_schulz, orthogonal_update
 from tests.parity import compare, run_job
 
 MUON = ["train.optimizer=muon"]

@@ -22,9 +22,9 @@ import torch
 
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
-from glm5_train import pipeline_memory as memory
+from glm5_train.model import stage_costs as memory
 from glm5_train import pipeline_plan as plan
-from glm5_train.config import GLM5Config
+from glm5_train.model.config import GLM5Config
 from parallel.layout import LayoutError
 from tools import count_params
 
@@ -220,11 +220,12 @@ def test_sharding_divides_by_tp_ep_and_data_parallel(big):
 def _measured_forward_bytes(cfg: GLM5Config, seq: int, batch: int) -> int:
     """Unique storage bytes autograd saves in one fp32 forward of the 1-process model, the
     parameters left out."""
-    from glm5_train.config import ParallelSizes, to_mcore_config
-    from glm5_train.model import build_model_chunks
-    from parallel import device
+    from glm5_train.model.config import to_mcore_config
+    from parallel.layout import ParallelSizes
+    from glm5_train.model.glm5 import build_model_chunks
+    from parallel import mcore_compat
 
-    device.install()
+    mcore_compat.install()
     with count_params.single_process_group():
         mcore = to_mcore_config(cfg, ParallelSizes(), torch.float32)
         model = build_model_chunks(cfg, mcore)[0].train()

@@ -61,7 +61,7 @@ def test_larger_microbatch_groups_reduce_scatter_once(plain_ddp, tmp_path):
 def planned_zero2_grad_bytes() -> list[int]:
     """Per pipeline rank: the planner's ZeRO2 gradient bytes for the balanced PP2 x VPP2 split
     layout of the tiny model (its slices plus two accumulation buffers)."""
-    from glm5_train.pipeline_memory import inputs_from_job
+    from glm5_train.model.stage_costs import inputs_from_job
     from glm5_train.pipeline_plan import parse_layout, plan_report
     from launch.local import compose_job
     from tests.parity import BASE_OVERRIDES

@@ -167,9 +167,9 @@ def compose(overrides: list[str]):
 def _ensure_distributed(job) -> None:
     from megatron.core import parallel_state
 
-    from parallel import device
-    from parallel.layout import init_distributed, validate_layout, world_from_env
-
+    from parallel import mcore_compat
+    from parallel.layout import validate_layout
+    from parallel.process_groups import init_distributed, world_from_env
     if not parallel_state.model_parallel_is_initialized():
         _, world, _ = world_from_env()
         par = job.parallel
@@ -182,14 +182,14 @@ def _ensure_distributed(job) -> None:
         from glm5_train.pipeline_plan import resolve_pipeline_layout
 
         par.pipeline_model_parallel_layout = resolve_pipeline_layout(job, dp)
-        device.install()
+        mcore_compat.install()
         init_distributed(par, job.train.seed)
 
 
 def _build_chunks(job) -> list[torch.nn.Module]:
     """This rank's chunks, uninitialised (every weight is overwritten by import or load)."""
-    from glm5_train.config import to_mcore_config
-    from glm5_train.model import build_model_chunks
+    from glm5_train.model.config import to_mcore_config
+    from glm5_train.model.glm5 import build_model_chunks
 
     config = to_mcore_config(job.model, job.parallel.sizes(), job.train.torch_dtype,
                              perform_initialization=False)
@@ -553,8 +553,7 @@ def main(argv: list[str]) -> int:
         if _rank() == 0:
             print(f"hf_checkpoint: error: {err}", file=sys.stderr, flush=True)
         return 1
-    from parallel.layout import destroy_distributed
-
+    from parallel.process_groups import destroy_distributed
     if dist.is_initialized():
         dist.barrier()
     destroy_distributed()

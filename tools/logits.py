@@ -32,15 +32,14 @@ def main(argv: list[str]) -> None:
     from glm5_train.inference import compute_logits
     from glm5_train.train import build_model, quiet_megatron
     from launch.local import compose_job
-    from parallel import device
-    from parallel.layout import init_distributed
-
+    from parallel import mcore_compat
+    from parallel.process_groups import init_distributed
     quiet_megatron()
     tokens = torch.load(args.tokens)
     job = compose_job([*overrides, "train.micro_batch_size=1",
                        f"train.global_batch_size={tokens.shape[0]}",
                        f"train.seq_length={tokens.shape[1]}"])
-    device.install()
+    mcore_compat.install()
     init_distributed(job.parallel, job.train.seed)
     _, chunks = build_model(job)
     load_checkpoint(args.load, chunks, None, None, job.model)

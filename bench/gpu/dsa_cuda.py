@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(REPO, "bench"))
 
 from dsa_attention import _Cfg, dense_causal, dsa, kernel_flop_ratio  # noqa: E402
 
-from glm5_train.dsa import DSAIndexer  # noqa: E402
+from glm5_train.model.dsa import DSAIndexer  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

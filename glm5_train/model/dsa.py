@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from glm5_train.dsa_loss import (DSATrainingConfig, KLMeter, dense_indexer_kl,
+from glm5_train.model.dsa_loss import (DSATrainingConfig, KLMeter, dense_indexer_kl,
                                   sparse_indexer_kl)
-from glm5_train.layers import MLACoreAttention, param_device
+from glm5_train.model.layers import MLACoreAttention
+from parallel.device import param_device
 
 # Working-set budget (elements) for one query chunk: bounds the indexer's [B, T, Hi, S] scores
 # and the sparse attention's gathered [B, T, K, N, D] keys and values instead of materialising
@@ -103,7 +104,7 @@ class DSAIndexer(torch.nn.Module):
 
 class DSACoreAttention(MLACoreAttention):
     """MLA core attention restricted to the indexer's top-k keys per query, plus the indexer's
-    KL loss for the DSA training stages (see ``glm5_train/dsa_loss.py``)."""
+    KL loss for the DSA training stages (see ``glm5_train/model/dsa_loss.py``)."""
 
     def __init__(self, config: TransformerConfig, *args, dsa_n_heads: int, dsa_head_dim: int,
                  dsa_topk: int, rope_theta: float, dsa_training: DSATrainingConfig | None = None,

@@ -33,8 +33,11 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from glm5_train.muon import MatrixLayout, MuonAdamW, MuonConfig, orthogonal_update
-from glm5_train.optim import main_param_pairs
+from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
+
+from parallel import mcore_compat
+from parallel.muon import MatrixLayout, MuonAdamW, MuonConfig, orthogonal_update
+from parallel.distopt_slices import main_param_pairs
 
 
 @dataclass
@@ -355,18 +358,17 @@ def install_distributed_muon(sub, layouts: dict[int, MatrixLayout], cfg: MuonCon
     """Make ``sub`` (a megatron-core DistributedOptimizer) step with distributed Muon. In the
     zero-redundant mode its parameter all-gather is ours (matrices from their owners)."""
     inner = DistributedMuon(sub, layouts, cfg, zero_redundant)
-    sub.optimizer = inner
-    sub.init_state_fn = inner.init_state
+    mcore_compat.replace_attribute(sub, "optimizer", inner)
+    mcore_compat.replace_attribute(sub, "init_state_fn", inner.init_state)
     if zero_redundant:
-        sub.step_with_ready_grads = partial(_step_and_redistribute, sub, inner)
+        mcore_compat.override_method(sub, "step_with_ready_grads",
+                                     partial(_step_and_redistribute, sub, inner))
     return inner
 
 
 def _step_and_redistribute(sub, inner: DistributedMuon) -> bool:
     # megatron-core's mixed-precision step (inner step, main -> model copy) without the
     # distributed optimizer's own parameter all-gather, which ``redistribute`` replaces.
-    from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
-
     ok = MixedPrecisionOptimizer.step_with_ready_grads(sub)
     inner.redistribute()
     return ok

@@ -15,7 +15,9 @@ its TP group (the expert-TP group for expert weights), orthogonalised, and each 
 own shard; Newton-Schulz commutes with row/column permutations, so the shard-interleaved
 layout of a gathered SwiGLU fc1 ([g0; u0; g1; u1]) gives the same result as [gate; up].
 Without the distributed optimizer every data-parallel rank computes every update; with it,
-``glm5_train/distributed_muon.py`` gives each matrix one owner rank (zero-redundant Muon).
+``parallel/distributed_muon.py`` gives each matrix one owner rank (zero-redundant Muon).
+Which parameters get Muon, and the per-head blocks of Muon Split, follow megatron-core's GPT and
+MLA parameter names and its MLATransformerConfig head widths, not a particular model.
 
 This optimizer replaces the torch optimizer inside megatron-core's FP32 optimizer wrappers, so
 megatron-core still does gradient gathering from DDP buffers, norm, clipping and checkpointing.
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from parallel import mcore_compat
 
 # Quintic Newton-Schulz coefficients tuned for fast convergence of singular values towards 1.
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -169,56 +173,43 @@ class MuonAdamW(torch.optim.Optimizer):
         param.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1 ** step))
 
 
-def matrix_layouts(chunks: list[torch.nn.Module], cfg: MuonConfig, model_cfg) -> dict:
-    """Decide, for every parameter of this rank, Muon or AdamW and how to orthogonalise."""
-    from megatron.core import parallel_state
-
+def matrix_layouts(chunks: list[torch.nn.Module], cfg: MuonConfig, config,
+                   groups) -> dict[int, MatrixLayout]:
+    """Decide, for every parameter of this rank, Muon or AdamW and how to orthogonalise.
+    ``config``: megatron-core's MLATransformerConfig (head widths for Muon Split); ``groups``:
+    megatron-core's ProcessGroupCollection (the TP and expert-TP groups to gather over)."""
     layouts = {}
     for chunk in chunks:
         for name, param in chunk.named_parameters():
-            layouts[id(param)] = _layout(name, param, cfg, model_cfg, parallel_state)
+            layouts[id(param)] = _layout(name, param, cfg, config, groups)
     return layouts
 
 
-def _layout(name: str, param: torch.Tensor, cfg: MuonConfig, model_cfg, ps) -> MatrixLayout:
+def _layout(name: str, param: torch.Tensor, cfg: MuonConfig, config, groups) -> MatrixLayout:
     if param.dim() != 2 or name.endswith(ADAMW_FOR):
         return MatrixLayout(name, muon=False)
+    # megatron-core's MLA: linear_q_up_proj rows are per head [nope + rope], linear_kv_up_proj
+    # rows per head [K nope; V] (qk_head_dim is the no-RoPE part of a query/key head).
     if cfg.split_mla and name.endswith("linear_q_up_proj.weight"):
-        q_dim = model_cfg.qk_nope_head_dim + model_cfg.qk_rope_head_dim
-        return MatrixLayout(name, muon=True, head_blocks=(q_dim,))
-    if cfg.split_mla and name.endswith("linear_kv_up_proj.weight"):
         return MatrixLayout(name, muon=True,
-                            head_blocks=(model_cfg.qk_nope_head_dim, model_cfg.v_head_dim))
+                            head_blocks=(config.qk_head_dim + config.qk_pos_emb_head_dim,))
+    if cfg.split_mla and name.endswith("linear_kv_up_proj.weight"):
+        return MatrixLayout(name, muon=True, head_blocks=(config.qk_head_dim, config.v_head_dim))
     if not getattr(param, "tensor_model_parallel", False):
         return MatrixLayout(name, muon=True)
     expert = getattr(param, "allreduce", True) is False
-    group = (ps.get_expert_tensor_parallel_group() if expert
-             else ps.get_tensor_model_parallel_group())
+    group = groups.expt_tp if expert else groups.tp
     if dist.get_world_size(group) == 1:
         return MatrixLayout(name, muon=True)
     return MatrixLayout(name, muon=True, tp_group=group, tp_dim=param.partition_dim)
 
 
-def install_muon(optimizer, chunks: list[torch.nn.Module], cfg: MuonConfig, model_cfg,
-                 zero_redundant: bool = True) -> None:
-    """Swap the torch optimizer inside each of megatron-core's optimizer wrappers: MuonAdamW in
-    its FP32 optimizers, distributed Muon in its distributed optimizers (``zero_redundant``:
-    one owner per matrix; otherwise the naive every-rank-gathers-everything reference)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    from glm5_train.distributed_muon import install_distributed_muon
-
-    layouts = matrix_layouts(chunks, cfg, model_cfg)
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(sub, DistributedOptimizer):
-            if not sub.is_stub_optimizer:
-                install_distributed_muon(sub, layouts, cfg, zero_redundant)
-            continue
-        sub.optimizer = MuonAdamW(sub.optimizer.param_groups, _with_main_params(sub, layouts),
-                                  cfg)
-        sub.init_state_fn = sub.optimizer.init_state
-
-
+def install_on_fp32_optimizer(sub, layouts: dict[int, MatrixLayout], cfg: MuonConfig) -> None:
+    """Swap the torch optimizer inside one of megatron-core's (non-distributed) optimizer
+    wrappers for MuonAdamW; megatron keeps gathering, clipping and checkpointing around it."""
+    inner = MuonAdamW(sub.optimizer.param_groups, _with_main_params(sub, layouts), cfg)
+    mcore_compat.replace_attribute(sub, "optimizer", inner)
+    mcore_compat.replace_attribute(sub, "init_state_fn", inner.init_state)
 def _with_main_params(sub, layouts: dict[int, MatrixLayout]) -> dict[int, MatrixLayout]:
     """bf16/fp16 models: megatron-core steps fp32 copies of the parameters (its
     ``fp32_from_float16_groups``); they take their model parameter's layout."""

@@ -3,7 +3,7 @@
 Layers: MLA attention everywhere, the first ``first_k_dense_replace`` layers with a dense SwiGLU
 MLP and the rest MoE (sigmoid routing, expert-bias selection, one shared expert, top-k).
 With Transformer Engine installed megatron-core's TE spec is used as is; without it the local
-spec gets the two modules from ``glm5_train.layers`` it lacks.
+spec gets the two modules from ``glm5_train.model.layers`` it lacks.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
-from glm5_train.config import GLM5Config
-from glm5_train.dsa import DSACoreAttention
-from glm5_train.dsa_loss import DSATrainingConfig
-from glm5_train.layers import LatentRMSNorm, MLADownProjection, RMSNorm
-from glm5_train.mtp import chunk_hosts_mtp, mtp_block_spec, shifted_targets
+from glm5_train.model.config import GLM5Config
+from glm5_train.model.dsa import DSACoreAttention
+from glm5_train.model.dsa_loss import DSATrainingConfig
+from glm5_train.model.layers import LatentRMSNorm, RMSNorm
+from parallel.mla_down_projection import MLADownProjection
+from glm5_train.model.mtp import chunk_hosts_mtp, mtp_block_spec, shifted_targets
 
 
 def transformer_engine_available() -> bool:

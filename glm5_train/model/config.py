@@ -8,14 +8,14 @@ meaning) so that a ``configs/model/*.yaml`` file and an HF ``config.json`` are i
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-
+from parallel.layout import ParallelSizes
 # GLM5Config fields that tune training, not the architecture: free to change on resume.
 TRAINING_FIELDS = frozenset({"moe_aux_loss_coeff", "moe_router_bias_update_rate", "name",
                              "mtp_num_steps", "mtp_loss_weight"})
@@ -175,22 +175,6 @@ def _check_mtp(cfg: GLM5Config) -> None:
         raise ValueError(f"model.mtp_loss_weight={cfg.mtp_loss_weight} must be >= 0")
 
 
-@dataclass
-class ParallelSizes:
-    """The parallel sizes megatron-core's TransformerConfig needs (subset of ParallelConfig)."""
-
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: int | None = None
-    context_parallel_size: int = 1
-    sequence_parallel: bool = False
-    pipeline_model_parallel_layout: str | None = None
-    moe_token_dispatcher_type: str = "alltoall"
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
 def to_mcore_config(model: GLM5Config, par: ParallelSizes,
                     params_dtype: torch.dtype = torch.float32,
                     perform_initialization: bool = True,
@@ -251,7 +235,7 @@ def to_mcore_config(model: GLM5Config, par: ParallelSizes,
         moe_grouped_gemm=False,
         moe_token_dispatcher_type=par.moe_token_dispatcher_type,
         # MTP: megatron-core builds mtp_num_layers parameter sets; our model applies them for
-        # model.mtp_num_steps steps (glm5_train.mtp).
+        # model.mtp_num_steps steps (glm5_train.model.mtp).
         mtp_num_layers=model.mtp_sets or None,
         mtp_loss_scaling_factor=model.mtp_loss_weight,
         # Parallelism.

@@ -1,23 +1,25 @@
 """The memory and compute a pipeline stage of GLM-5 costs, per micro-batch, in closed form.
 
-Parameters come from ``tools/count_params.py``'s formula, sharded as our model shards them
+Parameters come from ``glm5_train.model.param_count``'s formula, sharded as our model shards them
 (TP-split projections, replicated down projections / norms / DSA indexer / router, routed
 experts over EP x expert-TP); bytes per parameter follow the training precision and optimizer.
 Activations are counted tensor by tensor as our implementation saves them for backward
 (checked against a measured forward in ``tests/test_pipeline_plan.py``). Compute is forward +
-backward FLOPs. ``glm5_train.pipeline_plan`` places these costs on stages and replays the
-pipeline schedule to find each rank's peak.
+backward FLOPs. ``GLM5StageModel`` gives a whole stage's costs for ``parallel.pipeline_layout``, which places
+them on stages and replays the pipeline schedule to find each rank's peak.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import cached_property
 
-from glm5_train.config import GLM5Config
+from itertools import accumulate
+
+from glm5_train.model.config import GLM5Config
+from glm5_train.model.param_count import layer_terms, top_terms
 from parallel.layout import LayoutError
-from tools.count_params import layer_terms, top_terms
+from parallel.pipeline_layout import StageCosts
 
 
 def mtp_steps(cfg: GLM5Config) -> int:
@@ -114,7 +116,7 @@ def inputs_from_job(job, dp: int | None = None, **changes) -> MemoryInputs:
 
 # -------------------------------------------------------------- activations per micro-batch
 # Bytes each tensor saved for backward holds, per rank, as our implementation saves them
-# (glm5_train/layers.py, dsa.py, dsa_loss.py; megatron-core's MLA, MoE and output layer).
+# (glm5_train/model/layers.py, dsa.py, dsa_loss.py; megatron-core's MLA, MoE and output layer).
 # ``a`` is the activation dtype's size; fp32 internals are 4 bytes, int64 indices 8, masks 1.
 # Checked: an fp32 CPU forward of the tiny model, MTP on and off (tests), and the fused-SDPA
 # terms in bf16 on an H200. Not modelled: recompute, offloading, transient workspace inside a
@@ -122,7 +124,7 @@ def inputs_from_job(job, dp: int | None = None, **changes) -> MemoryInputs:
 
 
 def rms_norm_bytes(tokens: int, width: int, inp: MemoryInputs) -> int:
-    # glm5_train.layers.RMSNorm runs in fp32: it saves the fp32 input and the normalised fp32
+    # glm5_train.model.layers.RMSNorm runs in fp32: it saves the fp32 input and the normalised fp32
     # product [tokens, width], the fp32 inverse rms per token, and (non-fp32 models) the
     # weight's fp32 copy.
     return 8 * tokens * width + 4 * tokens + (4 * width if inp.activation_bytes != 4 else 0)
@@ -313,20 +315,6 @@ def head_part(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> Part:
         activation_bytes=loss_head_activation_bytes(cfg, inp), flops=flops).times(heads)
 
 
-@dataclass(frozen=True)
-class StageCosts:
-    param_bytes: int
-    grad_bytes: int
-    optimizer_bytes: int
-    activation_bytes_per_microbatch: int
-    flops_per_microbatch: int
-    accum_grad_bytes: int = 0  # Pipeline ZeRO2: this stage's full gradients, accumulated
-
-    @cached_property  # read in the balancer's inner loop
-    def static_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
-
-
 def stage_costs(part: Part, inp: MemoryInputs) -> StageCosts:
     d, e = part.dense_params, part.expert_params
     sharded = -(-d // (inp.dp * inp.cp)) - (-e // inp.expert_dp)  # per rank, rounded up
@@ -335,3 +323,61 @@ def stage_costs(part: Part, inp: MemoryInputs) -> StageCosts:
     return StageCosts(inp.weight_bytes * (d + e), inp.grad_bytes * grads,
                       inp.optimizer_bytes * states, part.activation_bytes, part.flops,
                       inp.grad_bytes * (d + e) if inp.shard_grads else 0)
+
+
+class GLM5StageModel:
+    """GLM-5's per-stage costs of a layout shape (stage count, MTP stage) for any layer counts:
+    a ``parallel.pipeline_layout.StageCostModel``."""
+
+    def __init__(self, cfg: GLM5Config, inp: MemoryInputs, num_stages: int,
+                 mtp_stage: int | None) -> None:
+        self.cfg, self.inp, self.last, self.mtp_stage = cfg, inp, num_stages - 1, mtp_stage
+        self.dense_prefix = cfg.first_k_dense_replace
+        steps = mtp_steps(cfg) if mtp_stage is not None else 0
+        self.layer = {moe: layer_part(cfg, moe, inp) for moe in (False, True)}
+        self.embedding = vocab_part(cfg, inp, "embedding")
+        hidden = Part(activation_bytes=inp.activation_bytes * inp.sp_tokens * cfg.hidden_size)
+        self.stage_input = hidden  # megatron keeps each received input until its backward
+        self.concat_input = hidden.times(1 + steps)  # main + MTP hidden states, concatenated
+        self.mtp = mtp_part(cfg, inp) if mtp_stage is not None else Part()
+        self.head = head_part(cfg, inp, 1 + steps)
+        self.final_norm = Part(dense_params=cfg.hidden_size, activation_bytes=rms_norm_bytes(
+            inp.sp_tokens, cfg.hidden_size, inp))
+        self._cache: dict[tuple[int, int, int, bool], StageCosts] = {}
+
+    def final_norm_stage(self, counts: list[int]) -> int:
+        """megatron-core: with MTP the final norm follows the last decoder layer, else it is
+        part of the output stage."""
+        if self.mtp_stage is None:
+            return self.last
+        return next((s for s in range(len(counts) - 1, -1, -1) if counts[s]), 0)
+
+    def dense_layers(self, start: int, count: int) -> int:
+        """Dense-MLP layers among decoder layers start .. start + count - 1."""
+        return max(0, min(start + count, self.cfg.first_k_dense_replace) - start)
+
+    def part(self, stage: int, dense: int, count: int, final_norm: bool) -> Part:
+        part = self.layer[False].times(dense) + self.layer[True].times(count - dense)
+        if stage == 0:
+            part += self.embedding
+        else:
+            after_mtp = self.mtp_stage is not None and stage > self.mtp_stage
+            part += self.concat_input if after_mtp else self.stage_input
+        if stage == self.mtp_stage:  # MTP re-embeds: a stage other than 0 holds a copy
+            part += self.mtp + (self.embedding if stage else Part())
+        if stage == self.last:
+            tied = self.cfg.tie_word_embeddings and stage  # the tied head's copy
+            part += self.head + (self.embedding if tied else Part())
+        return part + self.final_norm if final_norm else part
+
+    def costs(self, counts: list[int]) -> list[StageCosts]:
+        norm, starts = self.final_norm_stage(counts), [0, *accumulate(counts)]
+        return [self.stage(s, self.dense_layers(starts[s], c), c, s == norm)
+                for s, c in enumerate(counts)]
+
+    def stage(self, *key) -> StageCosts:
+        """Costs of (stage, dense layers, layers, holds the final norm), cached: the search
+        asks for the same few stages again and again."""
+        if key not in self._cache:
+            self._cache[key] = stage_costs(self.part(*key), self.inp)
+        return self._cache[key]

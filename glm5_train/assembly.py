@@ -1,0 +1,169 @@
+"""How a training run is assembled, in order, in one function: ``assemble``.
+
+The order is forced by what each step needs from the ones before it:
+
+1. **Validate** the whole config and the layout against the world size (``validate_job``),
+   before any process group exists, so a bad config costs nothing and prints one message.
+2. **Install the megatron-core compatibility patches** (``parallel/mcore_compat.py``): on CPU the
+   device layer must be in place before megatron-core creates its first tensor or generator.
+3. **Process groups**, then megatron-core's RNG tracker seeded from them.
+4. **Dataset** (no model needed), then the **model** chunks, built on this rank's device with
+   their initial weights a function of (seed, global tensor name) only.
+5. **Freeze** what the DSA stage does not train, *before* DDP: megatron's DDP sizes its gradient
+   buffers from ``requires_grad`` at wrap time.
+6. **Embedding copies** (MTP stage, tied head) are found before wrapping, because Pipeline ZeRO2
+   must pin their gradients while it adopts each chunk's buffer.
+7. **DDP wrap**, and ZeRO2 adopts each chunk's gradient buffer right after its wrap (so at most
+   one full buffer exists at a time).
+8. **Optimizer** over the wrapped chunks (megatron-core reads DDP's buffers); then ZeRO2 points
+   the distributed optimizer at its slices, then **Muon** replaces the torch optimizer inside
+   megatron's wrappers (after ZeRO2: distributed Muon reads the slices ZeRO2 provides).
+9. **Scheduler**, then the **schedule hooks** (grad scaling, finalize, no-sync, grad sync) that
+   megatron-core's pipeline schedules call, which need the optimizer and ZeRO2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from glm5_train.data import build_train_iterator, build_train_valid_test_datasets, ensure_builtin_corpus
+from glm5_train.job_config import JobConfig
+from glm5_train.model.config import to_mcore_config
+from glm5_train.model.glm5 import apply_dsa_freezing, build_model_chunks
+from glm5_train.model.init_weights import initialize_weights
+from glm5_train.optim import attach_schedule_hooks, build_optimizer, build_scheduler, wrap_ddp
+from glm5_train.pipeline_plan import resolve_pipeline_layout
+from glm5_train.tokenizer import build_tokenizer
+from parallel import mcore_compat, process_groups
+from parallel.device import comm_device
+from parallel.distributed_muon import install_distributed_muon
+from parallel.embedding_tie import EmbeddingTie
+from parallel.layout import validate_layout
+from parallel.muon import MuonConfig, install_on_fp32_optimizer, matrix_layouts
+from parallel.pipeline_zero2 import PipelineZero2, attach_to_optimizer
+
+
+@dataclass
+class Runtime:
+    """Everything a training step needs, built once by ``assemble``."""
+
+    job: JobConfig
+    config: object  # megatron-core MLATransformerConfig
+    groups: ProcessGroupCollection
+    chunks: list
+    optimizer: object
+    scheduler: object
+    dataset: object
+    zero2: PipelineZero2 | None = None
+
+    @property
+    def dp_rank(self) -> int:
+        return self.groups.dp.rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.groups.dp.size()
+
+
+def assemble(job: JobConfig) -> Runtime:
+    """Validate, create process groups, and build data, model, optimizer and hooks, in the
+    order the module docstring explains."""
+    validate_job(job)
+    mcore_compat.install()
+    process_groups.init_distributed(job.parallel, job.train.seed)
+    groups = process_groups.groups()
+    dataset = build_dataset(job)
+    config, chunks = build_model(job)
+    apply_dsa_freezing(chunks, job.dsa)
+    embedding_tie = EmbeddingTie(config, job.model.tie_word_embeddings, groups.pp)
+    zero2, pinned = None, []
+    if job.parallel.pipeline_zero2:
+        zero2 = PipelineZero2()
+        pinned = embedding_tie.holders(chunks) if embedding_tie.needs_sync(chunks) else []
+    chunks = wrap_ddp(chunks, config, job.parallel.use_distributed_optimizer,
+                      job.parallel.overlap_grad_reduce, zero2=zero2, pinned=pinned)
+    optimizer = build_optimizer(chunks, job.train, job.parallel.use_distributed_optimizer,
+                                job.train.torch_dtype)
+    if zero2 is not None:
+        attach_to_optimizer(optimizer, zero2)
+    if job.train.optimizer == "muon":
+        install_muon(optimizer, chunks, job, config, groups)
+    scheduler = build_scheduler(optimizer, job.train, job.train.train_iters)
+    attach_schedule_hooks(chunks, config, optimizer, groups, embedding_tie, zero2)
+    return Runtime(job, config, groups, chunks, optimizer, scheduler, dataset, zero2)
+
+
+def validate_job(job: JobConfig) -> int:
+    """All checks that need no process group; returns the data-parallel size. Fixes the
+    pipeline layout (a given one checked, or one balanced for the MTP placement)."""
+    rank, world, _ = process_groups.world_from_env()
+    dp = validate_layout(job.parallel, job.model, world, job.train.global_batch_size,
+                         job.train.micro_batch_size, job.train.seq_length)
+    layout = resolve_pipeline_layout(job, dp)
+    if layout and layout != job.parallel.pipeline_model_parallel_layout and rank == 0:
+        print(f"pipeline layout: {layout} (balanced, parallel.mtp_placement="
+              f"{job.parallel.mtp_placement})", flush=True)
+    job.parallel.pipeline_model_parallel_layout = layout
+    return dp
+
+
+def build_model(job: JobConfig) -> tuple[object, list]:
+    """(megatron-core config, this rank's initialised model chunks), process groups existing.
+
+    On CUDA megatron-core builds the parameters on this rank's GPU (no CPU copy of the model);
+    the few it leaves on the host (the MoE router's weight) follow with ``.to``, as
+    megatron's own ``get_model`` moves every chunk. On CPU nothing moves."""
+    where = comm_device()
+    config = to_mcore_config(job.model, job.parallel.sizes(), job.train.torch_dtype,
+                             use_cpu_initialization=where.type == "cpu")
+    eod = build_tokenizer(job.data.tokenizer).eod
+    chunks = build_model_chunks(job.model, config, dsa_training=job.dsa, eod_token_id=eod)
+    if where.type != "cpu":
+        for chunk in chunks:
+            chunk.to(where)
+    initialize_weights(chunks, job.train.seed, job.model.initializer_range,
+                       job.model.num_hidden_layers)
+    return config, chunks
+
+
+def install_muon(optimizer, chunks: list, job: JobConfig, config,
+                 groups: ProcessGroupCollection) -> None:
+    """Swap the torch optimizer inside each of megatron-core's optimizer wrappers: MuonAdamW in
+    its FP32 optimizers, distributed Muon in its distributed optimizers
+    (``train.muon_zero_redundant``: one owner per matrix; otherwise the naive reference)."""
+    t = job.train
+    cfg = MuonConfig(t.muon_momentum, t.muon_nesterov, t.muon_ns_steps, t.muon_split_mla)
+    layouts = matrix_layouts(chunks, cfg, config, groups)
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(sub, DistributedOptimizer):
+            if not sub.is_stub_optimizer:
+                install_distributed_muon(sub, layouts, cfg, t.muon_zero_redundant)
+        else:
+            install_on_fp32_optimizer(sub, layouts, cfg)
+
+
+def build_dataset(job: JobConfig):
+    tokenizer = build_tokenizer(job.data.tokenizer)
+    if tokenizer.vocab_size > job.model.vocab_size:
+        raise ValueError(
+            f"tokenizer {job.data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
+            f"model.vocab_size={job.model.vocab_size}: raise model.vocab_size or use a smaller "
+            "tokenizer")
+    if not job.data.paths:
+        job.data.paths = [ensure_builtin_corpus(job.data, tokenizer)]
+    samples = job.train.train_iters * job.train.global_batch_size
+    train, _, _ = build_train_valid_test_datasets(
+        job.data, tokenizer, job.train.seq_length, job.train.seed, (samples, 0, 0))
+    return train
+
+
+def iterators(rt: Runtime, consumed_samples: int) -> list:
+    """One aligned iterator per model chunk: each chunk reads the same micro-batch sequence."""
+    t = rt.job.train
+    make = partial(build_train_iterator, rt.dataset, t.micro_batch_size, t.global_batch_size,
+                   rt.dp_rank, rt.dp_size, consumed_samples, num_workers=rt.job.data.num_workers)
+    return [make() for _ in rt.chunks]

@@ -1,0 +1,41 @@
+"""Views of megatron-core's distributed optimizer (ZeRO-1): which slice of which parameter this
+rank steps.
+
+megatron-core's ``DistributedOptimizer`` cuts every gradient bucket into one contiguous slice per
+data-parallel rank, regardless of parameter boundaries; per sub-optimizer it keeps, for each
+parameter with elements in this rank's slice, the model parameter and the "main" parameter the
+inner torch optimizer steps (an fp32 copy of the slice for bf16 models, a view of the parameter
+for fp32 ones). Pipeline ZeRO2 and distributed Muon both work on those pairs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+
+def distributed_optimizers(optimizer) -> Iterator[DistributedOptimizer]:
+    """The non-empty megatron-core DistributedOptimizers inside ``optimizer`` (chained: dense and
+    expert parameters have one each)."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(sub, DistributedOptimizer) and not sub.is_stub_optimizer:
+            yield sub
+
+
+def main_param_pairs(sub: DistributedOptimizer) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(model parameter, the main-parameter slice the inner optimizer steps) for each parameter
+    with a slice on this rank, in a megatron-core DistributedOptimizer ``sub`` (bf16 models:
+    fp32 copies; fp32 models: views of the parameters)."""
+    for models, mains in ((sub.model_float16_groups, sub.shard_fp32_from_float16_groups),
+                          (sub.model_fp32_groups, sub.shard_fp32_groups)):
+        for model_group, main_group in zip(models, mains):
+            yield from zip(model_group, main_group)
+
+
+def slice_range(sub: DistributedOptimizer, model_param: torch.nn.Parameter) -> range:
+    """The elements of ``model_param``'s grad-buffer range that this rank's slice holds, as
+    offsets in the buffer ("gbuf_world" in megatron-core's range map)."""
+    world = sub._get_model_param_range_map(model_param)["gbuf_world"]
+    return range(world.start, world.end)
