@@ -50,7 +50,7 @@ def run(placement: str, steps: int, seq: int, run_dir: str) -> tuple[list[dict],
 def planned_static(layout: str, steps: int, seq: int) -> list[int]:
     """The planner's static bytes per pipeline rank for ``layout`` in the same job."""
     from glm5_train.pipeline_plan import inputs_from_job, parse_layout, plan_report
-    from launch.local import compose_job
+    from glm5_train.job_config import compose_job
 
     job = compose_job(["model=glm5_tiny", "parallel=pp2_vpp2", "train.global_batch_size=8",
                        f"train.seq_length={seq}", f"train.train_iters={steps}"])

@@ -7,16 +7,24 @@ refusing unknown keys (a typo such as ``train.train_iter`` must not be silently 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from glm5_train.checkpoint import CheckpointConfig
-from glm5_train.model.config import GLM5Config
 from glm5_train.data import DataConfig
+from glm5_train.model.config import GLM5Config
 from glm5_train.model.dsa_loss import DSATrainingConfig
+from glm5_train.run_dir import register_resolvers
 from parallel.layout import ParallelConfig
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -80,8 +88,6 @@ class JobConfig:
 
     @classmethod
     def from_hydra(cls, tree: Any) -> "JobConfig":
-        from omegaconf import OmegaConf
-
         plain = OmegaConf.to_container(tree, resolve=True)
         plain.pop("hydra", None)
         job = cls(
@@ -132,8 +138,6 @@ def _check_checkpoint(ckpt: CheckpointConfig) -> None:
 
 
 def fused_adam_available() -> bool:
-    import importlib.util
-
     return any(importlib.util.find_spec(m) is not None for m in ("transformer_engine", "apex"))
 
 
@@ -147,3 +151,23 @@ def _check_distributed_optimizer_checkpoint(par: ParallelConfig, ckpt: Checkpoin
             "Engine or Apex (fused Adam); with torch's Adam megatron-core 0.16.1 does not resume "
             "it exactly. Set parallel.use_distributed_optimizer=false, or checkpoint.save=null "
             "and checkpoint.load=null")
+
+
+def compose_job(overrides: list[str]):
+    """The JobConfig the training job would build from these Hydra overrides (saving off:
+    ``checkpoint.save`` interpolates Hydra's run directory, unset outside a Hydra run)."""
+    register_resolvers()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        tree = compose("config", overrides=[*overrides, "checkpoint.save=null"])
+    return JobConfig.from_hydra(tree)
+
+
+def compose_model_config(overrides: list[str]) -> GLM5Config:
+    """Compose ``configs/`` with Hydra and return the ``model`` node as a GLM5Config."""
+    register_resolvers()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        tree = compose(config_name="config", overrides=overrides)
+    # Only the model node: checkpoint.save interpolates ${hydra:...}, unset outside a Hydra run.
+    cfg = GLM5Config.from_dict(OmegaConf.to_container(tree.model, resolve=True))
+    cfg.validate()  # includes the field-type check
+    return cfg

@@ -16,19 +16,12 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as `python launch/local.py` too
+    sys.path.insert(0, REPO)
 
-
-def compose_job(overrides: list[str]):
-    """The JobConfig the training job would build from these overrides."""
-    from hydra import compose, initialize_config_dir
-
-    from glm5_train.job_config import JobConfig
-    from glm5_train.run_dir import register_resolvers
-
-    register_resolvers()
-    with initialize_config_dir(config_dir=os.path.join(REPO, "configs"), version_base=None):
-        tree = compose("config", overrides=[*overrides, "checkpoint.save=null"])
-    return JobConfig.from_hydra(tree)
+from glm5_train.job_config import compose_job  # noqa: E402
+from glm5_train.pipeline_plan import resolve_pipeline_layout  # noqa: E402
+from parallel.layout import validate_layout  # noqa: E402
 
 
 def nproc_for(job) -> int:
@@ -42,8 +35,6 @@ def torchrun_command(nproc: int, overrides: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    from glm5_train.pipeline_plan import resolve_pipeline_layout
-    from parallel.layout import validate_layout
     job = compose_job(argv)
     nproc = nproc_for(job)
     t = job.train
@@ -69,5 +60,4 @@ def _main_or_error(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, REPO)
     raise SystemExit(_main_or_error(sys.argv[1:]))

@@ -7,7 +7,10 @@ built by ``groups()``), never from megatron-core's globals at the call site.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -62,3 +65,25 @@ def destroy_distributed() -> None:
 def groups() -> ProcessGroupCollection:
     """Every megatron-core group of this rank, as one object to pass down explicitly."""
     return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def single_process_group() -> Iterator[None]:
+    """A world-size-1 gloo group plus megatron-core's parallel state (all sizes 1)."""
+    port = _free_port()
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        model_parallel_cuda_manual_seed(1)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from glm5_train.model.config import GLM5Config
-from launch.local import compose_job, nproc_for
+from glm5_train.job_config import compose_job
+from launch.local import nproc_for
 from parallel.layout import LayoutError, ParallelConfig, validate_layout
 from tests.parity import REPO
 

@@ -12,7 +12,6 @@ without MTP skips and reports the MTP tensors, a job training MTP refuses a chec
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import shutil
@@ -30,7 +29,7 @@ pytest.importorskip("safetensors")
 
 from safetensors.torch import load_file, save_file
 
-from glm5_train import hf_mapping
+from glm5_train import hf_checkpoint, hf_mapping
 from tests.hf_tiny import TINY_HF_CONFIG as TINY_HF
 from tests.hf_tiny import build_tiny_hf
 
@@ -178,7 +177,7 @@ import torch
 from glm5_train.checkpoint import load_checkpoint
 from glm5_train.model.config import to_mcore_config
 from glm5_train.model.glm5 import build_model_chunks
-from launch.local import compose_job
+from glm5_train.job_config import compose_job
 from parallel import mcore_compat
 from parallel.process_groups import init_distributed
 job = compose_job(["model=glm5_tiny", "parallel=single"])
@@ -262,7 +261,7 @@ def tiny_hf_config(**changes) -> dict:
 
 
 def test_hf_config_maps_onto_glm5_tiny():
-    from launch.local import compose_job
+    from glm5_train.job_config import compose_job
 
     ours = compose_job(["model=glm5_tiny", "parallel=single"]).model
     ported = hf_mapping.hf_config_to_glm5(tiny_hf_config(num_nextn_predict_layers=1))
@@ -338,16 +337,8 @@ def test_export_config_reads_back_as_the_same_model():
     assert hf.mlp_layer_types == ["dense", "sparse", "sparse", "sparse"]
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("hf_checkpoint", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_unknown_unused_and_doubly_used_tensors_are_errors():
-    tool = _load_tool()
+    tool = hf_checkpoint
     expected = {"a", "b", "c", "model.layers.0.mystery.weight"}
     rank0 = ({"a": ["x", 6, 6], "b": ["y", 2, 4]}, [], {})
     rank1 = ({"b": ["y", 2, 4], "c": ["z", 3, 3]}, [], {})

@@ -2,7 +2,7 @@
 
 Layout rules (each violation a LayoutError naming the value and the rule), placement detection,
 the balancer on the tiny and the 744B model, the schedule replay against megatron-core's own
-warm-up formula and schedule table, parameter bytes against tools/count_params.py's formula, the
+warm-up formula and schedule table, parameter bytes against glm5_train/model/param_count.py's formula, the
 activation estimate against a measured forward of the tiny model, and the CLI.
 """
 
@@ -26,7 +26,9 @@ from glm5_train.model import stage_costs as memory
 from glm5_train import pipeline_plan as plan
 from glm5_train.model.config import GLM5Config
 from parallel.layout import LayoutError
-from tools import count_params
+from glm5_train.job_config import compose_model_config
+from glm5_train.model import param_count
+from parallel.process_groups import single_process_group
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "plan_pipeline.py")
@@ -42,12 +44,12 @@ TINY_INPUTS = plan.MemoryInputs(seq_length=128, num_microbatches=8, weight_bytes
 
 @pytest.fixture(scope="module")
 def tiny() -> GLM5Config:
-    return count_params.compose_model_config(["model=glm5_tiny"])
+    return compose_model_config(["model=glm5_tiny"])
 
 
 @pytest.fixture(scope="module")
 def big() -> GLM5Config:
-    return count_params.compose_model_config(["model=glm5_744b"])
+    return compose_model_config(["model=glm5_744b"])
 
 
 # ------------------------------------------------------------------------------------ parsing
@@ -184,9 +186,9 @@ def test_parameter_bytes_sum_to_the_count_params_formula(tiny, big):
     for cfg in (tiny, big):
         sets = plan.mtp_sets(cfg)
         mtp = memory.mtp_layer_params(cfg)
-        assert sets * mtp == count_params.mtp_params(cfg) - sets * \
-            count_params.expert_bias_params(cfg)  # HF's count holds the bias buffer
-        total = count_params.formula_totals(cfg).total + sets * mtp
+        assert sets * mtp == param_count.mtp_params(cfg) - sets * \
+            param_count.expert_bias_params(cfg)  # HF's count holds the bias buffer
+        total = param_count.formula_totals(cfg).total + sets * mtp
         inputs = plan.MemoryInputs(weight_bytes=2)
         one = plan.parse_layout(f"Et*{cfg.num_hidden_layers}mL", 1, None,
                                 cfg.num_hidden_layers, sets)
@@ -226,7 +228,7 @@ def _measured_forward_bytes(cfg: GLM5Config, seq: int, batch: int) -> int:
     from parallel import mcore_compat
 
     mcore_compat.install()
-    with count_params.single_process_group():
+    with single_process_group():
         mcore = to_mcore_config(cfg, ParallelSizes(), torch.float32)
         model = build_model_chunks(cfg, mcore)[0].train()
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}

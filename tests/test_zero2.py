@@ -63,7 +63,7 @@ def planned_zero2_grad_bytes() -> list[int]:
     layout of the tiny model (its slices plus two accumulation buffers)."""
     from glm5_train.model.stage_costs import inputs_from_job
     from glm5_train.pipeline_plan import parse_layout, plan_report
-    from launch.local import compose_job
+    from glm5_train.job_config import compose_job
     from tests.parity import BASE_OVERRIDES
 
     job = compose_job([*BASE_OVERRIDES, "parallel=pp2_vpp2", *BATCH, *ZERO2])

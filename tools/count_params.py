@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import sys
 import time
 import warnings
@@ -56,6 +55,7 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 warnings.filterwarnings("ignore", message="Apex is not installed")
 warnings.filterwarnings("ignore", message="full scope is deprecated")
 
+from glm5_train.job_config import compose_model_config  # noqa: E402
 from glm5_train.model.config import GLM5Config  # noqa: E402
 from glm5_train.model.param_count import (  # noqa: E402
     Built,
@@ -83,6 +83,7 @@ from glm5_train.model.param_count import (  # noqa: E402
     mtp_wrapper_terms,
     top_terms,
 )
+from parallel.process_groups import single_process_group  # noqa: E402
 
 CONFIG_DIR = os.path.join(_REPO_ROOT, "configs")
 REFERENCE_FLAVOUR = "glm5_744b"
@@ -95,48 +96,6 @@ PARAMS_DTYPE_NAME = "bf16"
 # ----------------------------------------------------------------------------------------------
 # Building the model: one process, world size 1, meta device.
 # ----------------------------------------------------------------------------------------------
-
-
-def compose_model_config(overrides: list[str]) -> GLM5Config:
-    """Compose ``configs/`` with Hydra and return the ``model`` node as a GLM5Config."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from glm5_train.run_dir import register_resolvers
-
-    register_resolvers()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-        tree = compose(config_name="config", overrides=overrides)
-    # Only the model node: checkpoint.save interpolates ${hydra:...}, unset outside a Hydra run.
-    cfg = GLM5Config.from_dict(OmegaConf.to_container(tree.model, resolve=True))
-    cfg.validate()  # includes the field-type check
-    return cfg
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def single_process_group():
-    """A world-size-1 gloo group plus megatron-core's parallel state (all sizes 1)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    port = _free_port()
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        parallel_state.initialize_model_parallel(1, 1)
-        model_parallel_cuda_manual_seed(1)
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def build_chunks(cfg: GLM5Config, materialize: bool):

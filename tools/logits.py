@@ -31,7 +31,7 @@ def main(argv: list[str]) -> None:
     from glm5_train.checkpoint import load_checkpoint
     from glm5_train.inference import compute_logits
     from glm5_train.train import build_model, quiet_megatron
-    from launch.local import compose_job
+    from glm5_train.job_config import compose_job
     from parallel import mcore_compat
     from parallel.process_groups import init_distributed
     quiet_megatron()

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     from omegaconf.errors import OmegaConfBaseException
 
     from glm5_train.pipeline_plan import inputs_from_job
-    from launch.local import compose_job
+    from glm5_train.job_config import compose_job
 
     args = parse_args(argv)
     try:
