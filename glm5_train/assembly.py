@@ -30,7 +30,11 @@ from functools import partial
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from glm5_train.data import build_train_iterator, build_train_valid_test_datasets, ensure_builtin_corpus
+from glm5_train.data import (
+    build_train_iterator,
+    build_train_valid_test_datasets,
+    ensure_builtin_corpus,
+)
 from glm5_train.job_config import JobConfig
 from glm5_train.model.config import to_mcore_config
 from glm5_train.model.glm5 import apply_dsa_freezing, build_model_chunks

@@ -23,7 +23,15 @@ from typing import Any, Iterator
 
 import numpy
 import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix,
+    parse_and_normalize_split,
+)
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 
+from glm5_train.tokenizer import tokenizer_name
 from parallel import mcore_compat
 
 _PREPROCESS_HINT = ("python tools/preprocess_data.py --input <docs.jsonl> --output-prefix {prefix} "
@@ -174,8 +182,6 @@ def build_indexed_dataset(inputs: list[str], output_prefix: str, tokenizer, json
     Output is written under temporary names and renamed at the end, so an error (missing file,
     bad jsonl line) leaves no ``.bin``/``.idx`` behind and an existing dataset untouched.
     """
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-
     files = expand_inputs(inputs)
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
     os.makedirs(out_dir, exist_ok=True)
@@ -227,8 +233,6 @@ def check_dataset_prefix(prefix: str) -> None:
     Checks that ``<prefix>.bin`` and ``<prefix>.idx`` exist, that the index parses, holds at least
     one document, and that the ``.bin`` size matches what the index describes.
     """
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
     hint = _PREPROCESS_HINT.format(prefix=prefix)
     for suffix in (".idx", ".bin"):
         if not os.path.isfile(prefix + suffix):
@@ -286,8 +290,6 @@ def _check_idx_layout(idx_path: str) -> None:
 def builtin_corpus_prefix(cfg: DataConfig) -> str:
     """Prefix of the built-in corpus for ``cfg``: named after tokenizer, Python and file count,
     so byte and HF corpora (or different stdlib versions) never collide."""
-    from glm5_train.tokenizer import tokenizer_name
-
     return _corpus_prefix(cfg, tokenizer_name(cfg.tokenizer))
 
 
@@ -365,9 +367,6 @@ def build_train_valid_test_datasets(cfg: DataConfig, tokenizer, seq_length: int,
     tokens shifted left by one). Call on every rank: megatron builds index caches on global
     rank 0 first, then barriers, then the other ranks load them.
     """
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder)
-    from megatron.core.datasets.gpt_dataset import GPTDataset
 
     cfg.validate()
     paths = [ensure_builtin_corpus(cfg, tokenizer)] if not cfg.paths else list(cfg.paths)
@@ -381,8 +380,6 @@ def build_train_valid_test_datasets(cfg: DataConfig, tokenizer, seq_length: int,
 
 
 def _gpt_dataset_config(cfg: DataConfig, tokenizer, paths: list[str], seq_length: int, seed: int):
-    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
-
     # A single weighted path would only add a pointless BlendedDataset wrapper.
     weights = list(cfg.weights) if cfg.weights is not None and len(paths) > 1 else None
     cache_dir = cfg.cache_dir or os.path.join(os.path.dirname(os.path.abspath(paths[0])),
@@ -410,9 +407,6 @@ def _check_split_nonempty(prefix: str, split: str) -> None:
     GPTDataset keeps adding epochs until it has enough tokens; with 0 documents per epoch that
     loop never ends. Uses megatron's own rounding of split fractions to document counts.
     """
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix, parse_and_normalize_split)
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     n_docs = len(IndexedDataset(prefix, multimodal=False, mmap=False).index.sequence_lengths)
     matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))

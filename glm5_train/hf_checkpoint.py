@@ -39,10 +39,35 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from glm5_train.job_config import compose_job
-
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedTensor,
+    ShardedTensorFactory,
+    is_main_replica,
+)
+from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from glm5_train.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from glm5_train.hf_mapping import (
+    check_config_matches,
+    check_exportable,
+    glm5_to_hf_config,
+    hf_config_to_glm5,
+    hf_layer_index,
+    is_mtp_name,
+    mcore_to_hf,
+)
+from glm5_train.job_config import compose_job
+from glm5_train.model.config import to_mcore_config
+from glm5_train.model.glm5 import build_model_chunks
+from glm5_train.pipeline_plan import resolve_pipeline_layout
+from parallel import mcore_compat
+from parallel.layout import validate_layout
+from parallel.process_groups import init_distributed, world_from_env
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -85,12 +110,6 @@ class Piece:
 def local_tensors(chunks: list[torch.nn.Module]) -> list[LocalTensor]:
     """Every ShardedTensor of this rank's chunks, factories (SwiGLU fc1) expanded, each a view
     of the parameter or buffer it checkpoints (writing it writes the model)."""
-    from megatron.core.dist_checkpointing.mapping import (
-        ShardedTensor,
-        ShardedTensorFactory,
-        is_main_replica,
-    )
-    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 
     out: list[LocalTensor] = []
     for chunk in chunks:
@@ -129,8 +148,6 @@ def _leaves(tree: Any) -> list:
 
 def pieces_of(tensor: LocalTensor, num_hidden_layers: int) -> list[Piece]:
     """Split a local shard into the HF tensors it overlaps (the SwiGLU fc1 stacks gate; up)."""
-    from glm5_train.hf_mapping import mcore_to_hf
-
     names = mcore_to_hf(tensor.key, tensor.index, num_hidden_layers)
     if names is None:
         raise KeyError(f"megatron-core tensor {tensor.label} has no Hugging Face name")
@@ -161,11 +178,6 @@ def compose(overrides: list[str]):
 
 
 def _ensure_distributed(job) -> None:
-    from megatron.core import parallel_state
-
-    from parallel import mcore_compat
-    from parallel.layout import validate_layout
-    from parallel.process_groups import init_distributed, world_from_env
     if not parallel_state.model_parallel_is_initialized():
         _, world, _ = world_from_env()
         par = job.parallel
@@ -175,7 +187,6 @@ def _ensure_distributed(job) -> None:
                              micro_batch_size=1, seq_length=split)
         # The training job's layout (given, or balanced for the MTP placement): any layout
         # converts the same weights, this one keeps the ranks' shares as in training.
-        from glm5_train.pipeline_plan import resolve_pipeline_layout
 
         par.pipeline_model_parallel_layout = resolve_pipeline_layout(job, dp)
         mcore_compat.install()
@@ -184,9 +195,6 @@ def _ensure_distributed(job) -> None:
 
 def _build_chunks(job) -> list[torch.nn.Module]:
     """This rank's chunks, uninitialised (every weight is overwritten by import or load)."""
-    from glm5_train.model.config import to_mcore_config
-    from glm5_train.model.glm5 import build_model_chunks
-
     config = to_mcore_config(job.model, job.parallel.sizes(), job.train.torch_dtype,
                              perform_initialization=False)
     return build_model_chunks(job.model, config)
@@ -223,8 +231,6 @@ def hf_weight_files(hf_dir: str) -> dict[str, str]:
             return dict(json.load(handle)["weight_map"])
     single = os.path.join(hf_dir, SINGLE_FILE)
     if os.path.exists(single):
-        from safetensors import safe_open
-
         with safe_open(single, framework="pt") as handle:
             return {name: SINGLE_FILE for name in handle.keys()}  # noqa: SIM118 (no __iter__)
     raise FileNotFoundError(f"{hf_dir} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
@@ -246,8 +252,6 @@ class _SliceReader:
         self._stack.close()
 
     def _slice(self, name: str):
-        from safetensors import safe_open
-
         fname = self.files[name]
         if fname not in self._open:
             path = os.path.join(self.hf_dir, fname)
@@ -265,9 +269,6 @@ def import_hf(job, hf_dir: str, save_dir: str) -> dict[str, Any]:
     """Convert the HF checkpoint in ``hf_dir`` into a weights-only checkpoint under
     ``save_dir`` for ``job``'s model, in the current torchrun layout. Collective: call on every
     rank. Returns a report (the same on every rank)."""
-    from glm5_train.checkpoint import TrainState, save_checkpoint
-    from glm5_train.hf_mapping import check_config_matches, hf_config_to_glm5, is_mtp_name
-
     started = time.perf_counter()
     hf_dict = read_hf_config(hf_dir)
     hf_cfg = hf_config_to_glm5(hf_dict)
@@ -380,8 +381,6 @@ def shard_file(shard: int, shards: int) -> str:
 def _shard_of(name: str, layers: int) -> int:
     """Shard 0: embedding, final norm, output head; shard 1 + i: decoder layer i (an MTP layer
     numbered after the decoder layers, as HF numbers it)."""
-    from glm5_train.hf_mapping import hf_layer_index
-
     layer = hf_layer_index(name)
     if layer is None:
         return 0
@@ -393,9 +392,6 @@ def _shard_of(name: str, layers: int) -> int:
 def export_hf(job, load_dir: str, out_dir: str) -> dict[str, Any]:
     """Write the checkpoint under ``load_dir`` (newest iteration) as an HF GLM-5 checkpoint in
     ``out_dir``. Collective: call on every rank. Returns a report (complete on rank 0)."""
-    from glm5_train.checkpoint import load_checkpoint
-    from glm5_train.hf_mapping import check_exportable, glm5_to_hf_config
-
     started = time.perf_counter()
     check_exportable(job.model)
     _ensure_distributed(job)
@@ -433,7 +429,6 @@ def export_hf(job, load_dir: str, out_dir: str) -> dict[str, Any]:
                 box = None
         problems += assembler.problems()
         fname = shard_file(shard, shards)
-        from safetensors.torch import save_file
 
         save_file(assembler.tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
         for name, tensor in assembler.tensors.items():

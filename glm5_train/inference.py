@@ -6,13 +6,14 @@ The returned logits are the full vocabulary (gathered over TP) in fp32.
 
 from __future__ import annotations
 
-
 import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 from parallel.device import comm_device
+
+
 def _store_logits(output_BSV: torch.Tensor):
     # Logits come out [B, S, V/TP] with the vocab split over TP ranks.
     full = gather_from_tensor_model_parallel_region(output_BSV).float()

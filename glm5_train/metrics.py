@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from parallel.device import comm_device
+
+
 def rank_memory_bytes() -> tuple[int, int]:
     """(current, peak) memory of this rank in bytes."""
     if torch.cuda.is_available():

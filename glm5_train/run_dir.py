@@ -13,6 +13,7 @@ import os
 import time
 
 import psutil
+from omegaconf import OmegaConf
 
 
 def run_id() -> str:
@@ -33,7 +34,5 @@ def _looks_random(rdzv: str) -> bool:
 
 
 def register_resolvers() -> None:
-    from omegaconf import OmegaConf
-
     if not OmegaConf.has_resolver("glm5_run_id"):
         OmegaConf.register_new_resolver("glm5_run_id", run_id)

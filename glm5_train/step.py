@@ -18,6 +18,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import unwrap_model
 
 from parallel.device import comm_device
+
+
 def loss_func(loss_mask: torch.Tensor, take_mtp_report, output_tensor: torch.Tensor):
     """Per-token loss sum over unmasked tokens. ``output_tensor`` [B, S] token losses.
     The MTP losses (already in the backward graph) are only reported: [steps, 2] sums."""

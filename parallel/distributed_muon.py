@@ -32,12 +32,11 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 
 from parallel import mcore_compat
-from parallel.muon import MatrixLayout, MuonAdamW, MuonConfig, orthogonal_update
 from parallel.distopt_slices import main_param_pairs
+from parallel.muon import MatrixLayout, MuonAdamW, MuonConfig, orthogonal_update
 
 
 @dataclass

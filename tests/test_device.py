@@ -63,41 +63,43 @@ _LIST_SCRIPT = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import torch
-from parallel import device
+from parallel import mcore_compat
 
-redirects = device.all_redirects()
-report = {"installed_before": device.installed(), "stale": [],
-          "targets": [r.target for r in redirects],
-          "cuda_available": torch.cuda.is_available()}
-for r in redirects:
-    try:
-        reason = device.stale_reason(r)
-    except Exception as exc:  # the owner module / class itself is gone
-        reason = f"{r.target}: owner {r.module} does not resolve ({type(exc).__name__}: {exc})"
-    if reason:
-        report["stale"].append(reason)
+patches = mcore_compat.PATCHES
+report = {"installed_before": mcore_compat.installed(), "stale": mcore_compat.stale_reasons(),
+          "targets": [p.target for p in patches], "cuda_available": torch.cuda.is_available(),
+          "kinds": sorted({p.kind for p in patches}),
+          "unexplained": [p.target for p in patches if len(p.why) < 15]}
 if not report["stale"]:
-    from parallel import mcore_fixes
-    report["fix_targets"] = [r.target for r in mcore_fixes.FIXES]
-    report["install1"] = device.install()
-    report["install2"] = device.install()
-    report["installed_after"] = device.installed()
+    report["expected"] = sorted(p.target for p in mcore_compat.installed_patches())
+    report["install1"] = mcore_compat.install()
+    report["install2"] = mcore_compat.install()
+    report["installed_after"] = mcore_compat.installed()
     not_replaced = []
-    expected = set(report["installed_after"])
-    for r in redirects:
-        if r.target not in expected:
-            continue
-        value = getattr(device.resolve_owner(r.module), r.attr)
-        if isinstance(r.replacement, device.Uncompiled):
-            if hasattr(value, "_torchdynamo_orig_callable"):
-                not_replaced.append(f"{r.target}: still torch.compile'd")
-        elif value is not r.replacement:
-            not_replaced.append(f"{r.target}: holds {value!r}, not the replacement")
+    for p in mcore_compat.installed_patches():
+        value = getattr(mcore_compat.resolve_owner(p.module), p.attr)
+        if p.kind == mcore_compat.TORCH_VIEW:
+            ok = value is mcore_compat.VIEWS[p.module]
+        elif isinstance(p.replacement, mcore_compat.device.Uncompiled):
+            ok = not hasattr(value, "_torchdynamo_orig_callable")
+        else:
+            ok = value is p.replacement
+        if not ok:
+            not_replaced.append(f"{p.target}: holds {value!r}, not the replacement")
     report["not_replaced"] = not_replaced
     t = torch.ones(2)
     plain = t.type()
     with torch.device("cpu"):  # torch's DeviceContext is a TorchFunctionMode
         report["tensor_type"] = [plain, t.type()]
+    # An override of a target that is not listed is refused.
+    class Unlisted:
+        def step(self):
+            return 1
+    try:
+        mcore_compat.override_method(Unlisted(), "step", lambda: 2)
+        report["unlisted_refused"] = False
+    except RuntimeError as err:
+        report["unlisted_refused"] = "PATCHES" in str(err)
 print("DEVICE_LIST_REPORT " + json.dumps(report))
 """
 
@@ -109,42 +111,59 @@ def list_report() -> dict:
     return report
 
 
-def test_every_redirect_fits_installed_versions(list_report):
-    """Before install, no entry of all_redirects() is stale for this torch / megatron-core."""
+def test_every_patch_fits_installed_versions(list_report):
+    """Before install, no entry of mcore_compat.PATCHES is stale for this torch / megatron-core
+    (behavioural checks: callers still call it, literals still there, fingerprints match)."""
     assert list_report["installed_before"] == [], "a fresh process must start uninstalled"
     assert not list_report["stale"], (
-        "device layer entries no longer fit the installed torch / megatron-core:\n  "
+        "mcore_compat entries no longer fit the installed torch / megatron-core:\n  "
         + "\n  ".join(list_report["stale"]))
     targets = list_report["targets"]
     duplicates = sorted({t for t in targets if targets.count(t) > 1})
-    assert not duplicates, f"targets listed twice in all_redirects(): {duplicates}"
+    assert not duplicates, f"targets listed twice in PATCHES: {duplicates}"
+    assert not list_report["unexplained"], "every entry states its reason"
+    assert list_report["kinds"] == ["fix", "override", "redirect", "scoped", "torch_view"]
 
 
 def test_install_is_idempotent_and_complete(list_report):
     if list_report["stale"]:
-        pytest.skip("stale entries: see test_every_redirect_fits_installed_versions")
+        pytest.skip("stale entries: see test_every_patch_fits_installed_versions")
     assert list_report["install1"] == list_report["install2"] == list_report["installed_after"]
-    if list_report["cuda_available"]:
-        expected = sorted(list_report["fix_targets"])  # with CUDA only the TE-absence fixes
-    else:
-        expected = sorted(set(list_report["targets"]))
-    installed = list_report["installed_after"]
-    assert installed == expected, (
-        f"installed but not listed: {sorted(set(installed) - set(expected))}; "
-        f"listed but not installed: {sorted(set(expected) - set(installed))}")
+    assert list_report["installed_after"] == list_report["expected"]
     assert not list_report["not_replaced"], "\n".join(list_report["not_replaced"])
+    assert list_report["unlisted_refused"], "a change outside PATCHES must be refused"
+
+
+def test_staleness_checks_fail_on_changed_code():
+    """The checks test behaviour: a fingerprint that no longer matches, a caller that no
+    longer calls, a literal that is gone each make an entry stale."""
+    from dataclasses import replace
+
+    from parallel import mcore_compat
+
+    by_target = {p.target: p for p in mcore_compat.PATCHES}
+    zero2 = by_target["megatron.core.optimizer.distrib_optimizer.DistributedOptimizer."
+                      "_copy_model_grads_to_main_grads"]
+    assert mcore_compat.stale_reason(zero2) is None
+    assert "changed" in mcore_compat.stale_reason(replace(zero2, fingerprint="0" * 16))
+    view = by_target["megatron.core.optimizer.clip_grads.torch"]
+    assert "no longer needed" in mcore_compat.stale_reason(replace(view, uses=r"cuda_literal_x"))
+    redirect = by_target["torch.cuda.synchronize"]
+    assert "no longer needed" in mcore_compat.stale_reason(
+        replace(redirect, callers=("megatron.core.enums",)))
 
 
 # ------------------------------------------------------ no CUDA-only call on the training path
 
 _POISON_SCRIPT = r'''
-"""Train the tiny model for 2 steps with every non-redirected CUDA entry point poisoned."""
+"""Train the tiny model for 2 steps with every non-redirected CUDA entry point poisoned, on
+every rank of a torchrun job: PP2 x VPP2 x DP2, EP2, distributed optimizer, distributed Muon,
+Pipeline ZeRO2 (the paths of every technique that changes megatron-core's behaviour)."""
 import inspect, json, os, sys, traceback
 
-REPO, RUN_DIR, PORT = sys.argv[1], sys.argv[2], sys.argv[3]
+REPO, RUN_DIR = sys.argv[1], sys.argv[2]
 sys.path.insert(0, REPO)
-os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                  MASTER_ADDR="127.0.0.1", MASTER_PORT=PORT)
+RANK = int(os.environ["RANK"])
 
 import torch
 import torch.cuda.nvtx
@@ -278,9 +297,9 @@ try:
     from glm5_train.job_config import JobConfig
     from glm5_train.run_dir import register_resolvers
     from glm5_train.train import train
-    from parallel import device
+    from parallel import mcore_compat
 
-    device.install()  # train() installs too (idempotent); here so the canaries see it
+    mcore_compat.install()  # train() installs too (idempotent); here so the canaries see it
     report["poisoned_after_install"] = sorted(
         q for q, (module, name, replacement) in POISONED.items()
         if getattr(module, name) is replacement)
@@ -303,20 +322,24 @@ try:
     register_resolvers()
     with initialize_config_dir(config_dir=os.path.join(REPO, "configs"), version_base=None):
         tree = compose("config", overrides=[
-            "model=glm5_tiny", "parallel=single", "train.train_iters=2",
-            "train.warmup_iters=1", "train.global_batch_size=2", "train.seq_length=32",
-            "checkpoint.save=null"])
+            "model=glm5_tiny", "parallel=pp2_vpp2", "parallel.expert_model_parallel_size=2",
+            "parallel.use_distributed_optimizer=true", "parallel.pipeline_zero2=true",
+            "train.optimizer=muon", "train.train_iters=2", "train.warmup_iters=1",
+            "train.global_batch_size=4", "train.seq_length=32", "checkpoint.save=null"])
     job = JobConfig.from_hydra(tree)
     with CudaDeviceRecorder():
         records = train(job, RUN_DIR)
     report["steps"] = len(records)
     report["losses"] = [r["loss"] for r in records]
+    report["view_hits"] = mcore_compat.view_hits()
+    report["override_calls"] = dict(mcore_compat.OVERRIDE_CALLS)
     report["status"] = "ok"
 except BaseException:
     report["status"] = "failed:\n" + traceback.format_exc()
 finally:
     report["hits"] = sorted(HITS.values(), key=lambda h: -h["count"])
-    print("DEVICE_POISON_REPORT " + json.dumps(report), flush=True)
+    with open(os.path.join(RUN_DIR, f"poison_rank{RANK}.json"), "w") as handle:
+        json.dump(report, handle)
     import torch.distributed as dist
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -332,26 +355,48 @@ def _format_hits(hits: list[dict]) -> str:
     return "\n".join(blocks)
 
 
+POISON_RANKS = 4
+
+
 @CPU_ONLY
 def test_no_unredirected_cuda_call_in_a_training_step(tmp_path):
     script = tmp_path / "poisoned_step.py"
     script.write_text(_POISON_SCRIPT)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    report, proc = _run_python([str(script), REPO, str(run_dir), str(_free_port())],
-                               "DEVICE_POISON_REPORT")
-    assert report is not None, _tail(proc)
-    # The detectors work: a poisoned call and a cuda-device torch call were both caught.
-    assert report["canaries"] == {"poison": True, "mode": 2}, report["canaries"]
-    # Poisoning covers the non-redirected CUDA API and install() replaced the redirected part.
-    still = set(report["poisoned_after_install"])
-    assert "torch.cuda.device_count" in still and "torch.cuda.nvtx.range_push" in still
-    assert "torch.cuda.current_device" not in still and "torch.cuda.Stream" not in still
-    assert not report["hits"], (
-        "CUDA-only calls on the CPU training path (redirect them in parallel/device.py):\n"
-        + _format_hits(report["hits"]))
-    assert report["status"] == "ok", report["status"] + "\n" + _tail(proc)
-    assert report["steps"] == 2 and all(math.isfinite(x) for x in report["losses"])
+    _, proc = _run_python(["-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={POISON_RANKS}", str(script), REPO, str(run_dir)],
+                          "unused")
+    reports = []
+    for rank in range(POISON_RANKS):
+        path = run_dir / f"poison_rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no report\n" + _tail(proc)
+        reports.append(json.loads(path.read_text()))
+    for rank, report in enumerate(reports):
+        # The detectors work: a poisoned call and a cuda-device torch call were both caught.
+        assert report["canaries"] == {"poison": True, "mode": 2}, (rank, report["canaries"])
+        # Poisoning covers the non-redirected CUDA API; install() replaced the redirected part.
+        still = set(report["poisoned_after_install"])
+        assert "torch.cuda.device_count" in still and "torch.cuda.nvtx.range_push" in still
+        assert "torch.cuda.current_device" not in still and "torch.cuda.Stream" not in still
+        assert not report["hits"], (
+            f"CUDA-only calls on rank {rank}'s CPU training path (add a Patch to "
+            "parallel/mcore_compat.py):\n" + _format_hits(report["hits"]))
+        assert report["status"] == "ok", report["status"] + "\n" + _tail(proc)
+        assert report["steps"] == 2 and all(math.isfinite(x) for x in report["losses"])
+    # Behavioural staleness: every installed torch view moved some call to the CPU, and every
+    # run-time override was exercised, on some rank of this job.
+    views = {m: sum(r["view_hits"].get(m, 0) for r in reports) for m in reports[0]["view_hits"]}
+    assert views and all(views.values()), f"torch views that moved nothing (stale): {views}"
+    calls = {}
+    for report in reports:
+        for target, count in report["override_calls"].items():
+            calls[target] = calls.get(target, 0) + count
+    from parallel import mcore_compat
+
+    overrides = {p.target for p in mcore_compat.OVERRIDES}
+    assert set(calls) == overrides and all(calls.values()), (
+        f"overrides never exercised: {sorted(overrides - set(calls))}")
 
 
 # -------------------------------------------------------------- gloo all-to-all under EP2

@@ -55,10 +55,22 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 warnings.filterwarnings("ignore", message="Apex is not installed")
 warnings.filterwarnings("ignore", message="full scope is deprecated")
 
+import megatron.core  # noqa: E402
+import torch  # noqa: E402
+from hydra.errors import HydraException  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from omegaconf.errors import OmegaConfBaseException  # noqa: E402
+
 from glm5_train.job_config import compose_model_config  # noqa: E402
-from glm5_train.model.config import GLM5Config  # noqa: E402
+from glm5_train.model.config import (  # noqa: E402
+    GLM5Config,
+    to_mcore_config,
+)
+from glm5_train.model.glm5 import (  # noqa: E402
+    build_model_chunks,
+    transformer_engine_available,
+)
 from glm5_train.model.param_count import (  # noqa: E402
-    Built,
     HF_ACTIVE_NO_EMBED_PARAMS,
     HF_ACTIVE_PARAMS,
     HF_MAIN_PARAMS,
@@ -66,6 +78,7 @@ from glm5_train.model.param_count import (  # noqa: E402
     HF_TOTAL_PARAMS,
     MTP_RULES,
     SHAPE_FIELDS,
+    Built,
     absent_components,
     built_mtp_totals,
     built_totals,
@@ -83,6 +96,8 @@ from glm5_train.model.param_count import (  # noqa: E402
     mtp_wrapper_terms,
     top_terms,
 )
+from parallel import mcore_compat  # noqa: E402
+from parallel.layout import ParallelSizes  # noqa: E402
 from parallel.process_groups import single_process_group  # noqa: E402
 
 CONFIG_DIR = os.path.join(_REPO_ROOT, "configs")
@@ -102,12 +117,6 @@ def build_chunks(cfg: GLM5Config, materialize: bool):
     """Build the model as training does. On meta (default) nothing is allocated: megatron's
     ``use_cpu_initialization`` path creates its weights with ``torch.empty`` and no device,
     which the meta default device captures; initialization is skipped."""
-    import torch
-
-    from glm5_train.model.config import to_mcore_config
-    from parallel.layout import ParallelSizes
-    from glm5_train.model.glm5 import build_model_chunks
-
     mcore = to_mcore_config(cfg, ParallelSizes(), torch.bfloat16,
                             perform_initialization=materialize)
     where = contextlib.nullcontext() if materialize else torch.device("meta")
@@ -343,8 +352,6 @@ def _hf_differences(cfg: GLM5Config, built: Built, absent: frozenset[str], rep: 
 
 def matches_reference_shapes(cfg: GLM5Config) -> bool:
     """True when ``cfg`` has the tensor shapes of configs/model/glm5_744b.yaml."""
-    from omegaconf import OmegaConf
-
     path = os.path.join(CONFIG_DIR, "model", f"{REFERENCE_FLAVOUR}.yaml")
     ref = GLM5Config.from_dict(OmegaConf.to_container(OmegaConf.load(path), resolve=True))
     return all(getattr(cfg, f) == getattr(ref, f) for f in SHAPE_FIELDS)
@@ -411,10 +418,6 @@ def build_report(cfg: GLM5Config, built: Built, header: list[str]) -> Report:
 
 
 def _header(cfg: GLM5Config, materialize: bool, seconds: float, built: Built) -> list[str]:
-    import megatron.core
-
-    from glm5_train.model.glm5 import transformer_engine_available
-
     spec = "Transformer Engine spec" if transformer_engine_available() else "local spec (no TE)"
     where = "CPU (materialized)" if materialize else "meta device (no memory)"
     n_dense = cfg.first_k_dense_replace
@@ -447,9 +450,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     args = parse_args(argv)
     try:
         cfg = compose_model_config(args.overrides)
@@ -458,7 +458,6 @@ def main(argv: list[str] | None = None) -> int:
     except (HydraException, OmegaConfBaseException, ValueError) as err:  # all a user can fix
         print(f"count_params: error: {err}", file=sys.stderr)
         return 2
-    from parallel import mcore_compat
 
     mcore_compat.install()
     start = time.perf_counter()

@@ -24,7 +24,6 @@ from glm5_train.hf_checkpoint import _rank, compose, export_hf, import_hf  # noq
 from glm5_train.train import quiet_megatron  # noqa: E402
 from parallel.process_groups import destroy_distributed  # noqa: E402
 
-
 # ----------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------

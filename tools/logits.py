@@ -13,6 +13,17 @@ import argparse
 import os
 import sys
 
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from glm5_train.checkpoint import load_checkpoint
+from glm5_train.inference import compute_logits
+from glm5_train.job_config import compose_job
+from glm5_train.train import build_model, quiet_megatron
+from parallel import mcore_compat
+from parallel.process_groups import init_distributed
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
@@ -24,16 +35,6 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", required=True, help="where to write fp32 logits [B, S, V]")
     args, overrides = parser.parse_known_args(argv)
 
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from glm5_train.checkpoint import load_checkpoint
-    from glm5_train.inference import compute_logits
-    from glm5_train.train import build_model, quiet_megatron
-    from glm5_train.job_config import compose_job
-    from parallel import mcore_compat
-    from parallel.process_groups import init_distributed
     quiet_megatron()
     tokens = torch.load(args.tokens)
     job = compose_job([*overrides, "train.micro_batch_size=1",

@@ -37,6 +37,20 @@ import re
 import sys
 import warnings
 
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from glm5_train.job_config import compose_job
+from glm5_train.pipeline_plan import (
+    NO_MEMORY_LIMIT,
+    balance_layout,
+    inputs_from_job,
+    mtp_sets,
+    mtp_steps,
+    parse_layout,
+    plan_report,
+)
+
 # Runnable as a script from anywhere: make the repo root importable.
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO_ROOT not in sys.path:
@@ -69,8 +83,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def balance_limit(args: argparse.Namespace, job) -> int | None:
     """balance_layout's memory limit: None balances memory first; a number balances compute
     among the layouts that fit (NO_MEMORY_LIMIT: all fit, as the training job does)."""
-    from glm5_train.pipeline_plan import NO_MEMORY_LIMIT
-
     gib = args.memory_limit_gib
     if gib is None:
         gib = job.parallel.stage_memory_limit_gib
@@ -86,8 +98,6 @@ def compact(chars: str) -> str:
 
 def build_plans(job, inputs, limit: int | None = None) -> list:
     """PlanReports: the given layout (if any) first, then the balanced placements."""
-    from glm5_train.pipeline_plan import balance_layout, mtp_sets, parse_layout, plan_report
-
     par, model = job.parallel, job.model
     pp, vpp, sets = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size, \
         mtp_sets(model)
@@ -105,8 +115,6 @@ def build_plans(job, inputs, limit: int | None = None) -> list:
 
 
 def header(job, inputs) -> list[str]:
-    from glm5_train.pipeline_plan import mtp_steps
-
     par, model = job.parallel, job.model
     return [
         (f"GLM-5 pipeline plan: model={model.name}, {model.num_hidden_layers} layers "
@@ -164,12 +172,6 @@ def rank_table(plans) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from glm5_train.pipeline_plan import inputs_from_job
-    from glm5_train.job_config import compose_job
-
     args = parse_args(argv)
     try:
         job = compose_job(args.overrides)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from parallel.layout import ParallelSizes
+
 # GLM5Config fields that tune training, not the architecture: free to change on resume.
 TRAINING_FIELDS = frozenset({"moe_aux_loss_coeff", "moe_router_bias_update_rate", "name",
                              "mtp_num_steps", "mtp_loss_weight"})

@@ -26,10 +26,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from glm5_train.model.dsa_loss import (DSATrainingConfig, KLMeter, dense_indexer_kl,
-                                  sparse_indexer_kl)
+from glm5_train.model.dsa_loss import (
+    DSATrainingConfig,
+    KLMeter,
+    dense_indexer_kl,
+    sparse_indexer_kl,
+)
 from glm5_train.model.layers import MLACoreAttention
 from parallel.device import param_device
 
@@ -146,8 +152,6 @@ class DSACoreAttention(MLACoreAttention):
     def _attach(self, out: torch.Tensor, kl: tuple[torch.Tensor, int]) -> torch.Tensor:
         """Add coeff x (sum of per-query KL) to the backward pass; megatron-core divides all
         gradients by the global loss-token count, which turns the sum into a mean."""
-        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
         kl_sum, queries = kl
         self.kl_meter.add(kl_sum.detach(), queries)
         return MoEAuxLossAutoScaler.apply(out, kl_sum * self.training_cfg.indexer_loss_coeff)
@@ -155,9 +159,6 @@ class DSACoreAttention(MLACoreAttention):
     def _indexer_inputs(self, x: torch.Tensor, qr: torch.Tensor):
         """[S(/TP), B, *] inputs -> full-sequence [B, S, *] on every TP rank."""
         if self.config.sequence_parallel:
-            from megatron.core.tensor_parallel.mappings import (
-                gather_from_sequence_parallel_region)
-
             # Replicated computation: the backward must split, not sum, the gradient.
             x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
             qr = gather_from_sequence_parallel_region(qr, tensor_parallel_output_grad=False)

@@ -63,12 +63,10 @@ class KLMeter:
         return taken
 
 
-def _sum_over_tp_heads(heads_sum: torch.Tensor) -> torch.Tensor:
+def _sum_over_tp_heads(heads_sum: torch.Tensor, tp_group) -> torch.Tensor:
     """Heads are split over TP ranks: add the other ranks' head sums (no gradient needed)."""
-    from megatron.core import parallel_state
-
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(heads_sum, group=parallel_state.get_tensor_model_parallel_group())
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(heads_sum, group=tp_group)
     return heads_sum
 
 
@@ -96,7 +94,7 @@ def dense_indexer_kl(module, query: torch.Tensor, key: torch.Tensor, x: torch.Te
         logits_BNSS = torch.einsum("sbnd,tbnd->bnst", query.float(), key.float())
         forbidden = ~allowed if allowed.dim() == 2 else ~allowed[:, None]
         logits_BNSS = (logits_BNSS * module.softmax_scale).masked_fill(forbidden, float("-inf"))
-        target_BSS = _sum_over_tp_heads(logits_BNSS.softmax(-1).sum(1))
+        target_BSS = _sum_over_tp_heads(logits_BNSS.softmax(-1).sum(1), module.tp_group)
     index_BSS = module.indexer.scores(*_detached_inputs(module, x, qr), allowed_BSS)
     return _kl(target_BSS, index_BSS), batch * seq
 
@@ -106,7 +104,8 @@ def sparse_indexer_kl(module, x: torch.Tensor, qr: torch.Tensor,
                       valid_BSK: torch.Tensor, probs_BSK: torch.Tensor) -> tuple:
     """Sparse-stage KL over each query's selected keys; ``probs_BSK`` is this rank's
     head-summed attention over them."""
-    target_BSK = _sum_over_tp_heads(probs_BSK.clone()).masked_fill(~valid_BSK, 0.0)
+    target_BSK = _sum_over_tp_heads(probs_BSK.clone(), module.tp_group)
+    target_BSK = target_BSK.masked_fill(~valid_BSK, 0.0)
     index_BSS = module.indexer.scores(*_detached_inputs(module, x, qr), allowed_BSS)
     index_BSK = index_BSS.gather(-1, topk_BSK).masked_fill(~valid_BSK, float("-inf"))
     return _kl(target_BSK, index_BSK), topk_BSK.shape[0] * topk_BSK.shape[1]

@@ -14,8 +14,10 @@ import importlib.util
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
-                                                      get_gpt_decoder_layer_specs)
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_decoder_layer_specs,
+)
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -27,8 +29,8 @@ from glm5_train.model.config import GLM5Config
 from glm5_train.model.dsa import DSACoreAttention
 from glm5_train.model.dsa_loss import DSATrainingConfig
 from glm5_train.model.layers import LatentRMSNorm, RMSNorm
-from parallel.mla_down_projection import MLADownProjection
 from glm5_train.model.mtp import chunk_hosts_mtp, mtp_block_spec, shifted_targets
+from parallel.mla_down_projection import MLADownProjection
 
 
 def transformer_engine_available() -> bool:

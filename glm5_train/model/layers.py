@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
 from parallel.device import param_device
 
@@ -75,6 +76,10 @@ class MLACoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale
         self.v_channels = v_channels
         self.layer_number = layer_number
+        # megatron-core's MLA hands its process groups down; the TP group sums DSA's per-head
+        # attention over the heads of every TP rank (glm5_train/model/dsa_loss.py).
+        self.tp_group = get_tensor_model_parallel_group_if_none(
+            pg_collection.tp if pg_collection is not None else None)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type=None,

@@ -19,8 +19,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.multi_token_prediction import (
-    MultiTokenPredictionBlockSubmodules, MultiTokenPredictionLayer,
-    MultiTokenPredictionLayerSubmodules, mtp_on_this_rank)
+    MultiTokenPredictionBlockSubmodules,
+    MultiTokenPredictionLayer,
+    MultiTokenPredictionLayerSubmodules,
+    mtp_on_this_rank,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 

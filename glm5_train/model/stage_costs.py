@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-
 from itertools import accumulate
 
 from glm5_train.model.config import GLM5Config
