@@ -98,8 +98,8 @@ def build(total_steps: int):
 
     from glm5_train.job_config import JobConfig
     from glm5_train.run_dir import register_resolvers
-    from glm5_train.train import _iterators, build_runtime
-    from parallel.process_groups import init_distributed
+    from glm5_train.assembly import assemble, iterators
+
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
                        ("LOCAL_WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", str(_free_port()))):
@@ -108,10 +108,8 @@ def build(total_steps: int):
     with initialize_config_dir(config_dir=os.path.join(REPO, "configs"), version_base=None):
         tree = compose("config", overrides=OVERRIDES + [f"train.train_iters={total_steps}"])
     job = JobConfig.from_hydra(tree)
-    mcore_compat.install()
-    init_distributed(job.parallel, job.train.seed)
-    rt = build_runtime(job)
-    return rt, _iterators(rt, 0)
+    rt = assemble(job)  # installs mcore_compat and creates the process groups
+    return rt, iterators(rt, 0)
 
 
 def timed_step(step: Callable[[], Any], mode: str) -> float:

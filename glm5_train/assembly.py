@@ -81,7 +81,7 @@ def assemble(job: JobConfig) -> Runtime:
     process_groups.init_distributed(job.parallel, job.train.seed)
     groups = process_groups.groups()
     dataset = build_dataset(job)
-    config, chunks = build_model(job)
+    config, chunks = build_model(job, groups)
     apply_dsa_freezing(chunks, job.dsa)
     embedding_tie = EmbeddingTie(config, job.model.tie_word_embeddings, groups.pp)
     zero2, pinned = None, []
@@ -115,7 +115,7 @@ def validate_job(job: JobConfig) -> int:
     return dp
 
 
-def build_model(job: JobConfig) -> tuple[object, list]:
+def build_model(job: JobConfig, groups: ProcessGroupCollection) -> tuple[object, list]:
     """(megatron-core config, this rank's initialised model chunks), process groups existing.
 
     On CUDA megatron-core builds the parameters on this rank's GPU (no CPU copy of the model);
@@ -125,7 +125,8 @@ def build_model(job: JobConfig) -> tuple[object, list]:
     config = to_mcore_config(job.model, job.parallel.sizes(), job.train.torch_dtype,
                              use_cpu_initialization=where.type == "cpu")
     eod = build_tokenizer(job.data.tokenizer).eod
-    chunks = build_model_chunks(job.model, config, dsa_training=job.dsa, eod_token_id=eod)
+    chunks = build_model_chunks(job.model, config, dsa_training=job.dsa, eod_token_id=eod,
+                                groups=groups)
     if where.type != "cpu":
         for chunk in chunks:
             chunk.to(where)

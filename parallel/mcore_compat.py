@@ -23,6 +23,7 @@ change is a ``Patch`` in ``PATCHES`` below, with its reason and a staleness chec
 ``install()`` applies the ``redirect``/``torch_view``/``fix`` entries once per process;
 ``override_method``/``replace_attribute``/``scoped_patch`` refuse any target not listed here, so
 no change to megatron-core can exist outside this list. ``stale_reasons()`` runs every check.
+The pitfalls behind the entries are explained in ``docs/megatron_core_notes.md``.
 """
 
 from __future__ import annotations

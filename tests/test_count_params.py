@@ -16,6 +16,8 @@ import warnings
 
 import pytest
 
+from glm5_train.model import param_count
+
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,7 +123,7 @@ def test_744b_reconciles_with_released_checkpoint(big):
 
 
 def test_744b_component_breakdown(big):
-    """Spot-check rows against shapes of the HF checkpoint (shared/glm5_reference.md)."""
+    """Spot-check rows against shapes of the HF checkpoint (docs/glm5_reference.md, sec. 2)."""
     rows = {line.split()[0]: line for line in big.stdout.splitlines() if line.strip()}
     assert "[16384, 2048]" in rows["q_up"] and "78" in rows["q_up"].split()
     assert "[28672, 512]" in rows["kv_up"]
@@ -141,13 +143,13 @@ def test_744b_component_breakdown(big):
 
 def test_tiny_has_no_reconciliation_but_reports_missing(tiny, tool):
     assert "reconciliation" not in tiny.stdout
-    cfg = tool.GLM5Config.from_dict(_tiny_dict())
-    assert missing(tiny)["mtp"] == tool.expert_bias_params(cfg) == 8  # MTP built, less its bias
+    cfg = param_count.GLM5Config.from_dict(_tiny_dict())
+    assert missing(tiny)["mtp"] == param_count.expert_bias_params(cfg) == 8  # MTP built, less its bias
     assert missing(tiny)["expert_bias"] == 3 * 8
     main, mtp = main_and_mtp(tiny)
-    assert main == tool.formula_totals(cfg).total
-    assert mtp == tool.mtp_formula_totals(cfg).total == tool.mtp_params(cfg) - 8
-    assert last_line(tiny)[1] == tool.formula_totals(cfg).active  # main model only
+    assert main == param_count.formula_totals(cfg).total
+    assert mtp == param_count.mtp_formula_totals(cfg).total == param_count.mtp_params(cfg) - 8
+    assert last_line(tiny)[1] == param_count.formula_totals(cfg).active  # main model only
 
 
 # ------------------------------------------------- meta count == a model really built on CPU
@@ -203,14 +205,14 @@ def test_overrides_change_the_model(tool):
                     "model.first_k_dense_replace=2", "model.topk_method=greedy",
                     "model.mtp_num_steps=0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    cfg = tool.GLM5Config.from_dict({**_tiny_dict(), "num_hidden_layers": 6,
+    cfg = param_count.GLM5Config.from_dict({**_tiny_dict(), "num_hidden_layers": 6,
                                      "first_k_dense_replace": 2, "topk_method": "greedy",
                                      "mtp_num_steps": 0})
-    expected = tool.formula_totals(cfg)
+    expected = param_count.formula_totals(cfg)
     assert last_line(proc) == (expected.total, expected.active)
     assert main_and_mtp(proc) == (expected.total, 0)
     assert missing(proc)["expert_bias"] == 0
-    assert missing(proc)["mtp"] == tool.mtp_params(cfg) > 0
+    assert missing(proc)["mtp"] == param_count.mtp_params(cfg) > 0
     assert "MTP: not built (model.mtp_num_steps=0)" in proc.stdout
 
 
@@ -243,35 +245,35 @@ def _tiny_dict() -> dict:
 
 
 def test_formula_reproduces_released_numbers(tool):
-    cfg = tool.GLM5Config()  # the dataclass defaults are GLM-5 744B
+    cfg = param_count.GLM5Config()  # the dataclass defaults are GLM-5 744B
     assert tool.matches_reference_shapes(cfg)
-    main = tool.hf_main_totals(cfg)
+    main = param_count.hf_main_totals(cfg)
     assert main.total == HF_MAIN
     assert main.active == HF_ACTIVE
     assert main.active_no_embed == HF_ACTIVE_NO_EMBED
-    assert tool.mtp_params(cfg) == HF_MTP
-    assert main.total + tool.missing_vs_hf(cfg)["mtp"] == HF_TOTAL
+    assert param_count.mtp_params(cfg) == HF_MTP
+    assert main.total + param_count.missing_vs_hf(cfg)["mtp"] == HF_TOTAL
     # The MTP layer megatron builds: HF's less its expert bias (a buffer).
     assert cfg.mtp_sets == 1
-    assert tool.mtp_formula_totals(cfg).total == BUILT_MTP
-    assert tool.formula_totals(cfg).total == BUILT_MAIN
-    assert tool.missing_vs_hf(cfg, mtp_sets=1)["mtp"] == 256
-    assert tool.mtp_formula_totals(tool.GLM5Config(mtp_num_steps=0)).total == 0
+    assert param_count.mtp_formula_totals(cfg).total == BUILT_MTP
+    assert param_count.formula_totals(cfg).total == BUILT_MAIN
+    assert param_count.missing_vs_hf(cfg, mtp_sets=1)["mtp"] == 256
+    assert param_count.mtp_formula_totals(param_count.GLM5Config(mtp_num_steps=0)).total == 0
 
 
 def test_reference_shapes_detects_a_changed_shape(tool):
-    cfg = tool.GLM5Config(num_hidden_layers=77)
+    cfg = param_count.GLM5Config(num_hidden_layers=77)
     assert not tool.matches_reference_shapes(cfg)
-    assert tool.matches_reference_shapes(tool.GLM5Config(rope_theta=10_000.0))
+    assert tool.matches_reference_shapes(param_count.GLM5Config(rope_theta=10_000.0))
 
 
 def test_unknown_parameter_name_is_reported(tool):
     with pytest.raises(ValueError, match="fits no component"):
-        tool._classify("self_attention.core_attention.new_module.weight", tool.LAYER_RULES)
+        param_count._classify("self_attention.core_attention.new_module.weight", param_count.LAYER_RULES)
     with pytest.raises(ValueError, match="fits no component"):
-        tool._classify("mtp.layers.0.eh_proj.weight", tool.TOP_RULES)
-    assert tool._classify("self_attention.core_attention.indexer.wk.weight",
-                          tool.LAYER_RULES) == "indexer"
+        param_count._classify("mtp.layers.0.eh_proj.weight", param_count.TOP_RULES)
+    assert param_count._classify("self_attention.core_attention.indexer.wk.weight",
+                          param_count.LAYER_RULES) == "indexer"
 
 
 def test_mtp_parameter_names_are_classified(tool):
@@ -284,11 +286,11 @@ def test_mtp_parameter_names_are_classified(tool):
                       ("transformer_layer.mlp.experts.local_experts.3.linear_fc2.weight",
                        "routed_experts"),
                       ("transformer_layer.pre_mlp_layernorm.weight", "pre_mlp_norm")):
-        assert tool.classify_mtp(name) == key, name
+        assert param_count.classify_mtp(name) == key, name
     with pytest.raises(ValueError, match="fits no component"):
-        tool.classify_mtp("embedding.word_embeddings.weight")
+        param_count.classify_mtp("embedding.word_embeddings.weight")
     with pytest.raises(ValueError, match="fits no component"):
-        tool.classify_mtp("transformer_layer.new_module.weight")
+        param_count.classify_mtp("transformer_layer.new_module.weight")
 
 
 # ----------------------------------------------- the report on synthetic counts (no model build)
@@ -297,15 +299,15 @@ def test_mtp_parameter_names_are_classified(tool):
 def _synthetic_built(tool, cfg, absent=frozenset(), drop_layer=None, mtp_drop=None):
     """Counts as a model matching the formula would give, less ``absent`` components (and the
     ``mtp_drop`` component of the MTP sets); MTP sets as ``cfg.mtp_sets`` says."""
-    built = tool.Built(top={t.key: t.count for t in tool.top_terms(cfg)})
+    built = param_count.Built(top={t.key: t.count for t in param_count.top_terms(cfg)})
     for i, moe in enumerate(cfg.moe_layer_pattern):
         if i != drop_layer:
-            built.layers[i] = {t.key: t.count for t in tool.layer_terms(cfg, bool(moe), absent)}
+            built.layers[i] = {t.key: t.count for t in param_count.layer_terms(cfg, bool(moe), absent)}
     n_moe = sum(cfg.moe_layer_pattern)
     built.buffers["decoder.layers.<i>.mlp.router.expert_bias"] = (n_moe,
                                                                   n_moe * cfg.n_routed_experts)
     for j in range(cfg.mtp_sets):
-        built.mtp[j] = {t.key: t.count for t in tool.mtp_layer_terms(cfg, absent)
+        built.mtp[j] = {t.key: t.count for t in param_count.mtp_layer_terms(cfg, absent)
                         if t.key != mtp_drop}
     if cfg.mtp_sets:
         built.buffers["mtp.layers.<i>.transformer_layer.mlp.router.expert_bias"] = (
@@ -319,7 +321,7 @@ def _synthetic_built(tool, cfg, absent=frozenset(), drop_layer=None, mtp_drop=No
 def test_report_reconciles_with_or_without_the_indexer_and_mtp(tool, absent, steps):
     """The DSA indexer may or may not be built yet, the MTP layer is built unless
     mtp_num_steps=0: every case must reconcile with the release."""
-    cfg = tool.GLM5Config(mtp_num_steps=steps)
+    cfg = param_count.GLM5Config(mtp_num_steps=steps)
     rep = tool.build_report(cfg, _synthetic_built(tool, cfg, absent), ["header"])
     text = "\n".join(rep.lines)
     assert rep.ok, text
@@ -340,23 +342,23 @@ def test_report_reconciles_with_or_without_the_indexer_and_mtp(tool, absent, ste
 
 
 def test_report_flags_a_missing_layer(tool):
-    cfg = tool.GLM5Config.from_dict(_tiny_dict())
+    cfg = param_count.GLM5Config.from_dict(_tiny_dict())
     rep = tool.build_report(cfg, _synthetic_built(tool, cfg, drop_layer=2), ["header"])
     assert not rep.ok
     assert "MISMATCH in layers [2]" in "\n".join(rep.lines)
 
 
 def test_report_flags_a_wrong_mtp_layer(tool):
-    cfg = tool.GLM5Config.from_dict(_tiny_dict())
+    cfg = param_count.GLM5Config.from_dict(_tiny_dict())
     rep = tool.build_report(cfg, _synthetic_built(tool, cfg, mtp_drop="eh_proj"), ["header"])
     text = "\n".join(rep.lines)
     assert not rep.ok
     assert "MISMATCH in sets [0]" in text
     assert "set 0: built - formula per component: eh_proj -32,768" in text
     # An MTP layer built although mtp_num_steps=0 says none should be.
-    off = tool.GLM5Config.from_dict({**_tiny_dict(), "mtp_num_steps": 0})
+    off = param_count.GLM5Config.from_dict({**_tiny_dict(), "mtp_num_steps": 0})
     built = _synthetic_built(tool, off)
-    built.mtp[0] = {t.key: t.count for t in tool.mtp_layer_terms(off)}
+    built.mtp[0] = {t.key: t.count for t in param_count.mtp_layer_terms(off)}
     rep = tool.build_report(off, built, ["header"])
     assert not rep.ok
     assert "MISMATCH: built MTP sets [0] beyond the 0 expected" in "\n".join(rep.lines)

@@ -13,19 +13,19 @@ import argparse
 import os
 import sys
 
-import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
-
-from glm5_train.checkpoint import load_checkpoint
-from glm5_train.inference import compute_logits
-from glm5_train.job_config import compose_job
-from glm5_train.train import build_model, quiet_megatron
-from parallel import mcore_compat
-from parallel.process_groups import init_distributed
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+if REPO not in sys.path:  # runnable as `torchrun tools/logits.py` from anywhere
+    sys.path.insert(0, REPO)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from glm5_train.assembly import build_model  # noqa: E402
+from glm5_train.checkpoint import load_checkpoint  # noqa: E402
+from glm5_train.inference import compute_logits  # noqa: E402
+from glm5_train.job_config import compose_job  # noqa: E402
+from glm5_train.train import quiet_megatron  # noqa: E402
+from parallel import mcore_compat, process_groups  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
@@ -41,12 +41,12 @@ def main(argv: list[str]) -> None:
                        f"train.global_batch_size={tokens.shape[0]}",
                        f"train.seq_length={tokens.shape[1]}"])
     mcore_compat.install()
-    init_distributed(job.parallel, job.train.seed)
-    _, chunks = build_model(job)
+    process_groups.init_distributed(job.parallel, job.train.seed)
+    groups = process_groups.groups()
+    _, chunks = build_model(job, groups)
     load_checkpoint(args.load, chunks, None, None, job.model)
-    logits = compute_logits(chunks, tokens)
-    writer = (logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0
-              and parallel_state.get_data_parallel_rank() == 0)
+    logits = compute_logits(chunks, tokens, groups)
+    writer = logits is not None and groups.tp.rank() == 0 and groups.dp.rank() == 0
     if writer:
         torch.save(logits, args.out)
     dist.barrier()

@@ -1,6 +1,6 @@
 """DeepSeek Sparse Attention as GLM-5 uses it: lightning indexer + attention over top-k keys.
 
-Per query t and earlier key s (``../shared/glm5_reference.md`` section 2, and HF transformers'
+Per query t and earlier key s (``docs/glm5_reference.md`` sec. 3, and HF transformers'
 ``GlmMoeDsaIndexer``, whose conventions we follow so weights import unchanged):
 
     q[t,h] = wq_b(qr[t])                       indexer query from the normed MLA query latent

@@ -1,6 +1,6 @@
 """The DSA indexer's training signal: KL(main attention || indexer), per training stage.
 
-DeepSeek-V3.2's recipe (GLM-5 does not state its loss; ``../shared/glm5_reference.md`` sec. 2):
+DeepSeek-V3.2's recipe (GLM-5 does not state its loss; ``docs/glm5_reference.md`` sec. 4):
 the target is the main attention's probabilities summed over all heads and L1-normalised; the
 indexer's distribution is the softmax of its index scores; loss = KL(target || indexer).
 

@@ -12,8 +12,10 @@ import copy
 import importlib.util
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.pipeline_parallel.utils import (is_pp_first_stage, is_pp_last_stage,
+                                                   is_vp_first_stage, is_vp_last_stage)
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_decoder_layer_specs,
@@ -81,20 +83,24 @@ def _localize_layer(layer: ModuleSpec) -> ModuleSpec:
 def build_model_chunks(model_cfg: GLM5Config, config: MLATransformerConfig,
                        use_te: bool | None = None,
                        dsa_training: DSATrainingConfig | None = None,
-                       eod_token_id: int | None = None) -> list["GLM5Model"]:
+                       eod_token_id: int | None = None,
+                       groups: ProcessGroupCollection | None = None) -> list["GLM5Model"]:
     """Build this rank's model chunks: one per virtual pipeline stage (one without VPP).
-    ``eod_token_id`` marks document ends in packed sequences (MTP never predicts across)."""
+    ``eod_token_id`` marks document ends in packed sequences (MTP never predicts across).
+    ``groups``: the process groups the chunks use (None: megatron-core's, as its own default)."""
+    groups = groups or ProcessGroupCollection.use_mpu_process_groups()
     vpp = config.virtual_pipeline_model_parallel_size
     stages = range(vpp) if vpp else [None]
-    return [_build_chunk(model_cfg, config, vp, use_te, dsa_training, eod_token_id)
+    return [_build_chunk(model_cfg, config, vp, use_te, dsa_training, eod_token_id, groups)
             for vp in stages]
 
 
 def _build_chunk(model_cfg: GLM5Config, config: MLATransformerConfig, vp_stage: int | None,
                  use_te: bool | None, dsa_training: DSATrainingConfig | None,
-                 eod_token_id: int | None) -> "GLM5Model":
-    pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-    post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+                 eod_token_id: int | None, groups: ProcessGroupCollection) -> "GLM5Model":
+    vpp = config.virtual_pipeline_model_parallel_size
+    pre = is_pp_first_stage(groups.pp) and (vp_stage is None or is_vp_first_stage(vp_stage, vpp))
+    post = is_pp_last_stage(groups.pp) and (vp_stage is None or is_vp_last_stage(vp_stage, vpp))
     mtp_spec = None
     if chunk_hosts_mtp(config, vp_stage):
         mtp_spec = _mtp_spec(model_cfg, config, use_te, dsa_training)
@@ -111,6 +117,7 @@ def _build_chunk(model_cfg: GLM5Config, config: MLATransformerConfig, vp_stage: 
         position_embedding_type="rope",
         rotary_base=int(model_cfg.rope_theta),
         mtp_block_spec=mtp_spec,
+        pg_collection=groups,
         vp_stage=vp_stage,
         mtp_num_steps=model_cfg.mtp_num_steps if model_cfg.mtp_sets else 0,
         eod_token_id=eod_token_id,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from glm5_train.model.config import GLM5Config
 
-# The released zai-org/GLM-5 safetensors (docs/glm5_reference.md).
+# The released zai-org/GLM-5 safetensors (docs/glm5_reference.md, sec. 2).
 HF_MAIN_PARAMS = 743_911_218_432      # embedding, 78 layers, final norm, output head
 HF_MTP_PARAMS = 9_952_920_576         # model.layers.78.*
 HF_TOTAL_PARAMS = 753_864_139_008
