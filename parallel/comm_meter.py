@@ -18,8 +18,9 @@ in every place they are looked up, and put back afterwards (``TARGETS``):
   all_gather_into_tensor`` and ``dist_reduce_scatter_func = ...reduce_scatter_tensor``), listed
   in ``BOUND_NAMES``; ``tests/test_comm_meter.py`` fails when a module on the training path binds
   a collective under a name this list does not hold;
-- on CPU, the device layer's ``torch.distributed`` view for megatron-core files with literal
-  CUDA devices (``parallel.device._GLOO_DISTRIBUTED``), which caches the functions it hands out;
+- (on CPU, the device layer's ``torch.distributed`` view for megatron-core's
+  ``tensor_parallel.mappings``, ``parallel.device.GlooDistributed``, looks every function up
+  afresh in ``torch.distributed``, so it needs nothing here);
 - ``torch.distributed.P2POp``, by a subclass that unwraps the op it is given, because torch
   checks the op of a ``P2POp`` by identity against its own ``isend`` / ``irecv``.
 
@@ -101,7 +102,7 @@ BOUND_NAMES: tuple[tuple[str, str], ...] = (
 )
 
 # The device layer's torch.distributed stand-in (CPU only) caches what it hands out.
-CACHING_VIEWS: tuple[tuple[str, str], ...] = (("parallel.device", "_GLOO_DISTRIBUTED"),)
+CACHING_VIEWS: tuple[tuple[str, str], ...] = ()  # objects that cache torch.distributed functions
 
 
 # ----------------------------------------------------------------------------------------------

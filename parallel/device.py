@@ -217,9 +217,11 @@ class GlooDistributed:
             group=group, async_op=async_op)
 
     def __getattr__(self, name: str) -> Any:
-        value = getattr(torch.distributed, name)
-        self.__dict__[name] = value  # cache: see CpuTorch.__getattr__
-        return value
+        # Looked up afresh on every access (not cached): the communication meter wraps the
+        # torch.distributed functions while it measures, and calls made through this view must
+        # reach the wrappers. Only tensor_parallel.mappings sees this view (a few hundred
+        # lookups a step).
+        return getattr(torch.distributed, name)
 
 
 

@@ -17,12 +17,15 @@ change is a ``Patch`` in ``PATCHES`` below, with its reason and a staleness chec
 - ``override``: a method of a megatron-core *object* replaced by one of our techniques at run
   time (``override_method``), or an attribute of it swapped (``replace_attribute``). Check: the
   original's signature and source fingerprint are the ones the replacement was written against.
-- ``scoped``: a module attribute replaced for the duration of one call (``scoped_patch``), or set
-  once when unset. Check: the code that needed it is the one it was written against.
+- ``scoped``: a module attribute replaced for the duration of one call or one measured step
+  (the communication meter's wrappers), or set once when unset. Check: the code that needed it
+  is the one it was written against.
 
 ``install()`` applies the ``redirect``/``torch_view``/``fix`` entries once per process;
-``override_method``/``replace_attribute``/``scoped_patch`` refuse any target not listed here, so
-no change to megatron-core can exist outside this list. ``stale_reasons()`` runs every check.
+``override_method`` and ``replace_attribute`` refuse any target not listed here, and the scoped
+changes are made by the functions at the end of this module (the meter's from its own list,
+``comm_meter.BOUND_NAMES``, which ``METER_BINDINGS`` lists), so no change to megatron-core
+exists outside this list. ``stale_reasons()`` runs every check.
 The pitfalls behind the entries are explained in ``docs/megatron_core_notes.md``.
 """
 
@@ -41,7 +44,7 @@ from typing import Any
 
 import torch
 
-from parallel import device
+from parallel import comm_meter, device
 from parallel.mla_down_projection import MLADownProjection
 
 REDIRECT, TORCH_VIEW, FIX, OVERRIDE, SCOPED = "redirect", "torch_view", "fix", "override", "scoped"
@@ -212,8 +215,16 @@ SCOPED_PATCHES: tuple[Patch, ...] = (
           uses=r"_results_queue = ctx\.Manager\(\)\.Queue\(\)"),
 )
 
+# The communication meter (parallel/comm_meter.py) wraps, only while it measures, the names to
+# which megatron-core binds a torch.distributed collective at import, so that calls through
+# them are counted; it restores them when the block ends. Its list is the single source.
+METER_BINDINGS: tuple[Patch, ...] = tuple(
+    Patch(module, attr, SCOPED, "the communication meter counts the bytes of calls through this "
+          "import-time binding of a torch.distributed collective while it measures a step",
+          uses=rf"\b{attr}\b") for module, attr in comm_meter.BOUND_NAMES)
+
 PATCHES: tuple[Patch, ...] = (CPU_REDIRECTS + TORCH_VIEWS + FIXES_WITHOUT_TE + OVERRIDES
-                              + SCOPED_PATCHES)
+                              + SCOPED_PATCHES + METER_BINDINGS)
 
 
 # ------------------------------------------------------------------------------- staleness
