@@ -97,6 +97,12 @@ class PipelineZero2:
         """Take over a freshly wrapped DDP chunk's gradients; its full grad buffers are released
         (call right after wrapping each chunk, so only one full buffer ever exists)."""
         index = len(self.chunks)
+        if pinned and not chunk.config.calculate_per_token_loss:
+            # Pinned copies are all-reduced as sums (reduce_pinned); megatron's averaging
+            # modes would scale every other gradient by 1/dp but not these.
+            raise ValueError("Pipeline ZeRO2 with pinned embedding copies needs "
+                             "calculate_per_token_loss=True (per-token loss sums, as the "
+                             "training job sets)")
         buffers, offset = [], 0
         for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
             buffers.append(_buffer_shard(buffer, offset))

@@ -1,9 +1,9 @@
 """parallel/comm_meter.py: exact per-rank byte counts of collectives, and the training run's
 communication and buffer fields in metrics.jsonl.
 
-(a) Two forked gloo ranks issue known collectives through every path the meter covers
-    (torch.distributed, megatron-core's import-time bound names, the device layer's caching
-    view, P2POp batches) and compare each count with its rule, computed by hand.
+(a) Two in-process gloo ranks (tests/spawn.py) issue known collectives through every path the
+    meter covers (torch.distributed, megatron-core's import-time bound names, the device layer's
+    torch.distributed view, P2POp batches) and compare each count with its rule, computed by hand.
 (b) The real job on DP2 (tests/parity.py ``run_job``, 3 steps): the gradient buffers hold the
     model's parameter count x 4 bytes (the closed-form count of glm5_train/model/param_count.py), and
     the step's all-reduce bytes are the DDP gradient reduction, 2 (n-1) / n x the buffer, plus
@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import json
 import sys
 import types
-import warnings
 
 import pytest
 import torch
@@ -28,6 +26,7 @@ from glm5_train.job_config import compose_model_config
 from glm5_train.model import param_count
 from parallel import comm_meter as cm
 from tests.parity import run_job
+from tests.spawn import run_ranks
 
 F32 = 4
 N = 1000  # floats in the test tensors
@@ -36,7 +35,7 @@ N = 1000  # floats in the test tensors
 # ------------------------------------------------------------------------ (a) two ranks, by hand
 
 
-def _probe(rank: int) -> dict:
+def _probe(rank: int, world_size: int) -> dict:
     """Every kind of call the meter knows, on 2 ranks; returns {label: summary or value}."""
     from megatron.core.tensor_parallel import mappings
 
@@ -100,11 +99,11 @@ def _probe(rank: int) -> dict:
     out["mcore_bound_reduce_scatter"] = meter_of(
         lambda: mappings.dist_reduce_scatter_func(torch.empty(N // 2), x.clone()))
 
-    # The device layer's caching torch.distributed view (CPU), with the MoE all-to-all's
-    # tensor split sizes: counted once, not once per layer of delegation.
+    # The device layer's torch.distributed view (CPU), with the MoE all-to-all's tensor split
+    # sizes: counted once, not once per layer of delegation.
     mcore_compat.install()
     view = mcore_compat.VIEWS["megatron.core.tensor_parallel.mappings"].distributed
-    assert view.all_reduce is not None  # cached before the block
+    assert view.all_reduce is not None  # looked up before the block: still counted inside it
     cached_before = dict(view.__dict__)
     t_splits = torch.tensor(splits)
     out["view"] = meter_of(lambda: (view.all_reduce(x.clone()), view.broadcast(x.clone(), src=1),
@@ -151,26 +150,10 @@ def _probe(rank: int) -> dict:
     return out
 
 
-def _worker(rank: int, init_file: str, out_file: str) -> None:
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        result = _probe(rank)
-        with open(f"{out_file}{rank}", "w") as handle:
-            json.dump(result, handle)
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
-def probe(tmp_path_factory):
-    root = tmp_path_factory.mktemp("comm")
-    # fork: children inherit the imported modules (spawn would re-import megatron-core).
-    torch.multiprocessing.start_processes(
-        _worker, args=(str(root / "init"), str(root / "out")), nprocs=2, join=True,
-        start_method="fork")
-    return [json.load(open(root / f"out{rank}")) for rank in range(2)]
+def probe():
+    # mcore=False: the probe installs mcore_compat itself, after its plain-torch cases.
+    return run_ranks(2, _probe, mcore=False)
 
 
 def _only(result: dict) -> tuple[str, dict]:
