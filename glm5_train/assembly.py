@@ -33,6 +33,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from glm5_train.data import (
     build_train_iterator,
     build_train_valid_test_datasets,
+    check_datasets,
     ensure_builtin_corpus,
 )
 from glm5_train.job_config import JobConfig
@@ -107,12 +108,27 @@ def validate_job(job: JobConfig) -> int:
     rank, world, _ = process_groups.world_from_env()
     dp = validate_layout(job.parallel, job.model, world, job.train.global_batch_size,
                          job.train.micro_batch_size, job.train.seq_length)
+    check_data(job)
+    given = job.parallel.pipeline_model_parallel_layout
     layout = resolve_pipeline_layout(job, dp)
-    if layout and layout != job.parallel.pipeline_model_parallel_layout and rank == 0:
+    if layout and not given and rank == 0:
         print(f"pipeline layout: {layout} (balanced, parallel.mtp_placement="
               f"{job.parallel.mtp_placement})", flush=True)
     job.parallel.pipeline_model_parallel_layout = layout
     return dp
+
+
+def check_data(job: JobConfig) -> None:
+    """The tokenizer fits the model's vocabulary and the given datasets are usable (the
+    built-in corpus is built, and so checked, with the dataset)."""
+    tokenizer = build_tokenizer(job.data.tokenizer)
+    if tokenizer.vocab_size > job.model.vocab_size:
+        raise ValueError(
+            f"tokenizer {job.data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
+            f"model.vocab_size={job.model.vocab_size}: raise model.vocab_size or use a smaller "
+            "tokenizer")
+    if job.data.paths:
+        check_datasets(list(job.data.paths), job.data.split)
 
 
 def build_model(job: JobConfig, groups: ProcessGroupCollection) -> tuple[object, list]:
@@ -153,11 +169,6 @@ def install_muon(optimizer, chunks: list, job: JobConfig, config,
 
 def build_dataset(job: JobConfig):
     tokenizer = build_tokenizer(job.data.tokenizer)
-    if tokenizer.vocab_size > job.model.vocab_size:
-        raise ValueError(
-            f"tokenizer {job.data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
-            f"model.vocab_size={job.model.vocab_size}: raise model.vocab_size or use a smaller "
-            "tokenizer")
     if not job.data.paths:
         job.data.paths = [ensure_builtin_corpus(job.data, tokenizer)]
     samples = job.train.train_iters * job.train.global_batch_size

@@ -370,13 +370,19 @@ def build_train_valid_test_datasets(cfg: DataConfig, tokenizer, seq_length: int,
 
     cfg.validate()
     paths = [ensure_builtin_corpus(cfg, tokenizer)] if not cfg.paths else list(cfg.paths)
-    for prefix in paths:
-        check_dataset_prefix(prefix)
-        _check_split_nonempty(prefix, cfg.split)
+    check_datasets(paths, cfg.split)
     gpt_cfg = _gpt_dataset_config(cfg, tokenizer, paths, seq_length, seed)
     builder = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), lambda: True, gpt_cfg)
     with mcore_compat.single_process_rank_zero():
         return tuple(builder.build())
+
+
+def check_datasets(paths: list[str], split: str) -> None:
+    """Every dataset prefix exists, is readable and gives each split with weight > 0 at least
+    one document (checked before any process group exists when the paths are given)."""
+    for prefix in paths:
+        check_dataset_prefix(prefix)
+        _check_split_nonempty(prefix, split)
 
 
 def _gpt_dataset_config(cfg: DataConfig, tokenizer, paths: list[str], seq_length: int, seed: int):

@@ -19,7 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # run as `python launch/local.py` too
     sys.path.insert(0, REPO)
 
-from glm5_train.job_config import compose_job  # noqa: E402
+from glm5_train.job_config import CONFIG_ERRORS, compose_job, one_line  # noqa: E402
 from glm5_train.pipeline_plan import resolve_pipeline_layout  # noqa: E402
 from parallel.layout import validate_layout  # noqa: E402
 
@@ -54,8 +54,8 @@ def _main_or_error(argv: list[str]) -> int:
     """Config and layout errors are the user's to fix: one line, no traceback."""
     try:
         return main(argv)
-    except ValueError as err:  # LayoutError is a ValueError
-        print(f"launch: error: {err}", file=sys.stderr, flush=True)
+    except CONFIG_ERRORS as err:  # LayoutError is a ValueError; Hydra's composition errors
+        print(f"launch: error: {one_line(err)}", file=sys.stderr, flush=True)
         return 2
 
 

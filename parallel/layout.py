@@ -7,20 +7,27 @@ value, the rule and the fix.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 
-
 class ModelShape(Protocol):
     """What the layout rules read of a model config (GLM-5's ``GLM5Config`` is one)."""
 
+    vocab_size: int
     num_attention_heads: int
     index_n_heads: int
     n_routed_experts: int
+    n_shared_experts: int
     num_hidden_layers: int
+    first_k_dense_replace: int  # the first k layers are dense, the rest MoE
+    intermediate_size: int  # dense MLP width
+    moe_intermediate_size: int  # one (routed or shared) expert's width
     tie_word_embeddings: bool
 
     @property
@@ -125,25 +132,75 @@ class LayoutError(ValueError):
 
 def validate_layout(par: ParallelConfig, model: ModelShape, world_size: int,
                     global_batch_size: int, micro_batch_size: int, seq_length: int) -> int:
-    """Check every layout rule; return the data-parallel size. Raises LayoutError."""
+    """Check every layout rule; return the data-parallel size. Raises LayoutError.
+
+    These are the rules megatron-core (and torch.distributed) would otherwise enforce only
+    after the process groups exist, mostly deep in model construction or the first step;
+    each check names the megatron-core code it mirrors."""
+    _check_types(par)
     _check_positive(par)
     dp = _check_world(par, world_size)
+    _check_backend(par)
     _check_tensor(par, model)
+    _check_widths(par, model)
     _check_pipeline(par, model)
     _check_zero2(par)
     _check_experts(par, model, dp)
-    _check_sequence(par, seq_length)
+    _check_dispatcher(par)
+    _check_sequence(par, model, seq_length)
     _check_batch(global_batch_size, micro_batch_size, dp)
     _check_interleaving(par, global_batch_size // max(1, micro_batch_size * dp))
     return dp
 
 
+def has_moe_layers(model: ModelShape) -> bool:
+    # The MTP layer copies the last decoder layer's kind, so it adds no MoE layer of its own.
+    return model.first_k_dense_replace < model.num_hidden_layers
+
+
+def _check_types(par: ParallelConfig) -> None:
+    """Hydra passes a mistyped override through as a string (parallel.sequence_parallel=ture
+    would be truthy): check every field against its annotation."""
+    hints = typing.get_type_hints(ParallelConfig)
+    for f in dataclasses.fields(par):
+        value, kinds = getattr(par, f.name), typing.get_args(hints[f.name]) or (hints[f.name],)
+        if not any(_is_a(value, kind) for kind in kinds):
+            names = " or ".join("null" if kind is type(None) else kind.__name__ for kind in kinds)
+            raise LayoutError(f"parallel.{f.name}={value!r}: expected {names}, like the default "
+                              f"{f.default!r}")
+
+
+def _is_a(value: Any, kind: type) -> bool:
+    if kind in (int, float) and isinstance(value, bool):
+        return False
+    return isinstance(value, (int, float) if kind is float else kind)
+
+
 def _check_positive(par: ParallelConfig) -> None:
+    # parallel_state.initialize_model_parallel builds rank grids from these sizes (a 0 would
+    # divide by zero there, parallel_state.py:791).
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                  "expert_model_parallel_size", "context_parallel_size"):
+        if getattr(par, name) < 1:
+            raise LayoutError(f"parallel.{name}={getattr(par, name)} must be a positive integer")
+    for name in ("expert_tensor_parallel_size", "data_parallel_size",
+                 "microbatch_group_size_per_vp_stage"):
         value = getattr(par, name)
-        if not isinstance(value, int) or value < 1:
-            raise LayoutError(f"parallel.{name}={value!r} must be a positive integer")
+        if value is not None and value < 1:
+            raise LayoutError(f"parallel.{name}={value} must be a positive integer or null")
+
+
+BACKENDS = ("gloo", "nccl")
+
+
+def _check_backend(par: ParallelConfig) -> None:
+    # torch.distributed.init_process_group is the first collective call; fail before it.
+    if par.backend is not None and par.backend not in BACKENDS:
+        raise LayoutError(f"parallel.backend={par.backend!r}: use one of {list(BACKENDS)}, or "
+                          "null (nccl with CUDA, gloo without)")
+    if par.backend == "nccl" and not torch.cuda.is_available():
+        raise LayoutError("parallel.backend='nccl' needs CUDA GPUs, and torch.cuda.is_available() "
+                          "is false here: set parallel.backend=null (gloo on CPU)")
 
 
 def _check_world(par: ParallelConfig, world_size: int) -> int:
@@ -163,6 +220,7 @@ def _check_world(par: ParallelConfig, world_size: int) -> int:
 
 
 def _check_tensor(par: ParallelConfig, model: ModelShape) -> None:
+    # transformer_config.py:924 (heads); model_parallel_config.py:410 (SP without TP).
     tp = par.tensor_model_parallel_size
     for name in ("num_attention_heads", "index_n_heads"):
         value = getattr(model, name)
@@ -173,6 +231,37 @@ def _check_tensor(par: ParallelConfig, model: ModelShape) -> None:
     if par.sequence_parallel and tp == 1:
         raise LayoutError("parallel.sequence_parallel=true needs tensor_model_parallel_size > 1 "
                           "(it splits the sequence across TP ranks): set it to false or raise TP")
+    # moe_layer.py:379: MoELayer.forward refuses to train with TP > 1 and no SP.
+    if tp > 1 and not par.sequence_parallel and has_moe_layers(model):
+        raise LayoutError(
+            f"parallel.tensor_model_parallel_size={tp} with parallel.sequence_parallel=false: "
+            "megatron-core's MoE layer does not train with tensor parallelism unless sequence "
+            f"parallelism is on (the model has MoE layers from layer "
+            f"{model.first_k_dense_replace}); set parallel.sequence_parallel=true")
+
+
+def _check_widths(par: ParallelConfig, model: ModelShape) -> None:
+    """Every tensor-parallel linear splits its width evenly over its ranks (megatron-core's
+    divide(): tensor_parallel/utils.py:118 for the vocabulary, layers.py:842 and :1166 for
+    column- and row-parallel linears)."""
+    tp = ("tensor_model_parallel_size", par.tensor_model_parallel_size)
+    widths = [("vocab_size", model.vocab_size, tp)]
+    if model.first_k_dense_replace:
+        widths.append(("intermediate_size", model.intermediate_size, tp))
+    if has_moe_layers(model):
+        # Routed experts split over the expert TP group (experts.py:858); the shared expert
+        # is a dense MLP over TP (shared_experts.py:50).
+        etp = ("expert_tensor_parallel_size", par.expert_tp)
+        widths.append(("moe_intermediate_size", model.moe_intermediate_size, etp))
+        if model.n_shared_experts:
+            widths.append(("n_shared_experts x moe_intermediate_size",
+                           model.n_shared_experts * model.moe_intermediate_size, tp))
+    for name, width, (size_name, size) in widths:
+        if width % size:
+            raise LayoutError(
+                f"model.{name}={width} is not divisible by parallel.{size_name}={size} "
+                f"(megatron-core splits this width evenly over those ranks): pick a size "
+                f"dividing {width}, or change the model")
 
 
 MTP_PLACEMENTS = ("split", "with_loss")
@@ -183,10 +272,12 @@ def _check_pipeline(par: ParallelConfig, model: ModelShape) -> None:
     if par.mtp_placement not in MTP_PLACEMENTS:
         raise LayoutError(f"parallel.mtp_placement={par.mtp_placement!r}: use one of "
                           f"{list(MTP_PLACEMENTS)}")
-    if vpp is not None and (vpp < 1 or (vpp > 1 and pp == 1)):
+    # parallel_state.py:746: any VPP size (even 1) needs PP > 1.
+    if vpp is not None and (vpp < 1 or pp == 1):
         raise LayoutError(
             f"parallel.virtual_pipeline_model_parallel_size={vpp} needs "
-            "pipeline_model_parallel_size > 1 and a value >= 2: set it to null or raise PP")
+            f"pipeline_model_parallel_size > 1 (got {pp}) and a value >= 1: set it to null or "
+            "raise PP")
     embedding_copies = pp > 1 and (model.mtp_sets or model.tie_word_embeddings)
     if embedding_copies and par.overlap_grad_reduce:
         raise LayoutError(
@@ -221,6 +312,7 @@ def _check_zero2(par: ParallelConfig) -> None:
 
 
 def _check_experts(par: ParallelConfig, model: ModelShape, dp: int) -> None:
+    # moe_layer.py:101 (experts per EP rank); parallel_state.py:792 (expert grid).
     ep = par.expert_model_parallel_size
     if model.n_routed_experts % ep:
         raise LayoutError(
@@ -241,13 +333,38 @@ def _check_experts(par: ParallelConfig, model: ModelShape, dp: int) -> None:
             "stage): lower EP or launch more data-parallel ranks")
 
 
-def _check_sequence(par: ParallelConfig, seq_length: int) -> None:
+DISPATCHERS = ("alltoall", "allgather", "flex")
+
+
+def _check_dispatcher(par: ParallelConfig) -> None:
+    kind = par.moe_token_dispatcher_type
+    if kind not in DISPATCHERS:  # moe_layer.py:218
+        raise LayoutError(f"parallel.moe_token_dispatcher_type={kind!r}: use one of "
+                          f"{list(DISPATCHERS)}")
+    if kind != "flex":
+        return
+    tp_ep = par.tensor_model_parallel_size * par.expert_model_parallel_size
+    if tp_ep == 1:  # token_dispatcher.py:1346
+        raise LayoutError("parallel.moe_token_dispatcher_type='flex' needs tensor x expert "
+                          "parallel > 1 (got 1 x 1): use 'alltoall', or raise EP")
+    if importlib.util.find_spec("deep_ep") is None:  # token_dispatcher.py:1148
+        raise LayoutError("parallel.moe_token_dispatcher_type='flex' needs the DeepEP package "
+                          "(CUDA), which is not installed: use 'alltoall' (the default)")
+
+
+def _check_sequence(par: ParallelConfig, model: ModelShape, seq_length: int) -> None:
+    # transformer_config.py:1987: megatron-core's DSA (GLM-5's attention; model.index_n_heads
+    # indexer heads) has no context parallelism.
+    if par.context_parallel_size > 1:
+        raise LayoutError(
+            f"parallel.context_parallel_size={par.context_parallel_size}: megatron-core's DSA "
+            f"attention (the model's, with model.index_n_heads={model.index_n_heads} indexer "
+            "heads) does not support context parallelism; set parallel.context_parallel_size=1")
     split = par.tensor_model_parallel_size if par.sequence_parallel else 1
-    split *= 2 * par.context_parallel_size if par.context_parallel_size > 1 else 1
     if seq_length % split:
         raise LayoutError(
             f"train.seq_length={seq_length} must be divisible by {split} (sequence parallel "
-            "splits by TP, context parallel by 2 x CP): pad or change seq_length")
+            "splits the sequence over TP ranks): pad or change seq_length")
 
 
 def _check_batch(global_batch_size: int, micro_batch_size: int, dp: int) -> None:
@@ -261,24 +378,30 @@ def _check_batch(global_batch_size: int, micro_batch_size: int, dp: int) -> None
 
 
 def _check_interleaving(par: ParallelConfig, num_microbatches: int) -> None:
+    """megatron-core's interleaved schedule (schedules.py:995 and :1007) runs micro-batches in
+    groups of microbatch_group_size_per_vp_stage (PP when null, model_parallel_config.py:448):
+    a group size in [PP, micro-batches per step], and a last group empty or >= PP."""
     pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
-    if vpp and vpp > 1 and num_microbatches < pp:
-        raise LayoutError(
-            f"the interleaved schedule needs at least PP={pp} micro-batches per step, got "
-            f"global_batch_size / (micro_batch_size x data-parallel size) = {num_microbatches}: "
-            "raise train.global_batch_size or lower train.micro_batch_size")
     group = par.microbatch_group_size_per_vp_stage
-    if group is None:
-        return
-    name = f"parallel.microbatch_group_size_per_vp_stage={group}"
-    if not vpp or vpp < 2:
+    interleaved = vpp is not None and vpp > 1
+    name = (f"parallel.microbatch_group_size_per_vp_stage={group}" if group is not None
+            else f"the interleaved schedule's micro-batch group (PP={pp}, as "
+            "microbatch_group_size_per_vp_stage=null)")
+    if group is not None and not interleaved:
         raise LayoutError(f"{name} needs the interleaved schedule "
                           "(virtual_pipeline_model_parallel_size >= 2): set it to null")
-    if not pp <= group <= num_microbatches:
-        raise LayoutError(f"{name} must lie in [PP={pp}, micro-batches per step="
-                          f"{num_microbatches}] (megatron-core's interleaved schedule)")
-    if 0 < num_microbatches % group < pp:
+    if not interleaved:
+        return
+    size = group or pp
+    micro = ("micro-batches per step = global_batch_size / (micro_batch_size x data-parallel "
+             f"size) = {num_microbatches}")
+    or_group = " (or change the group size)" if group else ""
+    if not pp <= size <= num_microbatches:
+        raise LayoutError(f"{name} must lie in [PP={pp}, {micro}] (megatron-core's interleaved "
+                          "schedule): raise train.global_batch_size or lower "
+                          f"train.micro_batch_size{or_group}")
+    if 0 < num_microbatches % size < pp:
         raise LayoutError(
-            f"{name}: the last group would hold {num_microbatches % group} < PP={pp} "
-            f"micro-batches ({num_microbatches} per step): pick a group size dividing "
-            f"{num_microbatches}, or leaving a remainder >= {pp}")
+            f"{name}: the last group would hold {num_microbatches % size} < PP={pp} "
+            f"micro-batches ({micro}): make the micro-batches per step a multiple of {size}, "
+            f"or leave a remainder >= {pp}{or_group}")

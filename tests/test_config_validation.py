@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
+from hydra.errors import CompactHydraException
 
-from glm5_train.model.config import GLM5Config
-from glm5_train.job_config import compose_job
-from launch.local import nproc_for
+from glm5_train.job_config import CONFIG_DIR, TrainConfig, compose_job, one_line
+from glm5_train.model.config import GLM5Config, to_mcore_config
+from glm5_train.pipeline_plan import resolve_pipeline_layout
+from launch.local import _main_or_error, nproc_for
 from parallel.layout import LayoutError, ParallelConfig, validate_layout
 from tests.parity import REPO
 
@@ -36,8 +42,8 @@ def check(par: ParallelConfig, world: int, gbs: int = 8, mbs: int = 1, seq: int 
      "world size 2 != TP x PP x CP x parallel.data_parallel_size"),
     (ParallelConfig(sequence_parallel=True), 1, "sequence_parallel=true needs"),
     (ParallelConfig(expert_model_parallel_size=4), 2, "must divide tensor x context x data"),
-    (ParallelConfig(tensor_model_parallel_size=2, expert_tensor_parallel_size=1), 2,
-     "expert_tensor_parallel_size=1 differs"),
+    (ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True,
+                    expert_tensor_parallel_size=1), 2, "expert_tensor_parallel_size=1 differs"),
     (ParallelConfig(virtual_pipeline_model_parallel_size=2), 1, "needs pipeline_model_parallel"),
     (ParallelConfig(pipeline_zero2=True), 2, "pipeline_zero2=true with parallel.use_distributed"),
     (ParallelConfig(microbatch_group_size_per_vp_stage=2), 1, "needs the interleaved schedule"),
@@ -70,8 +76,125 @@ def test_batch_must_split_over_data_parallel():
 
 def test_valid_layout_returns_data_parallel_size():
     assert check(ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                                virtual_pipeline_model_parallel_size=2,
+                                virtual_pipeline_model_parallel_size=2, sequence_parallel=True,
                                 expert_model_parallel_size=2), 8) == 2
+
+
+# Rules megatron-core (or torch) enforces only after the process groups exist; each case's
+# comment names the check it mirrors.
+SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
+INTERLEAVED = {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}
+
+
+@pytest.mark.parametrize("par,world,model,fragment", [
+    # moe_layer.py:379, MoELayer.forward: TP > 1 needs SP in training.
+    (ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2), 2, {},
+     ("parallel.tensor_model_parallel_size=2 with parallel.sequence_parallel=false: "
+      "megatron-core's MoE layer")),
+    (ParallelConfig(tensor_model_parallel_size=2), 2, {}, "MoE layers from layer 1"),
+    # tensor_parallel/utils.py:118, VocabParallelEmbedding (and the output layer).
+    (ParallelConfig(**SP), 2, {"vocab_size": 321},
+     "model.vocab_size=321 is not divisible by parallel.tensor_model_parallel_size=2"),
+    # tensor_parallel/layers.py:842/:1166 for the dense MLP over TP...
+    (ParallelConfig(**SP), 2, {"intermediate_size": 257}, "model.intermediate_size=257"),
+    # ... the routed experts over expert TP (EP=1: ETP = TP) ...
+    (ParallelConfig(**SP), 2, {"moe_intermediate_size": 65},
+     "model.moe_intermediate_size=65 is not divisible by parallel.expert_tensor_parallel_size=2"),
+    # ... and the shared expert over TP (EP=2: ETP=1, so only the shared expert breaks).
+    (ParallelConfig(**SP, expert_model_parallel_size=2), 2, {"moe_intermediate_size": 65},
+     ("model.n_shared_experts x moe_intermediate_size=65 is not divisible by "
+      "parallel.tensor_model_parallel_size=2")),
+    # parallel_state.py:746: a VPP size, even 1, needs PP > 1.
+    (ParallelConfig(virtual_pipeline_model_parallel_size=1), 1, {},
+     "virtual_pipeline_model_parallel_size=1 needs pipeline_model_parallel_size > 1 (got 1)"),
+    # transformer_config.py:1987: DSA has no context parallelism.
+    (ParallelConfig(context_parallel_size=2), 2, {},
+     "parallel.context_parallel_size=2: megatron-core's DSA attention"),
+    # moe_layer.py:218 and token_dispatcher.py:1346.
+    (ParallelConfig(moe_token_dispatcher_type="alltoall_seq"), 1, {},
+     "parallel.moe_token_dispatcher_type='alltoall_seq': use one of"),
+    (ParallelConfig(moe_token_dispatcher_type="flex"), 1, {}, "needs tensor x expert parallel"),
+    # torch.distributed.init_process_group's backends.
+    (ParallelConfig(backend="mpi"), 1, {}, "parallel.backend='mpi': use one of"),
+    # parallel_state.py:791 builds the expert grid from ETP (0 would divide by zero).
+    (ParallelConfig(expert_tensor_parallel_size=0), 1, {},
+     "parallel.expert_tensor_parallel_size=0 must be a positive integer or null"),
+    (ParallelConfig(data_parallel_size=0), 1, {}, "parallel.data_parallel_size=0 must be"),
+    # Hydra passes a mistyped override through as a string or a bool.
+    (ParallelConfig(sequence_parallel="ture"), 1, {},
+     "parallel.sequence_parallel='ture': expected bool"),
+    (ParallelConfig(tensor_model_parallel_size=True), 1, {},
+     "parallel.tensor_model_parallel_size=True: expected int"),
+])
+def test_megatron_core_rules_fail_before_process_groups(par, world, model, fragment):
+    with pytest.raises(LayoutError) as err:
+        check(par, world, **model)
+    assert fragment in str(err.value)
+
+
+def test_dense_models_train_with_tensor_parallelism_without_sequence_parallelism():
+    # The MoE layer's rule only: with every layer dense (the MTP layer copies the last
+    # layer's kind) TP=2 without SP is megatron-core's plain tensor parallelism.
+    dense = {"first_k_dense_replace": TINY["num_hidden_layers"]}
+    assert check(ParallelConfig(tensor_model_parallel_size=2), 2, **dense) == 1
+    # A float field takes an integer (parallel.stage_memory_limit_gib=80).
+    assert check(ParallelConfig(stage_memory_limit_gib=80), 1) == 1
+
+
+@pytest.mark.parametrize("gbs,fragment", [
+    # schedules.py:1007 with the default group (model_parallel_config.py:448, group = PP):
+    # 3 micro-batches in groups of PP=2 leave a last group of 1.
+    (3, ("the interleaved schedule's micro-batch group (PP=2, as "
+         "microbatch_group_size_per_vp_stage=null): the last group would hold 1 < PP=2")),
+    # schedules.py:995: at least PP micro-batches per step.
+    (1, ("must lie in [PP=2, micro-batches per step = global_batch_size / (micro_batch_size "
+         "x data-parallel size) = 1]")),
+])
+def test_interleaved_schedule_rules_apply_to_the_default_group(gbs, fragment):
+    with pytest.raises(LayoutError) as err:
+        check(ParallelConfig(**INTERLEAVED), 2, gbs=gbs)
+    assert fragment in str(err.value)
+    assert check(ParallelConfig(**INTERLEAVED), 2, gbs=6) == 1  # 3 groups of 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deep_ep") is not None, reason="DeepEP installed")
+def test_flex_dispatcher_needs_deep_ep():
+    # token_dispatcher.py:1148: the flex dispatcher's DeepEP backend.
+    with pytest.raises(LayoutError, match="needs the DeepEP package"):
+        check(ParallelConfig(moe_token_dispatcher_type="flex", expert_model_parallel_size=2), 2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="nccl works with CUDA")
+def test_nccl_backend_needs_cuda():
+    with pytest.raises(LayoutError, match="parallel.backend='nccl' needs CUDA GPUs"):
+        check(ParallelConfig(backend="nccl"), 1)
+
+
+def _ranks_in_header(name: str) -> int | None:
+    """The process count a configs/parallel file's first line gives ('...: 4 ranks')."""
+    with open(f"{CONFIG_DIR}/parallel/{name}.yaml") as f:
+        found = re.search(r"(\d+) ranks", f.readline())
+    return int(found.group(1)) if found else None
+
+
+@pytest.mark.parametrize("name", sorted(f[:-5] for f in os.listdir(f"{CONFIG_DIR}/parallel")
+                                        if f != "glm5_slime_256gpu.yaml"))
+def test_shipped_layouts_pass_every_rule(name):
+    job = compose_job([f"parallel={name}"])
+    t = job.train
+    dp = validate_layout(job.parallel, job.model, _ranks_in_header(name) or nproc_for(job),
+                         t.global_batch_size, t.micro_batch_size, t.seq_length)
+    # And megatron-core's own config checks (TransformerConfig.__post_init__, no process
+    # group needed) accept what validation accepted.
+    job.parallel.pipeline_model_parallel_layout = resolve_pipeline_layout(job, dp)
+    to_mcore_config(job.model, job.parallel.sizes(), t.torch_dtype)
+
+
+def test_the_full_scale_layout_passes_every_rule():
+    job = compose_job(["model=glm5_744b", "parallel=glm5_slime_256gpu", "train=glm5_pretrain"])
+    t = job.train
+    assert validate_layout(job.parallel, job.model, 256, t.global_batch_size,
+                           t.micro_batch_size, t.seq_length) == 16
 
 
 def test_unknown_config_keys_are_refused():
@@ -88,22 +211,97 @@ def test_model_rules():
         GLM5Config(**{**TINY, "first_k_dense_replace": 9}).validate()
 
 
+@pytest.mark.parametrize("changes,fragment", [
+    # shared_experts.py:47: no bias with a shared expert (add_bias_linear).
+    ({"attention_bias": True}, "model.attention_bias=true"),
+    # transformer_config.py:1658 (group top-k <= groups); moe_utils.py:554 (the top-k
+    # experts come from the chosen groups: 8 experts in 4 groups of 2, 1 group chosen).
+    ({"n_group": 4, "topk_group": 5}, "model.topk_group=5 must lie in [1, n_group=4]"),
+    ({"n_group": 4, "topk_group": 1, "num_experts_per_tok": 3},
+     "model.num_experts_per_tok=3 exceeds the experts of the topk_group=1 chosen groups"),
+    # transformer_config.py:1084: the shared experts' width must be positive.
+    ({"n_shared_experts": -1}, "model.n_shared_experts=-1 must be >= 0"),
+])
+def test_megatron_core_model_rules(changes, fragment):
+    with pytest.raises(ValueError) as err:
+        GLM5Config(**{**TINY, **changes}).validate()
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("changes,fragment", [
+    # optimizer_param_scheduler.py:165 (start_wd >= 0) and torch's AdamW.
+    ({"weight_decay": -0.1}, "train.weight_decay=-0.1 must be >= 0.0"),
+    ({"adam_beta2": 1.0}, "train.adam_beta2=1.0 must lie in [0.0, 1.0)"),
+    ({"adam_eps": -1e-8}, "train.adam_eps=-1e-08 must be >= 0.0"),
+    ({"log_interval": 0}, "train.log_interval=0 must be >= 1"),
+])
+def test_optimizer_rules(changes, fragment):
+    with pytest.raises(ValueError) as err:
+        TrainConfig(**changes).validate()
+    assert fragment in str(err.value)
+
+
 def test_launcher_derives_process_count():
     assert nproc_for(compose_job([])) == 8  # the main job: TP2 x PP2 x VPP2 x DP2 (+EP2)
     assert nproc_for(compose_job(["parallel=tp2_pp2"])) == 4
     assert nproc_for(compose_job(["parallel=single"])) == 1
 
 
-def test_bad_layout_fails_before_process_groups(tmp_path):
-    # World size 2 with TP=3: the job must stop with the layout message and no gloo traffic.
+MOE_TP_NO_SP = ["parallel=single", "parallel.tensor_model_parallel_size=2",
+                "parallel.expert_model_parallel_size=2", "checkpoint.save=null"]
+
+
+def test_config_error_under_torchrun_is_one_line_from_rank_0(tmp_path):
+    """Under plain torchrun a config error prints one line, from rank 0 only, no worker
+    traceback, exits non-zero before any process group exists, and torchrun's own summary
+    names the message as the root cause. ``--tee 3`` only prefixes each worker's lines with
+    ``[default<rank>]:`` so they can be told apart. What torchrun itself still prints is not
+    ours: a 'Sending process ... closing signal SIGTERM' warning per other rank, a 'failed
+    (exitcode: 2)' and a 'no error file defined for parent' log line, and its own traceback
+    (torch/distributed/run.py raising ChildFailedError) with the failure table."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "glm5_train.train", "parallel=single", "parallel.tensor_model_parallel_size=3",
-           "checkpoint.save=null", f"hydra.run.dir={tmp_path}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+           "--tee=3", f"--log-dir={tmp_path / 'logs'}", "-m", "glm5_train.train",
+           *MOE_TP_NO_SP, f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+                          check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = proc.stdout + proc.stderr
+    workers = [line for line in out.splitlines() if line.startswith("[default")]
+    rule = ("parallel.tensor_model_parallel_size=2 with parallel.sequence_parallel=false: "
+            "megatron-core's MoE layer")
     assert proc.returncode != 0
-    assert "world size 2 is not divisible by tensor x pipeline x context parallel" in (
-        proc.stdout + proc.stderr)
-    assert not (tmp_path / "metrics.jsonl").exists()
+    assert len(workers) == 1 and workers[0].startswith(f"[default0]:glm5_train: error: {rule}")
+    assert out.count("glm5_train: error:") == 1
+    assert "Error executing job" not in out  # Hydra's per-rank report
+    assert out.count("Traceback (most recent call last)") <= 1  # torchrun's own, if any
+    frames = [line for line in out.splitlines() if line.strip().startswith('File "')]
+    assert not [f for f in frames if "torch/distributed" not in f and "<frozen runpy>" not in f]
+    assert f"traceback : {rule}" in out.split("Root Cause")[-1]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_composition_error_is_one_line_with_status_2(tmp_path):
+    # Hydra refuses an unknown key before our task function runs; a plain (one-process) run.
+    cmd = [sys.executable, "-m", "glm5_train.train", "parallel=single", "train.train_iter=3",
+           f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+                          check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        ("glm5_train: error: Could not override 'train.train_iter'. To append to your config "
+         "use +train.train_iter=3 (Key 'train_iter' is not in struct)")]
+
+
+def test_hydra_errors_read_as_one_line(capsys):
+    with pytest.raises(CompactHydraException) as err:
+        compose_job(["parallel=bogus"])
+    message = one_line(err.value)
+    assert message.startswith("In 'config': Could not find 'parallel/bogus' Available options "
+                              "in 'parallel': ep2 ")
+    assert "\n" not in message and "Config search path" not in message
+    # The launcher reports it the same way, before starting any process.
+    assert _main_or_error(["parallel=bogus"]) == 2
+    assert capsys.readouterr().err == f"launch: error: {message}\n"
 
 
 @pytest.mark.parametrize("field", ["norm_topk_prob", "rope_interleave", "indexer_rope_interleave"])

@@ -142,6 +142,24 @@ def _check_routing(cfg: GLM5Config) -> None:
     if cfg.n_group < 1 or cfg.n_routed_experts % cfg.n_group:
         raise ValueError(f"model.n_group={cfg.n_group} must divide n_routed_experts="
                          f"{cfg.n_routed_experts}")
+    if cfg.n_group > 1:
+        _check_group_routing(cfg)
+    if cfg.n_shared_experts < 0:  # transformer_config.py:1084 (shared width must be > 0)
+        raise ValueError(f"model.n_shared_experts={cfg.n_shared_experts} must be >= 0")
+
+
+def _check_group_routing(cfg: GLM5Config) -> None:
+    """megatron-core's group-limited routing: transformer_config.py:1658 (topk_group <= n_group)
+    and moe_utils.py:554 (the top-k experts come from the topk_group chosen groups)."""
+    per_group = cfg.n_routed_experts // cfg.n_group
+    if not 1 <= cfg.topk_group <= cfg.n_group:
+        raise ValueError(f"model.topk_group={cfg.topk_group} must lie in [1, n_group="
+                         f"{cfg.n_group}] (groups chosen per token)")
+    if cfg.num_experts_per_tok > cfg.topk_group * per_group:
+        raise ValueError(
+            f"model.num_experts_per_tok={cfg.num_experts_per_tok} exceeds the experts of the "
+            f"topk_group={cfg.topk_group} chosen groups ({cfg.topk_group} x {per_group} experts "
+            "per group): raise model.topk_group or lower num_experts_per_tok")
 
 
 def _check_attention(cfg: GLM5Config) -> None:
@@ -158,6 +176,11 @@ def _check_attention(cfg: GLM5Config) -> None:
                              f"implemented; set model.{name}=true")
     if cfg.hidden_act != "silu":
         raise ValueError(f"model.hidden_act={cfg.hidden_act!r}: GLM-5 uses 'silu' (SwiGLU)")
+    if cfg.attention_bias:
+        # to_mcore_config maps it to add_bias_linear, which megatron-core's shared expert
+        # refuses (shared_experts.py:47), as do our replicated MLA down projections.
+        raise ValueError("model.attention_bias=true: GLM-5's linears have no bias and biased "
+                         "MoE / MLA layers are not supported; set model.attention_bias=false")
 
 
 def _check_mtp(cfg: GLM5Config) -> None:
