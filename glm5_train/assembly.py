@@ -19,7 +19,9 @@ The order is forced by what each step needs from the ones before it:
    the distributed optimizer at its slices, then **Muon** replaces the torch optimizer inside
    megatron's wrappers (after ZeRO2: distributed Muon reads the slices ZeRO2 provides).
 9. **Scheduler**, then the **schedule hooks** (grad scaling, finalize, no-sync, grad sync) that
-   megatron-core's pipeline schedules call, which need the optimizer and ZeRO2.
+   megatron-core's pipeline schedules call, which need the optimizer and ZeRO2; last, the
+   per-parameter gradient norms (``train.log_param_grad_norms``), which read where the
+   optimizer finds each gradient slice.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from parallel import mcore_compat, process_groups
 from parallel.device import comm_device
 from parallel.distributed_muon import install_distributed_muon
 from parallel.embedding_tie import EmbeddingTie
+from parallel.grad_norms import ParamGradNorms
 from parallel.layout import validate_layout
 from parallel.muon import MuonConfig, install_on_fp32_optimizer, matrix_layouts
 from parallel.pipeline_zero2 import PipelineZero2, attach_to_optimizer
@@ -64,6 +67,7 @@ class Runtime:
     scheduler: object
     dataset: object
     zero2: PipelineZero2 | None = None
+    param_grad_norms: ParamGradNorms | None = None  # train.log_param_grad_norms
 
     @property
     def dp_rank(self) -> int:
@@ -99,7 +103,8 @@ def assemble(job: JobConfig) -> Runtime:
         install_muon(optimizer, chunks, job, config, groups)
     scheduler = build_scheduler(optimizer, job.train, job.train.train_iters)
     attach_schedule_hooks(chunks, config, optimizer, groups, embedding_tie, zero2)
-    return Runtime(job, config, groups, chunks, optimizer, scheduler, dataset, zero2)
+    norms = ParamGradNorms(chunks, optimizer, zero2) if job.train.log_param_grad_norms else None
+    return Runtime(job, config, groups, chunks, optimizer, scheduler, dataset, zero2, norms)
 
 
 def validate_job(job: JobConfig) -> int:

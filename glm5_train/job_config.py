@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.errors import CompactHydraException
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from glm5_train.checkpoint import CheckpointConfig
 from glm5_train.data import DataConfig
@@ -26,6 +28,22 @@ from parallel.layout import ParallelConfig
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# Config errors are the user's to fix: the job and the launcher report them in one line, with
+# no traceback. Hydra's compact exceptions are its composition errors (unknown key, missing
+# group option, bad override syntax); OmegaConf's are interpolation errors.
+CONFIG_ERRORS = (ValueError, FileNotFoundError, CompactHydraException, OmegaConfBaseException)
+
+
+def one_line(err: BaseException) -> str:
+    """A config error's message on one line; for a Hydra error with the OmegaConf error behind
+    it (e.g. "Key 'train_iter' is not in struct"), that error's first line too. A missing group
+    option's message lists the options, then Hydra's config search path: that part goes."""
+    message = " ".join(str(err).split("\nConfig search path:")[0].split())
+    cause = err.__cause__
+    if isinstance(err, CompactHydraException) and isinstance(cause, OmegaConfBaseException):
+        message += f" ({str(cause).strip().splitlines()[0]})"
+    return message
 
 
 @dataclass
@@ -56,15 +74,21 @@ class TrainConfig:
     # With parallel.use_distributed_optimizer: one owner rank per matrix (true), or the naive
     # reference where every rank gathers every Muon gradient (false; for bench/muon_comm.py).
     muon_zero_redundant: bool = True
+    # Log every parameter's reduced, pre-clipping gradient L2 norm per step in metrics.jsonl
+    # (``param_grad_norms``: {global tensor name: norm}, the same names in every layout; see
+    # parallel/grad_norms.py). For parity checks and debugging: one all_gather_object per step.
+    log_param_grad_norms: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.params_dtype]
 
     def validate(self) -> None:
-        for name in ("train_iters", "global_batch_size", "micro_batch_size", "seq_length"):
+        for name in ("train_iters", "global_batch_size", "micro_batch_size", "seq_length",
+                     "log_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}={getattr(self, name)} must be >= 1")
+        _check_adam(self)
         if self.params_dtype not in _DTYPES:
             raise ValueError(f"train.params_dtype={self.params_dtype!r}: use one of "
                              f"{sorted(_DTYPES)}")
@@ -119,6 +143,20 @@ class JobConfig:
                 "(not implemented yet). Set parallel.use_distributed_optimizer=false (Muon "
                 "checkpoints then work), or checkpoint.save=null and checkpoint.load=null")
         _check_distributed_optimizer_checkpoint(self.parallel, self.checkpoint)
+
+
+def _check_adam(t: TrainConfig) -> None:
+    """torch's AdamW (built by megatron-core's get_megatron_optimizer) and megatron-core's
+    weight-decay schedule (optimizer_param_scheduler.py:165) refuse these only once the model
+    is built."""
+    default = TrainConfig()
+    for name, low, high in (("adam_beta1", 0.0, 1.0), ("adam_beta2", 0.0, 1.0),
+                            ("adam_eps", 0.0, float("inf")), ("weight_decay", 0.0, float("inf"))):
+        value = getattr(t, name)
+        if not low <= value < high:
+            bounds = f"lie in [{low}, {high})" if high < float("inf") else f"be >= {low}"
+            raise ValueError(f"train.{name}={value} must {bounds} (AdamW): use e.g. the "
+                             f"default {getattr(default, name)}")
 
 
 def _build(kind: type, group: str, values: dict[str, Any]):

@@ -7,19 +7,23 @@ record per step and saves.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import sys
 import time
 import warnings
+from typing import NoReturn
 
 import hydra
 import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException
 
-from glm5_train.assembly import Runtime, assemble, iterators
+from glm5_train.assembly import Runtime, assemble, iterators, validate_job
 from glm5_train.checkpoint import TrainState, load_checkpoint, save_checkpoint
-from glm5_train.job_config import JobConfig
+from glm5_train.job_config import CONFIG_ERRORS, JobConfig, one_line
 from glm5_train.metrics import MetricsLogger, gather_memory
 from glm5_train.model.glm5 import indexer_kl
 from glm5_train.run_dir import register_resolvers
@@ -39,6 +43,8 @@ def train_step(rt: Runtime, iterators: list) -> tuple[float, list]:
     num_micro = t.global_batch_size // (t.micro_batch_size * rt.dp_size)
     reports = run_step(rt.chunks, iterators, num_micro, t.seq_length, t.micro_batch_size,
                        rt.groups)
+    if rt.param_grad_norms is not None:  # the reduced gradients the step clips and applies
+        rt.param_grad_norms.measure()
     ok, grad_norm, _ = rt.optimizer.step()
     if not ok:
         raise FloatingPointError("optimizer step skipped: non-finite gradients")
@@ -101,7 +107,7 @@ def global_indexer_kl(kl_sum: float, queries: int) -> float:
 
 
 def _record(rt: Runtime, state, stats: dict, grad_norm: float, tokens_per_s: float) -> dict:
-    return {
+    record = {
         "step": state.iteration,
         **stats,
         "grad_norm": grad_norm,
@@ -110,6 +116,9 @@ def _record(rt: Runtime, state, stats: dict, grad_norm: float, tokens_per_s: flo
         "consumed_tokens": state.consumed_tokens,
         "consumed_samples": state.consumed_samples,
     }
+    if rt.param_grad_norms is not None:  # gathered here, outside the step's comm meter
+        record["param_grad_norms"] = rt.param_grad_norms.gather()
+    return record
 
 
 def _should_save(job: JobConfig, iteration: int) -> bool:
@@ -128,21 +137,70 @@ def quiet_megatron() -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)
 
 
+CONFIG_ERROR_STATUS = 2  # as launch.local's (and argparse's) usage errors
+# How long ranks other than 0 wait, after a config error, for the launcher to stop them.
+PEER_EXIT_WAIT_S = 60.0
+
+
 def main() -> None:
     register_resolvers()
     quiet_megatron()
+    # Without this Hydra's run_and_report prints every error itself, traceback and all, on
+    # every rank; with it errors propagate, and composition errors reach the handler below.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
 
     @hydra.main(version_base=None, config_path=_config_dir(), config_name="config")
     def _run(tree) -> None:
         quiet_megatron()  # Hydra has just (re)configured logging
-        job = JobConfig.from_hydra(tree)
+        try:  # everything that can refuse the config, before any process group exists
+            job = JobConfig.from_hydra(tree)
+            validate_job(job)
+        except CONFIG_ERRORS as err:
+            exit_on_config_error(err)
         run_dir = HydraConfig.get().runtime.output_dir
         train(job, run_dir)
         # Only on success: after a failure the other ranks may never reach a barrier, and
         # torchrun tears the job down anyway.
         _shutdown()
 
-    _run()
+    try:
+        _run()
+    except CompactHydraException as err:  # raised while composing, before _run's body
+        exit_on_config_error(err)
+
+
+def exit_on_config_error(err: BaseException) -> NoReturn:
+    """Print ``glm5_train: error: <message>`` on rank 0 only and exit with status 2.
+
+    The other ranks print nothing and wait for the launcher to stop them: torchrun stops
+    every worker as soon as the first one exits, so their exiting first could cut rank 0 off
+    before it reports. The exit is immediate (``os._exit``, after flushing): no process group
+    exists yet, so no peer can hang on this rank and there is nothing to tear down, while the
+    interpreter's teardown of torch and megatron-core alone takes 1-3 s; and nothing (Hydra's
+    error reporting included) can print after the one line."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        time.sleep(PEER_EXIT_WAIT_S)  # normally ended by torchrun's SIGTERM
+    else:
+        message = one_line(err)
+        _record_for_torchrun(message)
+        print(f"glm5_train: error: {message}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(CONFIG_ERROR_STATUS)
+
+
+def _record_for_torchrun(message: str) -> None:
+    """Leave the message where torchrun's agent reads a worker's failure (the file
+    TORCHELASTIC_ERROR_FILE names, in the JSON layout of torch.distributed.elastic's
+    ErrorHandler), so torchrun's failure summary gives it as the root cause, not a pointer
+    to its traceback docs. Not under torchrun: nothing to do."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": {"message": message, "extraInfo": {
+        "py_callstack": message, "timestamp": str(int(time.time()))}}}
+    with open(path, "w") as out:
+        json.dump(record, out)
 
 
 def _config_dir() -> str:

@@ -195,14 +195,36 @@ class CpuTorch:
         return value
 
 
+def _padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    if tensor.shape[0] == rows:
+        return tensor.contiguous()
+    out = tensor.new_zeros((rows, *tensor.shape[1:]))
+    out[:tensor.shape[0]] = tensor
+    return out
+
+
+class _DoneWork:
+    """The handle of a collective that has already completed (gloo runs these synchronously)."""
+
+    def wait(self, *_: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+_DONE = _DoneWork()
+
+
 def _as_list(sizes: Any) -> Any:
     return sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes
 
 
 class GlooDistributed:
-    """``torch.distributed`` as the MoE all-to-all needs it on gloo: gloo's binding wants the
-    split sizes as Python lists, megatron-core passes CPU tensors. Conversions are counted on
-    the owning view."""
+    """``torch.distributed`` as megatron-core's MoE token dispatch needs it on gloo: gloo's
+    all-to-all wants the split sizes as Python lists (megatron-core passes CPU tensors), and
+    gloo has no uneven all-gather / list reduce-scatter (used over the expert-TP group).
+    Conversions are counted on the owning view."""
 
     def __init__(self, view: Any) -> None:
         self._view = view
@@ -215,6 +237,33 @@ class GlooDistributed:
         return torch.distributed.all_to_all_single(
             output, input, _as_list(output_split_sizes), _as_list(input_split_sizes),
             group=group, async_op=async_op)
+
+    def all_gather(self, tensor_list, tensor, group=None, async_op=False):
+        """megatron-core all-gathers uneven parts along dim 0 (the expert-TP token gather);
+        gloo takes equal parts only: pad to the largest, gather, keep each part's rows."""
+        if len({t.shape for t in tensor_list}) <= 1:
+            return torch.distributed.all_gather(tensor_list, tensor, group=group,
+                                                async_op=async_op)
+        self._view.__dict__["redirected"] += 1
+        rows = max(t.shape[0] for t in tensor_list)
+        parts = [tensor.new_empty((rows, *tensor.shape[1:])) for _ in tensor_list]
+        torch.distributed.all_gather(parts, _padded(tensor, rows), group=group)
+        for out, part in zip(tensor_list, parts):
+            out.copy_(part[:out.shape[0]])
+        return _DONE if async_op else None
+
+    def reduce_scatter(self, output, input_list, op=None, group=None, async_op=False):
+        """megatron-core reduce-scatters uneven parts along dim 0 (the backward of the gather
+        above); gloo has no list reduce-scatter: pad every part to the largest, reduce-scatter
+        the stacked tensor, keep this rank's rows."""
+        self._view.__dict__["redirected"] += 1
+        rows = max(t.shape[0] for t in input_list)
+        stacked = torch.cat([_padded(t, rows) for t in input_list])
+        mine = stacked.new_empty((rows, *stacked.shape[1:]))
+        kwargs = {} if op is None else {"op": op}
+        torch.distributed.reduce_scatter_tensor(mine, stacked, group=group, **kwargs)
+        output.copy_(mine[:output.shape[0]])
+        return _DONE if async_op else None
 
     def __getattr__(self, name: str) -> Any:
         # Looked up afresh on every access (not cached): the communication meter wraps the

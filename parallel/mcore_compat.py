@@ -149,7 +149,8 @@ CPU_REDIRECTS: tuple[Patch, ...] = (
 
 # megatron-core files that create tensors with a literal CUDA device on the training path
 # (``device=torch.cuda.current_device()`` is CPU after the redirect and needs nothing). The
-# tensor_parallel.mappings view converts the MoE all-to-all's tensor split sizes for gloo.
+# tensor_parallel.mappings view converts the MoE all-to-all's tensor split sizes for gloo, and
+# does the uneven all-gather / list reduce-scatter of the expert-TP token dispatch on gloo.
 _CUDA_LITERAL = r"""device\s*=\s*["']cuda|torch\.device\(\s*["']cuda"""
 TORCH_VIEWS: tuple[Patch, ...] = tuple(
     Patch(f"{_MC}.{module}", "torch", TORCH_VIEW, why, uses=uses) for module, why, uses in (
@@ -157,7 +158,8 @@ TORCH_VIEWS: tuple[Patch, ...] = tuple(
         ("optimizer.optimizer", "found_inf / loss-scale buffers", _CUDA_LITERAL),
         ("pipeline_parallel.schedules", "the token count of a step", _CUDA_LITERAL),
         ("utils", "the grad-norm all-reduce buffer", _CUDA_LITERAL),
-        ("tensor_parallel.mappings", "all_to_all_single split sizes as lists for gloo",
+        ("tensor_parallel.mappings", "MoE token dispatch on gloo: all_to_all_single split "
+         "sizes as lists, uneven all_gather and list reduce_scatter",
          r"torch\.distributed\.all_to_all_single\("),
     ))
 

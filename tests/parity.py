@@ -2,7 +2,11 @@
 
 ``run_job`` launches ``torchrun -m glm5_train.train`` exactly as a user would (same Hydra
 overrides, same entry point), reads the run's ``metrics.jsonl`` and returns its step records.
-``compare`` checks per-step loss and grad norm against a reference run.
+``compare`` checks per-step losses, the global grad norm and every parameter's grad norm
+(``param_grad_norms``, by global tensor name: parallel/grad_norms.py) against a reference run.
+``assert_layout_ran`` checks, from the run's own metrics, that the layout it names really ran:
+per-rank parameter (and optimizer / gradient) bytes equal the pipeline planner's prediction for
+that layout, and the collectives ran on exactly the group sizes the layout implies.
 
 Initial weights depend only on (seed, global tensor name), see ``glm5_train/model/init_weights.py``,
 and the data order depends only on the global batch index, so any layout must reproduce the
@@ -12,10 +16,24 @@ single-process run up to floating-point reduction order.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
+from collections import defaultdict
 from dataclasses import dataclass
+
+from glm5_train.job_config import compose_job
+from glm5_train.pipeline_plan import (
+    PipelineLayout,
+    inputs_from_job,
+    layout_from_counts,
+    mtp_sets,
+    parse_layout,
+    plan_report,
+    resolve_pipeline_layout,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,19 +41,74 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_OVERRIDES = (
     "model=glm5_tiny",
     "train.train_iters=5",
-    "train.warmup_iters=1",
+    # No warm-up: megatron-core's OptimizerParamScheduler gives max_lr at step 0 when
+    # lr_warmup_steps=0 (with 1 it gives init_lr=0 to the first update), so every step after
+    # the first follows a real update (tests/test_parity.py checks the schedule).
+    "train.warmup_iters=0",
+    "train.log_param_grad_norms=true",
     "train.global_batch_size=4",
     "train.micro_batch_size=1",
     "train.seq_length=64",
     "checkpoint.save=null",
 )
 
+
+@dataclass(frozen=True)
+class Tolerances:
+    """Relative tolerances of ``compare``.
+
+    ``param``: every parameter's grad norm, relative to max(|reference|, ``param_floor`` x the
+    step's reference global grad norm). The floor is there because many tensors' gradients are
+    ~0 (experts that got no token this step: exactly 0; the DSA indexer, trained with a 1e-3
+    coefficient: ~1e-8): fp32 reduction order perturbs a gradient by ~1e-7 of the magnitudes it
+    is summed from, not of its own, so a near-zero norm's relative difference is noise. A tensor
+    below the floor holds < 1e-8 of the squared global norm; a wrong scale on a tensor above it
+    (a 2x, a missing 1/dp) moves its norm by > 0.3 relative.
+    ``param_steps``: compare per-parameter norms on the first N steps only (None: all).
+    """
+
+    loss: float
+    grad_norm: float
+    indexer_kl: float
+    param: float
+    param_floor: float = 1e-4
+    param_steps: int | None = None
+
+
 # fp32 on CPU: layouts differ only in summation order (TP partial sums, DP/EP gradient
-# reductions, the loss-token all-reduce). Over 5 AdamW steps that drifts by ~1e-6 relative;
-# 1e-4 relative on the loss leaves margin while any real bug (a wrong shard, a dropped layer,
-# a missing gradient reduction) moves the loss by >1e-2 within 2 steps.
-LOSS_RTOL = 1e-4
-GRAD_NORM_RTOL = 1e-3
+# reductions, ZeRO2's per-group reduce-scatters, the loss-token all-reduce). Measured over 5
+# steps (warm-up 0) on every layout of tests/test_parity.py, test_muon.py and test_zero2.py, the
+# largest relative differences from their references were: losses (LM and MTP) 9.0e-8, global
+# grad norm 8.6e-6, indexer KL 7.3e-5, per-parameter grad norm 1.7e-4 (floor 1e-4; these three
+# maxima all from ZeRO2 at global batch 16 against one process, step 5; plain DDP there drifts
+# to 1.3e-6 in grad norm too: a routing / top-k decision flipping amplifies the ~1e-7 rounding;
+# elsewhere <= 3.3e-6, 3.7e-5 and 5.0e-5). Each tolerance is ~10x (11 to 14x) its measured maximum.
+# A planted 1% scale on one TP shard or one expert's gradient is caught by the per-parameter
+# check alone (rel 4e-3 and 1e-2; losses moved < 4e-7, grad norm < 9e-5); a real bug (a wrong
+# shard, a dropped layer, a missing or doubled reduction) moves the tensors it touches by > 1e-1.
+FP32 = Tolerances(loss=1e-6, grad_norm=1e-4, indexer_kl=1e-3, param=2e-3)
+
+# bf16 parameters (Muon on ZeRO2 vs one process): bf16 rounding of the updated weights differs
+# by layout. Measured: losses 1.7e-4, grad norm 4.4e-4, indexer KL 1.4e-3; per-parameter norms
+# 3.0e-5 at step 1 (same bf16 weights, only reduction order) but up to 5.6e-2 by step 5 (the
+# weights have drifted apart by bf16 rounding): per-parameter norms are compared at step 1 only,
+# where a wrong scale still shows. Tolerances ~10x (12, 11, 14 and 17x) the measured maxima.
+BF16 = Tolerances(loss=2e-3, grad_norm=5e-3, indexer_kl=2e-2, param=5e-4, param_steps=1)
+
+# sqrt(sum of every parameter's squared norm) against megatron-core's global grad norm of the
+# same run (fp32 with per-tensor sums, ours in float64): measured <= 1.6e-6 relative in every
+# run, bf16 included. 2e-5 (~13x) catches a tensor counted twice or not at all (> 1e-4 of the
+# squared norm for all but the near-zero tensors the floor above also leaves out).
+NORM_SUM_RTOL = 2e-5
+
+# The planner's memory model against the bytes a run holds. Parameters: exact (the planner
+# shards GLM-5's parameter formula as our model does; neither side counts buffers such as the
+# router's expert bias). Optimizer state and gradient buffers (AdamW runs without frozen
+# parameters; the planner models neither Muon's state nor freezing): measured within 6e-4; the
+# planner leaves out megatron-core's padding (distributed optimizer: buckets to a multiple of
+# lcm(DP, 128) elements, parameter starts 64-aligned), the 4-byte Adam step counter per tensor,
+# and ZeRO2's pinned embedding-gradient copies.
+STATE_RTOL = 5e-3
 
 
 def MTP_KEYS(rtol: float, record: dict) -> list[tuple[str, float]]:
@@ -55,7 +128,7 @@ def run_job(nprocs: int, overrides: list[str], run_dir: str, timeout: int = 600)
            f"--nproc-per-node={nprocs}", "-m", "glm5_train.train",
            *BASE_OVERRIDES, *overrides, f"hydra.run.dir={run_dir}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False,
                           timeout=timeout)
     log = proc.stdout + proc.stderr
     if proc.returncode != 0:
@@ -68,20 +141,272 @@ def read_metrics(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
-def compare(reference: list[dict], candidate: list[dict], loss_rtol: float = LOSS_RTOL,
-            grad_rtol: float = GRAD_NORM_RTOL) -> list[str]:
+# ------------------------------------------------------------------------------ comparison
+
+
+def compare(reference: list[dict], candidate: list[dict], tol: Tolerances = FP32) -> list[str]:
     """Per-step differences beyond tolerance, as readable lines (empty: parity holds)."""
     problems = []
     if len(reference) != len(candidate):
         problems.append(f"step count {len(candidate)} != reference {len(reference)}")
-    for ref, got in zip(reference, candidate):
-        for key, rtol in (("loss", loss_rtol), ("grad_norm", grad_rtol),
-                          ("indexer_kl", grad_rtol), *MTP_KEYS(loss_rtol, ref)):
-            if key not in ref and key not in got:
-                continue
-            if key not in got or key not in ref:
-                problems.append(f"step {ref['step']}: {key} reported by only one run")
-            elif abs(got[key] - ref[key]) > rtol * abs(ref[key]):
-                problems.append(f"step {ref['step']} {key}: {got[key]!r} vs {ref[key]!r} "
-                                f"(rel {abs(got[key] - ref[key]) / abs(ref[key]):.2e} > {rtol})")
+    for which, records in (("reference", reference), ("candidate", candidate)):
+        problems += norm_sum_problems(records, which)
+    for index, (ref, got) in enumerate(zip(reference, candidate)):
+        for key, rtol in (("loss", tol.loss), ("grad_norm", tol.grad_norm),
+                          ("indexer_kl", tol.indexer_kl), *MTP_KEYS(tol.loss, ref)):
+            problems += _scalar_problems(ref, got, key, rtol)
+        if tol.param_steps is None or index < tol.param_steps:
+            problems += param_problems(ref, got, tol)
+    return problems
+
+
+def _scalar_problems(ref: dict, got: dict, key: str, rtol: float) -> list[str]:
+    if key not in ref and key not in got:
+        return []
+    if key not in got or key not in ref:
+        return [f"step {ref['step']}: {key} reported by only one run"]
+    if abs(got[key] - ref[key]) > rtol * abs(ref[key]):
+        return [(f"step {ref['step']} {key}: {got[key]!r} vs {ref[key]!r} "
+                 f"(rel {abs(got[key] - ref[key]) / abs(ref[key]):.2e} > {rtol})")]
+    return []
+
+
+def param_problems(ref: dict, got: dict, tol: Tolerances) -> list[str]:
+    """Every parameter's grad norm of one step against the reference's (same global names)."""
+    step = ref["step"]
+    if "param_grad_norms" not in ref or "param_grad_norms" not in got:
+        return [(f"step {step}: param_grad_norms missing (run with "
+                 "train.log_param_grad_norms=true, as BASE_OVERRIDES does)")]
+    want, have = ref["param_grad_norms"], got["param_grad_norms"]
+    if set(want) != set(have):
+        return [(f"step {step}: parameter names differ: only in the reference "
+                 f"{sorted(set(want) - set(have))[:5]}, only in the candidate "
+                 f"{sorted(set(have) - set(want))[:5]}")]
+    floor = tol.param_floor * ref["grad_norm"]
+    problems = []
+    for name in sorted(want):
+        scale = max(abs(want[name]), floor)
+        if abs(have[name] - want[name]) > tol.param * scale:
+            problems.append(f"step {step} grad norm of {name}: {have[name]:.6e} vs "
+                            f"{want[name]:.6e} (rel {abs(have[name] - want[name]) / scale:.2e} "
+                            f"> {tol.param})")
+    return problems
+
+
+def norm_sum_problems(records: list[dict], which: str) -> list[str]:
+    """The per-parameter norms must make up the run's own global grad norm: each gradient
+    element counted once, whatever the layout."""
+    problems = []
+    for record in records:
+        norms = record.get("param_grad_norms")
+        if not norms:
+            continue
+        total = math.sqrt(sum(v * v for v in norms.values()))
+        if abs(total - record["grad_norm"]) > NORM_SUM_RTOL * record["grad_norm"]:
+            problems.append(f"{which} step {record['step']}: the per-parameter norms give "
+                            f"{total:.8e}, the run's grad norm is {record['grad_norm']:.8e} "
+                            f"(rel > {NORM_SUM_RTOL}): a tensor counted twice or not at all")
+    return problems
+
+
+# ------------------------------------------------------------------ the layout really ran
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The parallel sizes a job's config implies for ``world`` processes."""
+
+    world: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    ep: int
+    etp: int
+    sequence_parallel: bool
+    distributed_optimizer: bool
+    zero2: bool
+    pipeline: PipelineLayout
+    moe: bool  # the model has routed experts (the MTP layer is of the last decoder layer's kind)
+    expert_bias: bool  # the router's expert bias is updated (an all-reduce over TP x CP x DP)
+    muon: str | None  # None (AdamW), "plain", "owners" or "naive" (distributed Muon)
+    tied: bool
+
+    @property
+    def expert_dp(self) -> int:
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)
+
+    def pipeline_rank(self, rank: int) -> int:
+        # megatron-core's default rank order "tp-cp-ep-dp-pp": pipeline outermost.
+        return rank // (self.world // self.pp)
+
+    @property
+    def embedding_holders(self) -> int:
+        """Pipeline ranks holding a word-embedding copy (EmbeddingTie's all-reduce group)."""
+        holders = {0}
+        if self.pipeline.mtp_stage is not None:
+            holders.add(self.pipeline.rank_of(self.pipeline.mtp_stage))
+        if self.tied:
+            holders.add(self.pp - 1)
+        return len(holders)
+
+
+def layout_of(job, world: int) -> Layout:
+    par, model = job.parallel, job.model
+    tp, pp, cp = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                  par.context_parallel_size)
+    dp = world // (tp * pp * cp)
+    muon = None
+    if job.train.optimizer == "muon":
+        muon = ("plain" if not par.use_distributed_optimizer
+                else "owners" if job.train.muon_zero_redundant else "naive")
+    return Layout(world, tp, pp, cp, dp, par.expert_model_parallel_size, par.expert_tp,
+                  par.sequence_parallel, par.use_distributed_optimizer, par.pipeline_zero2,
+                  pipeline_of(job, dp), any(model.moe_layer_pattern),
+                  model.topk_method == "noaux_tc", muon, model.tie_word_embeddings)
+
+
+def pipeline_of(job, dp: int) -> PipelineLayout:
+    """The stages the job runs: its resolved layout (given, or balanced for the MTP placement),
+    else megatron-core's even split (PP=1: one stage holding everything)."""
+    par, model = job.parallel, job.model
+    pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
+    layers, sets = model.num_hidden_layers, mtp_sets(model)
+    resolved = resolve_pipeline_layout(job, dp)
+    if resolved:
+        return parse_layout(resolved, pp, vpp, layers, sets)
+    stages = pp * (vpp or 1)
+    return layout_from_counts([layers // stages] * stages, pp, vpp,
+                              stages - 1 if sets else None, sets)
+
+
+def assert_layout_ran(result: JobResult, nprocs: int, overrides: list[str]) -> None:
+    """The run's own metrics show the layout ``overrides`` names: the planner's bytes per rank
+    and exactly the collective group sizes that layout implies (every step)."""
+    job = compose_job([*BASE_OVERRIDES, *overrides])
+    layout = layout_of(job, nprocs)
+    problems = pipeline_log_problems(result.log, layout)
+    problems += memory_problems(result.records[-1], job, layout)
+    for record in result.records:
+        problems += comm_problems(record, layout)
+    assert not problems, (f"the run does not show the layout {overrides} on {nprocs} "
+                          "processes:\n" + "\n".join(problems))
+
+
+def pipeline_log_problems(log: str, layout: Layout) -> list[str]:
+    """A balanced layout is printed by the job: it must be the one the planner gives."""
+    printed = re.findall(r"^pipeline layout: (\S+)", log, flags=re.MULTILINE)
+    want = layout.pipeline.to_string()
+    return [f"the job printed pipeline layout {p!r}, the planner gives {want!r}"
+            for p in printed if p != want]
+
+
+def memory_problems(record: dict, job, layout: Layout) -> list[str]:
+    """Per global rank: parameter bytes exactly as planned; for AdamW runs without frozen
+    parameters also optimizer-state and gradient bytes within STATE_RTOL."""
+    inputs = inputs_from_job(job, layout.dp)
+    report = plan_report(job.model, layout.pipeline, inputs)
+
+    def per_rank(field: str) -> list[int]:
+        by_stage = [sum(getattr(s.costs, field) for s in report.stages if s.rank == r)
+                    for r in range(layout.pp)]
+        return [by_stage[layout.pipeline_rank(g)] for g in range(layout.world)]
+
+    problems = []
+    if record["param_bytes"] != per_rank("param_bytes"):
+        problems.append(f"param_bytes per rank {record['param_bytes']} != planned "
+                        f"{per_rank('param_bytes')}")
+    frozen = job.dsa.stage == "dense_warmup" or job.dsa.freeze_indexer
+    if layout.muon or frozen:
+        return problems
+    measured_grads = record["grad_buffer_bytes"]
+    planned_grads = per_rank("grad_bytes")
+    if layout.zero2:  # its slices plus two accumulation buffers (pinned copies left out)
+        if "zero2_slice_bytes" not in record:
+            return [*problems, ("no zero2_slice_bytes in metrics.jsonl: Pipeline ZeRO2 did not "
+                                "hold the gradients")]
+        measured_grads = [s + a for s, a in zip(record["zero2_slice_bytes"],
+                                                 record["zero2_accum_bytes"])]
+        accum = [2 * max(s.costs.accum_grad_bytes for s in report.stages if s.rank == r)
+                 for r in range(layout.pp)]
+        planned_grads = [g + accum[layout.pipeline_rank(r)] for r, g in enumerate(planned_grads)]
+    for name, measured, planned in (
+            ("optimizer_state_bytes", record["optimizer_state_bytes"],
+             per_rank("optimizer_bytes")),
+            ("gradient bytes", measured_grads, planned_grads)):
+        if any(abs(m - p) > STATE_RTOL * p for m, p in zip(measured, planned)):
+            problems.append(f"{name} per rank {measured} vs planned {planned} "
+                            f"(beyond {STATE_RTOL} relative)")
+    return problems
+
+
+COMM_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send", "recv",
+            "broadcast")
+
+
+def expected_group_sizes(layout: Layout) -> dict[str, set[int]]:
+    """Group sizes (> 1) each collective must run on in one step of this layout, and no other:
+    the communication each parallel dimension implies."""
+    ops: dict[str, set[int]] = defaultdict(set)
+    ops["all_reduce"].add(layout.world)  # the step's losses, summed over the world
+    if layout.pp > 1:  # activations and their gradients; the token count from the last stage
+        ops["send"].add(layout.pp)
+        ops["recv"].add(layout.pp)
+        ops["broadcast"].add(layout.pp)
+        if layout.pp == 2:  # megatron-core's _p2p_ops sends one direction on WORLD at PP=2
+            ops["send"].add(layout.world)
+            ops["recv"].add(layout.world)
+    if layout.tp > 1:  # vocab-parallel cross-entropy; row-parallel outputs or SP norms' grads
+        ops["all_reduce"].add(layout.tp)
+        if layout.sequence_parallel:  # the sequence gathered before, scattered after TP regions
+            ops["all_gather"].add(layout.tp)
+            ops["reduce_scatter"].add(layout.tp)
+        if layout.muon:  # Muon orthogonalises TP-split matrices whole: gathered over TP
+            ops["all_gather"].add(layout.tp)
+    if layout.moe and layout.ep > 1:  # token dispatch, and its tokens-per-expert counts
+        ops["all_to_all"].add(layout.ep)
+        # megatron-core's alltoall dispatcher gathers the counts over its TP x EP group,
+        # expert-TP x EP ranks (just EP with expert-TP 1)
+        ops["all_gather"].add(layout.ep * layout.etp)
+    if layout.moe and layout.etp > 1:  # tokens gathered over the expert-TP group
+        ops["all_gather"].add(layout.etp)
+        ops["reduce_scatter"].add(layout.etp)
+    if layout.moe and layout.expert_bias:  # tokens per expert for the expert-bias update
+        ops["all_reduce"].add(layout.tp * layout.cp * layout.dp)
+    ops["all_reduce"].add(layout.dp)  # finalize's token count over DP x CP
+    ops["all_reduce"].add(layout.embedding_holders)  # EmbeddingTie's sum over stages
+    for size in (layout.dp, *((layout.expert_dp,) if layout.moe else ())):
+        _gradient_reduction(ops, size, layout)
+    return {op: {n for n in sizes if n > 1} for op, sizes in ops.items()}
+
+
+def _gradient_reduction(ops: dict[str, set[int]], size: int, layout: Layout) -> None:
+    """Dense gradients over DP, expert gradients over expert-DP: plain DDP all-reduces; the
+    distributed optimizer (and ZeRO2) reduce-scatters, then all-gathers the updated parameters
+    (distributed Muon moves gradient pieces to the matrix owners with an all-to-all; its
+    owners' variant replaces that all-gather by all-to-alls too)."""
+    if not layout.distributed_optimizer:
+        ops["all_reduce"].add(size)
+        return
+    ops["reduce_scatter"].add(size)
+    if layout.muon in ("owners", "naive"):
+        ops["all_to_all"].add(size)
+    if layout.muon != "owners":
+        ops["all_gather"].add(size)
+
+
+def comm_problems(record: dict, layout: Layout) -> list[str]:
+    """The step's collectives ran on exactly the expected group sizes (> 1), on some rank."""
+    seen: dict[str, set[int]] = defaultdict(set)
+    for key, counts in record["comm_by_op"].items():
+        op, size = key.rsplit(":", 1)
+        if int(size) > 1 and any(counts["calls"]):
+            seen[op].add(int(size))
+    want = expected_group_sizes(layout)
+    problems = []
+    for op in sorted(set(seen) | set(want)):
+        if seen.get(op, set()) != want.get(op, set()):
+            problems.append(f"step {record['step']} {op}: ran on group sizes "
+                            f"{sorted(seen.get(op, set()))}, the layout implies "
+                            f"{sorted(want.get(op, set()))}")
     return problems

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.parity import compare, run_job
+from tests.parity import assert_layout_ran, compare, run_job
 
 BATCH = ["train.global_batch_size=16"]
 ZERO2 = ["parallel.use_distributed_optimizer=true", "parallel.pipeline_zero2=true"]
@@ -20,12 +20,17 @@ ZERO2 = ["parallel.use_distributed_optimizer=true", "parallel.pipeline_zero2=tru
 
 @pytest.fixture(scope="module")
 def plain_ddp(tmp_path_factory):
-    return run_job(4, ["parallel=pp2_vpp2", *BATCH],
-                   str(tmp_path_factory.mktemp("ddp"))).records
+    overrides = ["parallel=pp2_vpp2", *BATCH]
+    result = run_job(4, overrides, str(tmp_path_factory.mktemp("ddp")))
+    assert_layout_ran(result, 4, overrides)
+    return result.records
 
 
 def test_zero2_matches_plain_ddp_and_reduces_once_per_group(plain_ddp, tmp_path):
-    zero2 = run_job(4, ["parallel=pp2_vpp2", *BATCH, *ZERO2], str(tmp_path / "zero2")).records
+    overrides = ["parallel=pp2_vpp2", *BATCH, *ZERO2]
+    result = run_job(4, overrides, str(tmp_path / "zero2"))
+    assert_layout_ran(result, 4, overrides)
+    zero2 = result.records
     problems = compare(plain_ddp, zero2)
     assert not problems, "\n".join(problems)
     ddp, ours = plain_ddp[-1], zero2[-1]
@@ -49,9 +54,11 @@ def test_zero2_matches_plain_ddp_and_reduces_once_per_group(plain_ddp, tmp_path)
 def test_larger_microbatch_groups_reduce_scatter_once(plain_ddp, tmp_path):
     """parallel.microbatch_group_size_per_vp_stage=8: each chunk runs all 8 micro-batches in one
     group, so ZeRO2 reduce-scatters it once per step; training is unchanged."""
-    grouped = run_job(4, ["parallel=pp2_vpp2", *BATCH, *ZERO2,
-                          "parallel.microbatch_group_size_per_vp_stage=8"],
-                      str(tmp_path / "grouped")).records
+    overrides = ["parallel=pp2_vpp2", *BATCH, *ZERO2,
+                 "parallel.microbatch_group_size_per_vp_stage=8"]
+    result = run_job(4, overrides, str(tmp_path / "grouped"))
+    assert_layout_ran(result, 4, overrides)
+    grouped = result.records
     problems = compare(plain_ddp, grouped)
     assert not problems, "\n".join(problems)
     last = grouped[-1]

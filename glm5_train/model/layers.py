@@ -52,6 +52,11 @@ class LatentRMSNorm(RMSNorm):
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5) -> None:
         super().__init__(config, hidden_size, eps=self.EPS)
+        # megatron-core's finalize sums "q_layernorm"/"k_layernorm" gradients over TP, right
+        # under sequence parallelism (each TP rank saw a slice of the sequence). Without it the
+        # latent is replicated and the column-parallel up projection's backward all-reduces
+        # its input gradient: every TP rank holds the whole gradient, so it must be averaged.
+        self.weight.average_gradients_across_tp_domain = not config.sequence_parallel
 
 
 class MLACoreAttention(MegatronModule):
