@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
@@ -56,8 +55,7 @@ class MLADownProjection(MegatronModule):
         out = F.linear(x, self.weight)
         if self.rope_dims and not self.config.sequence_parallel and _world(self.tp_group) > 1:
             latent, rope = out.split([out.shape[-1] - self.rope_dims, self.rope_dims], dim=-1)
-            out = torch.cat([latent, copy_to_tensor_model_parallel_region(rope, self.tp_group)],
-                            dim=-1)
+            out = torch.cat([latent, _SumGradOverTP.apply(rope, self.tp_group)], dim=-1)
         return out, None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
@@ -72,3 +70,24 @@ class MLADownProjection(MegatronModule):
 
 def _world(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the TP group.
+
+    Not megatron-core's ``copy_to_tensor_model_parallel_region``: its ``_reduce`` all-reduces
+    ``grad.contiguous()`` and returns the original tensor, so a non-contiguous gradient comes
+    back unreduced. The RoPE key's gradient is one: ``torch.cat``'s backward hands each input a
+    narrow of the output gradient along the last dimension."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # A contiguous copy: never all-reduce autograd's own buffer in place (it may be shared).
+        total = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(total, group=ctx.group)
+        return total, None

@@ -118,12 +118,6 @@ def test_dsa_dense_warmup_matches_single_process(warmup_reference, tmp_path):
 DENSE = ["model.first_k_dense_replace=4", "model.mtp_num_steps=0"]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "open: without sequence parallelism the query path's gradients (linear_q_down_proj, "
-    "q_layernorm, linear_q_up_proj) differ from one process by up to 1.3e-3 relative at step 1 "
-    "(1e-6 with SP, same dense model; not DSA: also with index_topk >= seq); the doubled "
-    "latent-norm gradient (2.000x) is fixed (LatentRMSNorm averages over TP without SP). "
-    "Remove this mark once the query path matches."))
 def test_tp2_without_sequence_parallel_matches_single_process(tmp_path):
     reference = run_job(1, ["parallel=single", *DENSE], str(tmp_path / "ref")).records
     overrides = ["parallel=tp2", "parallel.sequence_parallel=false", *DENSE]

@@ -14,6 +14,9 @@ test_zero2.py and test_muon.py.
   rank's payload, sending no padding.
 - The MoE token all-to-all on gloo (megatron-core's ``mappings.all_to_all`` with tensor split
   sizes, through the device layer's view): rows and gradients reach the right ranks.
+- MLA's replicated key-value down projection without sequence parallelism
+  (parallel/mla_down_projection.py): the RoPE key's weight rows get the sum of every TP rank's
+  gradient, the latent rows only the rank's own (its up projection already summed them).
 
 Workers build the data and return it; the assertions run here, in the test process.
 """
@@ -32,12 +35,13 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.tensor_parallel import mappings
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from parallel import mcore_compat
 from parallel.comm_meter import CommMeter
 from parallel.distributed_muon import all_gather_uneven, assign_owners, gather_plans, matrix_slots
 from parallel.embedding_tie import EmbeddingTie
+from parallel.mla_down_projection import MLADownProjection
 from parallel.muon import MatrixLayout
 from parallel.pipeline_zero2 import PipelineZero2
 from tests.spawn import model_parallel, run_ranks
@@ -379,3 +383,53 @@ def test_moe_all_to_all_with_tensor_split_sizes_on_gloo():
         assert got["plain_binding_refuses_tensors"], (
             "torch's all_to_all_single now takes tensor split sizes on gloo: the mappings view "
             "in parallel/mcore_compat.py may be stale")
+
+
+# ------------------------------------------- MLA's replicated down projection, TP2 without SP
+
+LATENT, ROPE, HIDDEN, TOKENS = 4, 2, 3, 5
+
+
+def _mla_rope_grad_rank(rank: int, world_size: int) -> torch.Tensor:
+    """The key-value down projection's weight gradient on this TP rank, for the same input and
+    weight everywhere and a rank-dependent output gradient (``_mla_out_grad``)."""
+    with model_parallel(tensor_model_parallel_size=world_size):
+        config = MLATransformerConfig(
+            num_layers=1, hidden_size=HIDDEN, num_attention_heads=world_size,
+            kv_lora_rank=LATENT, qk_pos_emb_head_dim=ROPE,
+            tensor_model_parallel_size=world_size, sequence_parallel=False,
+            use_cpu_initialization=True)
+        proj = MLADownProjection(HIDDEN, LATENT + ROPE, config=config,
+                                 init_method=torch.nn.init.zeros_,
+                                 tp_comm_buffer_name="kv_down_proj",
+                                 tp_group=parallel_state.get_tensor_model_parallel_group())
+        with torch.no_grad():
+            proj.weight.copy_(_mla_weight())
+        out, _ = proj(_mla_input())
+        (out * _mla_out_grad(rank)).sum().backward()
+        return proj.weight.grad
+
+
+def _mla_input() -> torch.Tensor:
+    return torch.arange(TOKENS * HIDDEN, dtype=torch.float32).reshape(TOKENS, HIDDEN) / 7
+
+
+def _mla_weight() -> torch.Tensor:
+    return torch.ones(LATENT + ROPE, HIDDEN)
+
+
+def _mla_out_grad(rank: int) -> torch.Tensor:
+    return torch.full((TOKENS, LATENT + ROPE), rank + 1.0)
+
+
+def test_mla_down_projection_sums_the_rope_key_gradient_over_tp():
+    # torch.cat's backward hands the RoPE slice a non-contiguous gradient: megatron-core's
+    # copy_to_tensor_model_parallel_region returned it unreduced (the TP2-without-SP bug).
+    world = 2
+    results = run_ranks(world, _mla_rope_grad_rank)
+    x = _mla_input()
+    rope_total = sum(_mla_out_grad(r)[:, LATENT:] for r in range(world)).T @ x
+    for rank, grad in enumerate(results):
+        own_latent = _mla_out_grad(rank)[:, :LATENT].T @ x
+        torch.testing.assert_close(grad[:LATENT], own_latent, atol=ATOL, rtol=0)
+        torch.testing.assert_close(grad[LATENT:], rope_total, atol=ATOL, rtol=0)
