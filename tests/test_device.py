@@ -186,8 +186,9 @@ def record(kind, what):
 
 
 # Exemption, the only one: torch.cuda.is_available() is the query that our code
-# (device.install, layout.init_distributed, metrics) and megatron-core use to pick gloo and to
-# skip GPU-only branches; on a CPU build it answers False without touching a driver.
+# (mcore_compat.install, process_groups.init_distributed, metrics) and megatron-core use to
+# pick gloo and to skip GPU-only branches; on a CPU build it answers False without touching a
+# driver.
 EXEMPT = {"torch.cuda.is_available"}
 
 
