@@ -45,10 +45,9 @@ def dense_causal(q, k, v, scale):
 
 
 def dsa(q, k, v, scale, indexer, x, qr):
-    with torch.no_grad():
-        index = indexer.scores(x, qr)
-        topk = indexer.select(index)
-        valid = index.gather(-1, topk) > float("-inf")
+    with torch.no_grad():  # the blockwise selection DSACoreAttention runs
+        topk, picked = indexer.select_blockwise(x, qr)
+        valid = picked > float("-inf")
     return sparse_attention(q, k, v, topk, valid, scale)[0]
 
 

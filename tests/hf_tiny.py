@@ -7,7 +7,10 @@ mistake (a swapped norm, a missing bias) from any comparison.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.overrides import TorchFunctionMode
 
 TINY_HF_CONFIG = dict(
     vocab_size=320, hidden_size=128, num_hidden_layers=4, first_k_dense_replace=1,
@@ -38,3 +41,42 @@ def build_tiny_hf(path: str, seed: int = 0, **overrides) -> torch.nn.Module:
                 tensor.copy_(0.05 * torch.randn(tensor.shape, generator=generator))
     model.save_pretrained(path, safe_serialization=True)
     return model
+
+
+class _TopkTiesByIndex(TorchFunctionMode):
+    """``Tensor.topk`` with equal scores in index order: a stable descending sort, first k."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.Tensor.topk:
+            return func(*args, **kwargs)
+        scores, k = args[0], args[1]
+        assert kwargs.get("dim", -1) in (-1, scores.dim() - 1) and kwargs.get("largest", True)
+        ordered = scores.sort(dim=-1, descending=True, stable=True)
+        return torch.return_types.topk((ordered.values[..., :k], ordered.indices[..., :k]))
+
+
+@contextlib.contextmanager
+def hf_indexer_ties_by_index():
+    """Make HF's ``GlmMoeDsaIndexer`` break top-k ties as our selection does.
+
+    HF picks with ``torch.topk``, whose order among equal scores is unspecified (it differs
+    between CPU and CUDA and with the row's length); the indexer's ReLU makes exact-zero
+    scores common in these tiny models, and 1-3 of the 64 query rows per layer tie at the k-th
+    value. Our selection's documented rule is larger score first, then smaller key index
+    (``glm5_train.model.dsa.rank_keys``); here it is written independently, as a stable sort,
+    and applied inside the indexer only (the router's top-k is left alone).
+    """
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
+
+    original = hf.GlmMoeDsaIndexer.forward
+
+    def forward(self, *args, **kwargs):
+        with _TopkTiesByIndex():
+            return original(self, *args, **kwargs)
+
+    hf.GlmMoeDsaIndexer.forward = forward
+    try:
+        yield
+    finally:
+        hf.GlmMoeDsaIndexer.forward = original

@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from glm5_train import hf_checkpoint, hf_mapping
 from tests.hf_tiny import TINY_HF_CONFIG as TINY_HF
-from tests.hf_tiny import build_tiny_hf
+from tests.hf_tiny import build_tiny_hf, hf_indexer_ties_by_index
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "hf_checkpoint.py")
@@ -212,7 +212,7 @@ def test_imported_model_reproduces_hf_logits(hf_dir, imports, tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     ours = torch.load(tmp_path / "logits.pt")
     model = GlmMoeDsaForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
-    with torch.no_grad():
+    with torch.no_grad(), hf_indexer_ties_by_index():  # our top-k tie rule (see there)
         reference = model(ids).logits
     assert ours.shape == reference.shape
     # fp32, random unit-variance weights: summation order differs by ~1e-5 relative.

@@ -43,13 +43,13 @@ def _torchrun(nprocs: int, script: str, *args: str) -> str:
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
-    from tests.hf_tiny import build_tiny_hf
+    from tests.hf_tiny import build_tiny_hf, hf_indexer_ties_by_index
 
     root = tmp_path_factory.mktemp("hf_logits")
     hf_model = build_tiny_hf(str(root / "hf"), index_topk=TOPK)
     tokens = torch.randint(0, 320, (2, SEQ), generator=torch.Generator().manual_seed(3))
     torch.save(tokens, root / "tokens.pt")
-    with torch.no_grad():
+    with torch.no_grad(), hf_indexer_ties_by_index():  # our top-k tie rule (see there)
         reference = hf_model(tokens).logits.float()
     _torchrun(1, "tools/hf_checkpoint.py", "import", "--hf-dir", str(root / "hf"),
               "--save", str(root / "ckpt"), *MODEL, "parallel=single")

@@ -219,9 +219,10 @@ def test_sharding_divides_by_tp_ep_and_data_parallel(big):
 # -------------------------------------------------------------------------- activation bytes
 
 
-def _measured_forward_bytes(cfg: GLM5Config, seq: int, batch: int) -> int:
+def _measured_forward_bytes(cfg: GLM5Config, seq: int, batch: int,
+                            attention_mask: torch.Tensor | None = None) -> int:
     """Unique storage bytes autograd saves in one fp32 forward of the 1-process model, the
-    parameters left out."""
+    parameters left out. ``attention_mask``: [batch, 1, seq, seq], True = masked out."""
     from glm5_train.model.config import to_mcore_config
     from parallel.layout import ParallelSizes
     from glm5_train.model.glm5 import build_model_chunks
@@ -243,8 +244,29 @@ def _measured_forward_bytes(cfg: GLM5Config, seq: int, batch: int) -> int:
         tokens = torch.randint(0, 258, (batch, seq), generator=torch.Generator().manual_seed(0))
         positions = torch.arange(seq)[None].expand(batch, seq)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(tokens, positions, None, labels=tokens)
+            model(tokens, positions, attention_mask, labels=tokens)
     return sum(saved.values())
+
+
+def _estimated_forward_bytes(cfg: GLM5Config, inputs: plan.MemoryInputs) -> int:
+    """The planner's terms for what _measured_forward_bytes measures: embedding ids, the
+    decoder layers, final norm, the MTP steps, and a head + loss per prediction."""
+    steps = cfg.mtp_num_steps
+    layers = sum(memory.decoder_layer_activation_bytes(cfg, bool(moe), inputs)
+                 for moe in cfg.moe_layer_pattern)
+    return (8 * inputs.tokens + layers
+            + memory.rms_norm_bytes(inputs.tokens, cfg.hidden_size, inputs)  # final norm
+            + steps * memory.mtp_step_activation_bytes(cfg, inputs)
+            + (1 + steps) * memory.loss_head_activation_bytes(cfg, inputs))
+
+
+def _document_mask(batch: int, seq: int) -> torch.Tensor:
+    """Packed documents as data.reset_attention_mask builds them: causal within a document,
+    nothing across documents; True = masked out."""
+    doc_BS = torch.randint(0, 3, (batch, seq), generator=torch.Generator().manual_seed(1))
+    doc_BS = doc_BS.sort(-1).values
+    allowed = (doc_BS[:, :, None] == doc_BS[:, None, :]) & torch.ones(seq, seq).tril().bool()
+    return ~allowed[:, None]
 
 
 @pytest.mark.parametrize("mtp_steps", [0, 3])
@@ -259,24 +281,48 @@ def test_activation_estimate_matches_a_measured_forward(tiny, mtp_steps):
     seq, batch = 128, 2
     inputs = plan.MemoryInputs(seq_length=seq, micro_batch_size=batch, activation_bytes=4,
                                fused_attention=False)
-    layers = sum(memory.decoder_layer_activation_bytes(cfg, bool(moe), inputs)
-                 for moe in cfg.moe_layer_pattern)
-    estimate = (8 * inputs.tokens + layers
-                + memory.rms_norm_bytes(inputs.tokens, cfg.hidden_size, inputs)  # final norm
-                + mtp_steps * memory.mtp_step_activation_bytes(cfg, inputs)
-                + (1 + mtp_steps) * memory.loss_head_activation_bytes(cfg, inputs))
+    estimate = _estimated_forward_bytes(cfg, inputs)
     measured = _measured_forward_bytes(cfg, seq, batch)
     print(f"tiny forward activations, {mtp_steps} MTP steps: estimate {estimate} B, "
           f"measured {measured} B")
     assert abs(estimate - measured) <= 0.05 * measured
 
 
-def test_indexer_kl_dominates_744b_activations_at_4k(big):
-    """The [b, s, Hi, s] fp32 ReLU scores of the KL pass: 2 GiB per layer at 4K tokens."""
-    with_kl = memory.decoder_layer_activation_bytes(big, True, BIG_INPUTS)
-    without = memory.decoder_layer_activation_bytes(big, True,
-                                                  dataclasses.replace(BIG_INPUTS, dsa_kl=False))
-    assert with_kl - without > 4 * 4096 * 32 * 4096
+@pytest.mark.parametrize("document_mask", [False, True])
+def test_dense_attention_estimate_matches_a_measured_forward(tiny, document_mask):
+    """index_topk >= seq: every layer (MTP's included) runs dense attention, q/k/v padded to
+    one width on SDPA's flash kernel (layers.equal_width_attention); with packed-document
+    masks each layer also keeps a float [b, 1, s, s] mask. Measured: exact without the mask."""
+    seq, batch = 128, 2
+    cfg = dataclasses.replace(tiny, index_topk=seq)
+    inputs = plan.MemoryInputs(seq_length=seq, micro_batch_size=batch, activation_bytes=4,
+                               document_mask=document_mask)
+    estimate = _estimated_forward_bytes(cfg, inputs)
+    mask = _document_mask(batch, seq) if document_mask else None
+    measured = _measured_forward_bytes(cfg, seq, batch, mask)
+    print(f"tiny dense forward activations, document mask {document_mask}: estimate "
+          f"{estimate} B, measured {measured} B")
+    assert abs(estimate - measured) <= 0.01 * measured
+    layers = cfg.num_hidden_layers + memory.mtp_steps(cfg)
+    if document_mask:  # the mask term itself is seen: the estimate without it falls short
+        unmasked = _estimated_forward_bytes(cfg, dataclasses.replace(inputs, document_mask=False))
+        assert measured - unmasked >= 0.9 * layers * 4 * batch * seq * seq
+
+
+def _indexer_kl_bytes_744b(big, seq: int) -> int:
+    inputs = dataclasses.replace(BIG_INPUTS, seq_length=seq)
+    with_kl = memory.decoder_layer_activation_bytes(big, True, inputs)
+    return with_kl - memory.decoder_layer_activation_bytes(
+        big, True, dataclasses.replace(inputs, dsa_kl=False))
+
+
+def test_indexer_kl_bytes_grow_linearly_in_the_sequence_744b(big):
+    """The sparse-stage KL scores only the K selected keys per query: its saved bytes double
+    with the sequence at a fixed top-k (no s x s term) and stay far below the 2 GiB per layer
+    that the [b, s, Hi, s] fp32 ReLU scores of a full-row KL would keep at 4K tokens."""
+    at_4k, at_8k = _indexer_kl_bytes_744b(big, 4096), _indexer_kl_bytes_744b(big, 8192)
+    assert at_8k == 2 * at_4k
+    assert 0 < at_4k < 4 * 4096 * 32 * 4096 // 4
 
 
 # -------------------------------------------------------------------------------------- CLI

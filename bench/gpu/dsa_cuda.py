@@ -84,6 +84,7 @@ def probe_indexer(device: torch.device) -> str | None:
         _, _, _, x, qr, indexer = make_inputs(64, 2, 2, 8, torch.float32, device)
         with torch.no_grad():
             indexer.select(indexer.scores(x, qr))
+            indexer.select_blockwise(x, qr)  # what ``dsa`` runs
         sync(device)
         return None
     except Exception as exc:  # noqa: BLE001 - reported, then worked around

@@ -7,7 +7,10 @@ Per query t and earlier key s (``docs/glm5_reference.md`` sec. 3, and HF transfo
     k[s]   = LayerNorm(wk(x[s]))               one key shared by all indexer heads
     RoPE on the first ``qk_rope_head_dim`` dims of q and k, interleaved pairs (GLM-5)
     w[t,h] = weights_proj(x[t])[h] * H^-0.5
-    I[t,s] = sum_h w[t,h] * ReLU(q[t,h] . k[s] * D^-0.5),   causal, then top-k (deterministic)
+    I[t,s] = sum_h w[t,h] * ReLU(q[t,h] . k[s] * D^-0.5),   causal, then top-k
+
+Top-k is deterministic: larger score first, then smaller key index (``rank_keys``), computed
+block by block over queries and keys with a running top-k (``causal_topk``), never [S, S].
 
 The main MLA attention then attends only to the selected keys. megatron-core's experimental
 ``dsa.py`` is not used: no spec builder reaches it without Transformer Engine, its reference
@@ -45,9 +48,87 @@ from parallel.device import param_device
 CHUNK_ELEMENTS = 1 << 25
 
 
+# Keys per block of the indexer's blockwise top-k (``causal_topk``); its query block follows
+# from CHUNK_ELEMENTS so that one block's [B, T, Hi, key block] fp32 logits stay bounded.
+INDEXER_KEY_BLOCK = 2048
+
+# Selection rule, everywhere (full row and blockwise): larger score first, then smaller key
+# index. Scores are packed with their key index into one int64 that orders exactly so, which
+# makes every key distinct and torch.topk's result unique (its own tie order is unspecified).
+_LOW = 1 << 32
+_SIGN_FLIP = 0x7FFFFFFF
+
+
 def query_chunk(per_row_elements: int) -> int:
     """Query rows per chunk so that a chunk holds about CHUNK_ELEMENTS elements."""
     return max(1, CHUNK_ELEMENTS // max(1, per_row_elements))
+
+
+def rank_keys(scores: torch.Tensor, key_index: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordering (score, key index) by the selection rule: the fp32 score's bits made
+    order-preserving (negative floats' magnitude bits flipped; -0.0 folded into +0.0 so that the
+    two tie as they compare equal) in the high half, 2^32 - 1 - index in the low half."""
+    bits = (scores.float() + 0.0).view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ _SIGN_FLIP, bits).long()
+    return ordered.mul_(_LOW).add_(_LOW - 1 - key_index)  # in place: no fresh int64 pages
+
+
+def unrank_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of ``rank_keys``: (key index int64, fp32 score), bit-exact."""
+    ordered = torch.div(keys, _LOW, rounding_mode="floor")
+    index = _LOW - 1 - (keys - ordered * _LOW)
+    bits = ordered.int()
+    return index, torch.where(bits < 0, bits ^ _SIGN_FLIP, bits).view(torch.float32)
+
+
+def causal_topk(block_scores, batch: int, seq: int, topk: int,
+                allowed_BSS: torch.Tensor | None = None, query_block: int = 512,
+                key_block: int = INDEXER_KEY_BLOCK,
+                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``topk`` keys per query under causality (and ``allowed_BSS``), block by block.
+
+    ``block_scores(t0, t1)`` prepares queries t0..t1-1 and returns a function of (s0, s1)
+    giving their unmasked fp32 scores [B, t1 - t0, s1 - s0] against keys s0..s1-1. Each query
+    block keeps a running top-k of ranked keys and merges one key block at a time, so nothing
+    [S, S]-sized exists: memory is O(B x query_block x (topk + key_block)) plus the [B, S, K]
+    results. Returns the key indices [B, S, K] and their scores (-inf where a query has fewer
+    than K allowed keys), equal to ``DSAIndexer.select`` over the full masked row, ties and
+    -inf fillers included: keys past the diagonal are scanned (as -inf, not scored) up to
+    index K so that the fillers are the same lowest-index forbidden keys the full row ranks
+    first.
+    """
+    k = min(topk, seq)
+    index_BSK = torch.empty(batch, seq, k, dtype=torch.long, device=device)
+    score_BSK = torch.empty(batch, seq, k, dtype=torch.float32, device=device)
+    for t0 in range(0, seq, query_block):
+        t1 = min(seq, t0 + query_block)
+        against = block_scores(t0, t1)
+        best = torch.empty(batch, t1 - t0, 0, dtype=torch.long, device=device)
+        for s0 in range(0, max(t1, k), key_block):
+            s1 = min(max(t1, k), s0 + key_block)
+            scores = _masked_block(against, batch, (t0, t1), (s0, s1), allowed_BSS, device)
+            keys = torch.arange(s0, s1, device=device)
+            merged = torch.cat([best, rank_keys(scores, keys)], dim=-1)
+            best = merged.topk(min(k, merged.shape[-1]), dim=-1).values
+        index_BSK[:, t0:t1], score_BSK[:, t0:t1] = unrank_keys(best)
+    return index_BSK, score_BSK
+
+
+def _masked_block(against, batch: int, rows: tuple[int, int], cols: tuple[int, int],
+                  allowed_BSS: torch.Tensor | None, device) -> torch.Tensor:
+    """One block's scores, -inf at keys after the query or not allowed; blocks wholly past
+    the diagonal are not scored."""
+    (t0, t1), (s0, s1) = rows, cols
+    if s0 >= t1:
+        return torch.full((batch, t1 - t0, s1 - s0), float("-inf"), device=device)
+    scores = against(s0, s1)
+    if s1 - 1 > t0:  # the block reaches past some query's diagonal
+        future = (torch.arange(s0, s1, device=device)[None, :]
+                  > torch.arange(t0, t1, device=device)[:, None])
+        scores = scores.masked_fill_(future, float("-inf"))
+    if allowed_BSS is not None:
+        scores = scores.masked_fill_(~allowed_BSS[:, t0:t1, s0:s1], float("-inf"))
+    return scores
 
 
 def interleaved_rope(x_BSHD: torch.Tensor, positions_S: torch.Tensor, rope_dim: int,
@@ -80,32 +161,151 @@ class DSAIndexer(torch.nn.Module):
         self.k_norm = torch.nn.LayerNorm(head_dim, eps=1e-6, **kw)
         self.weights_proj = torch.nn.Linear(config.hidden_size, n_heads, bias=False, **kw)
 
-    def scores(self, x_BSH: torch.Tensor, qr_BSQ: torch.Tensor,
-               allowed_BSS: torch.Tensor | None = None) -> torch.Tensor:
-        """Index scores I [B, S, S] in fp32, -inf where causality or ``allowed`` forbids."""
-        batch, seq, _ = x_BSH.shape
-        positions = torch.arange(seq, device=x_BSH.device)
-        q_BSHD = self.wq_b(qr_BSQ).view(batch, seq, self.n_heads, self.head_dim)
-        q_BSHD = interleaved_rope(q_BSHD, positions, self.rope_dim, self.rope_theta)
+    def project(self, x_BSH: torch.Tensor, qr_BSQ: torch.Tensor):
+        """Indexer queries [B, S, Hi, Di], the shared key [B, S, Di] (both RoPE'd) and the fp32
+        head weights [B, S, Hi], already scaled by Hi^-0.5."""
+        return (self.project_queries(qr_BSQ, 0), *self.project_keys(x_BSH))
+
+    def project_queries(self, qr_BTQ: torch.Tensor, first: int) -> torch.Tensor:
+        """Queries [B, T, Hi, Di] of positions first .. first + T - 1."""
+        batch, tokens, _ = qr_BTQ.shape
+        positions = torch.arange(first, first + tokens, device=qr_BTQ.device)
+        q_BTHD = self.wq_b(qr_BTQ).view(batch, tokens, self.n_heads, self.head_dim)
+        return interleaved_rope(q_BTHD, positions, self.rope_dim, self.rope_theta)
+
+    def project_keys(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared key [B, S, Di] and the fp32 head weights [B, S, Hi]."""
+        positions = torch.arange(x_BSH.shape[1], device=x_BSH.device)
         k_BSD = self.k_norm(self.wk(x_BSH)).unsqueeze(2)
         k_BSD = interleaved_rope(k_BSD, positions, self.rope_dim, self.rope_theta).squeeze(2)
-        w_BSH = self.weights_proj(x_BSH).float() * self.n_heads ** -0.5
+        return k_BSD, self.weights_proj(x_BSH).float() * self.n_heads ** -0.5
+
+    def _block_scores(self, q_rows, k_BSD, w_BSH):
+        """``block_scores`` for ``causal_topk``: I of a block of queries against a block of
+        keys, fp32. ``q_rows(t0, t1)`` gives the block's queries [B, T, Hi, Di]."""
         scale = self.head_dim ** -0.5
+
+        def rows(t0: int, t1: int):
+            q_BTHD, w_BTH = q_rows(t0, t1).float(), w_BSH[:, t0:t1]
+
+            def against(s0: int, s1: int) -> torch.Tensor:
+                logits_BTHS = torch.einsum("bthd,bsd->bths", q_BTHD, k_BSD[:, s0:s1].float())
+                # In place: the block is the largest tensor here (autograd saves only the
+                # ReLU's output), and fresh pages for more copies cost more than arithmetic.
+                relu_BTHS = logits_BTHS.mul_(scale).relu_()
+                return torch.einsum("bth,bths->bts", w_BTH, relu_BTHS)
+
+            return against
+
+        return rows
+
+    def scores(self, x_BSH: torch.Tensor, qr_BSQ: torch.Tensor,
+               allowed_BSS: torch.Tensor | None = None) -> torch.Tensor:
+        """Index scores I [B, S, S] in fp32, -inf where causality or ``allowed`` forbids.
+        Quadratic memory: the dense warm-up KL and reference checks use it; the sparse stage
+        selects with ``select_blockwise`` and scores only the selected keys."""
+        batch, seq, _ = x_BSH.shape
+        q_BSHD, k_BSD, w_BSH = self.project(x_BSH, qr_BSQ)
+        block = self._block_scores(lambda t0, t1: q_BSHD[:, t0:t1], k_BSD, w_BSH)
         rows = query_chunk(batch * self.n_heads * seq)
-        chunks = []
-        for start in range(0, seq, rows):
-            q_BTHD = q_BSHD[:, start:start + rows].float()
-            logits_BTHS = torch.einsum("bthd,bsd->bths", q_BTHD, k_BSD.float()) * scale
-            chunks.append(torch.einsum("bth,bths->bts", w_BSH[:, start:start + rows],
-                                       F.relu(logits_BTHS)))
-        index_BSS = torch.cat(chunks, dim=1)
+        index_BSS = torch.cat([block(start, min(seq, start + rows))(0, seq)
+                               for start in range(0, seq, rows)], dim=1)
         causal = torch.ones(seq, seq, dtype=torch.bool, device=x_BSH.device).tril()
         allowed = causal if allowed_BSS is None else allowed_BSS & causal
         return index_BSS.masked_fill(~allowed, float("-inf"))
 
     def select(self, index_BSS: torch.Tensor) -> torch.Tensor:
-        """Deterministic top-k key indices [B, S, K], K = min(index_topk, S)."""
-        return index_BSS.topk(min(self.topk, index_BSS.shape[-1]), dim=-1).indices
+        """Top-k key indices [B, S, K], K = min(index_topk, S), over full rows of ``scores``:
+        larger score first, then smaller key index. The reference ``causal_topk`` (what
+        training runs) must equal; [B, S, S] int64 keys, so for tests and benchmarks only."""
+        seq = index_BSS.shape[-1]
+        keys = rank_keys(index_BSS, torch.arange(seq, device=index_BSS.device))
+        return unrank_keys(keys.topk(min(self.topk, seq), dim=-1).values)[0]
+
+    def select_blockwise(self, x_BSH: torch.Tensor, qr_BSQ: torch.Tensor,
+                         allowed_BSS: torch.Tensor | None = None, query_block: int | None = None,
+                         key_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``select(scores(...))`` and the selected scores [B, S, K], without [S, S] memory
+        (``causal_topk``). Default blocks: INDEXER_KEY_BLOCK keys, and queries so that a block's
+        [B, T, Hi, key block] logits hold about CHUNK_ELEMENTS values."""
+        batch, seq, _ = x_BSH.shape
+        key_block = key_block or INDEXER_KEY_BLOCK
+        query_block = query_block or query_chunk(batch * self.n_heads * key_block)
+        # Queries are projected block by block too: [B, S, Hi, Di] is S x Hi x Di values.
+        block = self._block_scores(lambda t0, t1: self.project_queries(qr_BSQ[:, t0:t1], t0),
+                                   *self.project_keys(x_BSH))
+        return causal_topk(block, batch, seq, self.topk, allowed_BSS, query_block, key_block,
+                           x_BSH.device)
+
+    def selected_scores(self, x_BSH: torch.Tensor, qr_BSQ: torch.Tensor,
+                        topk_BSK: torch.Tensor) -> torch.Tensor:
+        """Differentiable I at each query's selected keys only, [B, S, K] fp32 (unmasked):
+        ``scores(...).gather(-1, topk_BSK)`` at O(B S K) memory (``_SelectedScores``)."""
+        q_BSHD, k_BSD, w_BSH = self.project(x_BSH, qr_BSQ)
+        per_row = x_BSH.shape[0] * topk_BSK.shape[-1] * (self.n_heads + self.head_dim)
+        return _SelectedScores.apply(q_BSHD, k_BSD, w_BSH, topk_BSK, self.head_dim ** -0.5,
+                                     query_chunk(per_row))
+
+
+class _SelectedScores(torch.autograd.Function):
+    """I[b,t,j] = sum_h w[b,t,h] ReLU(scale q[b,t,h] . k[b, idx[b,t,j]]) by query chunks.
+
+    Autograd over a gather would save each chunk's gathered keys [B, T, K, Di] and logits
+    [B, T, K, Hi] (GB per layer at 4K tokens); this saves only q, k, w and the indices and
+    recomputes a chunk's gathered keys and logits in backward.
+    """
+
+    @staticmethod
+    def forward(ctx, q_BSHD, k_BSD, w_BSH, topk_BSK, scale: float, rows: int):
+        ctx.save_for_backward(q_BSHD, k_BSD, w_BSH, topk_BSK)
+        ctx.scale, ctx.rows = scale, rows
+        out = []
+        for start in range(0, topk_BSK.shape[1], rows):
+            chunk = slice(start, start + rows)
+            q_BTHD, w_BTH = _compute(q_BSHD[:, chunk]), _compute(w_BSH[:, chunk])
+            k_BTKD = _gather_keys(k_BSD, topk_BSK[:, chunk])
+            logits_BTKH = torch.einsum("bthd,btkd->btkh", q_BTHD, k_BTKD)
+            out.append(torch.einsum("bth,btkh->btk", w_BTH, logits_BTKH.mul_(scale).relu_()))
+        return torch.cat(out, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad_BSK):
+        q_BSHD, k_BSD, w_BSH, topk_BSK = ctx.saved_tensors
+        dq, dk, dw = (torch.zeros_like(t, dtype=_compute(t).dtype)
+                      for t in (q_BSHD, k_BSD, w_BSH))
+        for start in range(0, topk_BSK.shape[1], ctx.rows):
+            chunk = slice(start, start + ctx.rows)
+            idx_BTK = topk_BSK[:, chunk]
+            q_BTHD, w_BTH = _compute(q_BSHD[:, chunk]), _compute(w_BSH[:, chunk])
+            k_BTKD = _gather_keys(k_BSD, idx_BTK)
+            logits_BTKH = torch.einsum("bthd,btkd->btkh", q_BTHD, k_BTKD).mul_(ctx.scale)
+            positive_BTKH = logits_BTKH > 0
+            g_BTK = _compute(grad_BSK[:, chunk])
+            dw[:, chunk] = torch.einsum("btk,btkh->bth", g_BTK, logits_BTKH.relu_())
+            dlogits_BTKH = (g_BTK[..., None] * w_BTH[:, :, None, :]
+                            * positive_BTKH * ctx.scale)
+            dq[:, chunk] = torch.einsum("btkh,btkd->bthd", dlogits_BTKH, k_BTKD)
+            dk_BTKD = torch.einsum("btkh,bthd->btkd", dlogits_BTKH, q_BTHD)
+            dk.scatter_add_(1, _key_index(idx_BTK, dk.shape[-1]), dk_BTKD.flatten(1, 2))
+        return dq.to(q_BSHD.dtype), dk.to(k_BSD.dtype), dw.to(w_BSH.dtype), None, None, None
+
+
+def _compute(t: torch.Tensor) -> torch.Tensor:
+    """fp32 at least, as ``DSAIndexer.scores`` computes (fp64 stays fp64 for gradcheck)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _key_index(idx_BTK: torch.Tensor, width: int) -> torch.Tensor:
+    """Indices [B, T*K, width] for gathering / scattering rows of a [B, S, width] tensor."""
+    return idx_BTK.flatten(1)[..., None].expand(-1, -1, width)
+
+
+def _gather_keys(k_BSD: torch.Tensor, idx_BTK: torch.Tensor) -> torch.Tensor:
+    """The selected keys of a chunk of queries, [B, T, K, Di], at least fp32 (gathered
+    before the cast: only the chunk's keys are converted)."""
+    batch, tokens, picks = idx_BTK.shape
+    gathered = k_BSD.gather(1, _key_index(idx_BTK, k_BSD.shape[-1]))
+    return _compute(gathered).view(batch, tokens, picks, -1)
 
 
 class DSACoreAttention(MLACoreAttention):
@@ -138,15 +338,15 @@ class DSACoreAttention(MLACoreAttention):
         if self.indexer.topk >= query.shape[0]:
             # Every causal key is selected: sparse attention is exactly dense causal attention.
             return super().forward(query, key, value, attention_mask)
-        with torch.no_grad():
-            index_BSS = self.indexer.scores(*self._indexer_inputs(x, qr), allowed_BSS)
-            topk_BSK = self.indexer.select(index_BSS)
-            valid_BSK = index_BSS.gather(-1, topk_BSK) > float("-inf")
+        with torch.no_grad():  # blockwise: no [B, S, S] scores (see causal_topk)
+            topk_BSK, picked_BSK = self.indexer.select_blockwise(*self._indexer_inputs(x, qr),
+                                                                 allowed_BSS)
+            valid_BSK = picked_BSK > float("-inf")
         out, probs_BSK = sparse_attention(query, key, value, topk_BSK, valid_BSK,
                                           self.softmax_scale, need_probs=with_loss)
         if with_loss:
-            out = self._attach(out, sparse_indexer_kl(self, x, qr, allowed_BSS, topk_BSK,
-                                                      valid_BSK, probs_BSK))
+            out = self._attach(out, sparse_indexer_kl(self, x, qr, topk_BSK, valid_BSK,
+                                                      probs_BSK))
         return out
 
     def _attach(self, out: torch.Tensor, kl: tuple[torch.Tensor, int]) -> torch.Tensor:

@@ -10,9 +10,10 @@ indexer's distribution is the softmax of its index scores; loss = KL(target || i
   inputs detached so the KL trains the indexer and nothing else.
 - ``freeze_indexer``: no indexer loss and no indexer updates (GLM-5's RL setting).
 
-Memory: both losses materialise [B, S, S] index scores with autograd and the dense target
-materialises [B, N, S, S] probabilities: right for tests and moderate contexts, not for 202K
-tokens (that needs a fused kernel).
+Memory: the sparse-stage loss scores the indexer at the selected keys only, O(B S K) saved
+for backward (``DSAIndexer.selected_scores``). The dense warm-up loss materialises [B, S, S]
+index scores with autograd and a [B, N, S, S] target: right for tests and moderate contexts, not
+for 202K tokens (that needs a fused kernel).
 """
 
 from __future__ import annotations
@@ -99,13 +100,13 @@ def dense_indexer_kl(module, query: torch.Tensor, key: torch.Tensor, x: torch.Te
     return _kl(target_BSS, index_BSS), batch * seq
 
 
-def sparse_indexer_kl(module, x: torch.Tensor, qr: torch.Tensor,
-                      allowed_BSS: torch.Tensor | None, topk_BSK: torch.Tensor,
+def sparse_indexer_kl(module, x: torch.Tensor, qr: torch.Tensor, topk_BSK: torch.Tensor,
                       valid_BSK: torch.Tensor, probs_BSK: torch.Tensor) -> tuple:
     """Sparse-stage KL over each query's selected keys; ``probs_BSK`` is this rank's
-    head-summed attention over them."""
+    head-summed attention over them. The indexer is scored at the selected keys only (O(B S K)
+    memory); no mask is needed there: a valid pick is an allowed key, the rest are dropped."""
     target_BSK = _sum_over_tp_heads(probs_BSK.clone(), module.tp_group)
     target_BSK = target_BSK.masked_fill(~valid_BSK, 0.0)
-    index_BSS = module.indexer.scores(*_detached_inputs(module, x, qr), allowed_BSS)
-    index_BSK = index_BSS.gather(-1, topk_BSK).masked_fill(~valid_BSK, float("-inf"))
+    index_BSK = module.indexer.selected_scores(*_detached_inputs(module, x, qr), topk_BSK)
+    index_BSK = index_BSK.masked_fill(~valid_BSK, float("-inf"))
     return _kl(target_BSK, index_BSK), topk_BSK.shape[0] * topk_BSK.shape[1]

@@ -59,13 +59,39 @@ class LatentRMSNorm(RMSNorm):
         self.weight.average_gradients_across_tp_domain = not config.sequence_parallel
 
 
+def equal_width_attention(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor,
+                          allowed: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """SDPA of queries/keys [B, N, S, Dqk] and values [B, N, S, Dv] on one zero-padded width.
+
+    SDPA's flash kernel (CPU and CUDA) needs one head width for q, k and v; with Dqk != Dv
+    (glm5_tiny: 48 / 32; GLM-5's 192 + 64 RoPE = 256 = Dv needs no padding) SDPA falls back to
+    its math kernel on CPU, which materialises the [B, N, S, S] scores and probabilities (CUDA
+    has a memory-efficient kernel for unequal widths). Zero columns change no dot product and add zero
+    output columns, so padding the narrower side to max(Dqk, Dv) and slicing the output back to
+    Dv is exact. ``scale`` must be explicit: SDPA's default would use the padded width.
+    ``allowed`` (True = may attend, causality included) or, when None, plain causal attention.
+    Returns [B, N, S, Dv], a view of the padded output.
+    """
+    dqk, dv = q_BNSD.shape[-1], v_BNSD.shape[-1]
+    if dqk < dv:
+        q_BNSD, k_BNSD = F.pad(q_BNSD, (0, dv - dqk)), F.pad(k_BNSD, (0, dv - dqk))
+    elif dv < dqk:
+        v_BNSD = F.pad(v_BNSD, (0, dqk - dv))
+    # CPU SDPA has flash and math kernels only; flash takes a boolean mask too (converted to an
+    # additive [B, 1, S, S] mask it keeps for backward: S^2 per layer, not per head).
+    out_BNSD = F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, attn_mask=allowed,
+                                              is_causal=allowed is None, scale=scale)
+    return out_BNSD[..., :dv]
+
+
 class MLACoreAttention(MegatronModule):
     """Causal softmax attention for MLA, where keys/queries and values have different widths.
 
     Input ``query`` [S, B, N, Dqk], ``key`` [S, B, N, Dqk], ``value`` [S, B, N, Dv]; returns
     [S, B, N * Dv]. ``attention_mask`` (megatron convention: True = masked out) restricts the
     causal mask further, e.g. at packed-document boundaries. Extra keyword arguments (``x``,
-    ``qr`` for DeepSeek Sparse Attention) are the seam where DSA plugs in.
+    ``qr`` for DeepSeek Sparse Attention) are the seam where DSA plugs in. Runs on SDPA's
+    fused kernels through ``equal_width_attention`` (memory linear in S without a mask).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
@@ -93,8 +119,8 @@ class MLACoreAttention(MegatronModule):
             raise NotImplementedError("THD packed sequences need Transformer Engine attention")
         q_BNSD, k_BNSD, v_BNSD = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         mask = None if attention_mask is None else ~attention_mask
-        out_BNSD = F.scaled_dot_product_attention(
-            q_BNSD, k_BNSD, v_BNSD, attn_mask=mask, is_causal=mask is None,
-            scale=self.softmax_scale)
+        # SDPA's default scale, 1/sqrt(Dqk), taken before padding changes the width.
+        scale = self.softmax_scale if self.softmax_scale is not None else query.shape[-1] ** -0.5
+        out_BNSD = equal_width_attention(q_BNSD, k_BNSD, v_BNSD, mask, scale)
         seq, batch = query.shape[0], query.shape[1]
         return out_BNSD.permute(2, 0, 1, 3).reshape(seq, batch, -1)

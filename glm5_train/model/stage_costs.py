@@ -59,7 +59,10 @@ class MemoryInputs:
     # megatron-core keeps every gradient whole.
     shard_grads: bool = False
     dsa_kl: bool = True  # the indexer trains with the KL (dense_warmup estimated as sparse)
-    fused_attention: bool = True  # CUDA SDPA kernels; False: SDPA's math path (CPU)
+    # DSA's sparse attention on SDPA's fused kernels (CUDA); False: its math path (CPU, where
+    # q/k and v widths differ). Dense attention pads to one width and is fused on both.
+    fused_attention: bool = True
+    document_mask: bool = False  # data.reset_attention_mask: [b, 1, s, s] packed-document masks
 
     @property
     def expert_tp(self) -> int:
@@ -104,7 +107,8 @@ def inputs_from_job(job, dp: int | None = None, **changes) -> MemoryInputs:
         activation_bytes=2 if bf16 else 4,
         distributed_optimizer=par.use_distributed_optimizer,
         shard_grads=getattr(par, "pipeline_zero2", False),
-        dsa_kl=bool(getattr(dsa, "trains_indexer", True)))
+        dsa_kl=bool(getattr(dsa, "trains_indexer", True)),
+        document_mask=bool(getattr(getattr(job, "data", None), "reset_attention_mask", False)))
     inputs = dataclasses.replace(inputs, **changes)
     if (inputs.tp * inputs.cp * dp) % (inputs.ep * inputs.expert_tp):
         raise LayoutError(
@@ -117,9 +121,10 @@ def inputs_from_job(job, dp: int | None = None, **changes) -> MemoryInputs:
 # Bytes each tensor saved for backward holds, per rank, as our implementation saves them
 # (glm5_train/model/layers.py, dsa.py, dsa_loss.py; megatron-core's MLA, MoE and output layer).
 # ``a`` is the activation dtype's size; fp32 internals are 4 bytes, int64 indices 8, masks 1.
-# Checked: an fp32 CPU forward of the tiny model, MTP on and off (tests), and the fused-SDPA
-# terms in bf16 on an H200. Not modelled: recompute, offloading, transient workspace inside a
-# layer's forward or backward, allocator fragmentation.
+# Checked: an fp32 CPU forward of the tiny model, MTP on and off, DSA sparse and dense (the
+# latter with and without document masks) (tests), and the fused sparse-SDPA terms in bf16 on an
+# H200. Not modelled: recompute, offloading, transient workspace inside a layer's forward or
+# backward, allocator fragmentation.
 
 
 def rms_norm_bytes(tokens: int, width: int, inp: MemoryInputs) -> int:
@@ -163,19 +168,31 @@ def dsa_sparse(cfg: GLM5Config, inp: MemoryInputs) -> bool:
 def _core_attention_bytes(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> int:
     a, n, s = inp.activation_bytes, inp.tokens, inp.seq
     dqk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-    sparse = dsa_sparse(cfg, inp)
+    if not dsa_sparse(cfg, inp):
+        return _dense_attention_bytes(cfg, inp, heads)
     if not inp.fused_attention:  # SDPA's math path (CPU, where it computes in fp32): copies
         # of the scaled q, k^T and v, and the probabilities [b, heads, s, s]
         return 4 * n * heads * (2 * dqk + dv) + 4 * n * heads * s
     # Fused kernels: q, k, v and the output, an fp32 log-sum-exp per head and query, and for
     # the top-k selection the additive [b, 1, s, s] mask the kernel keeps for backward.
-    return a * n * heads * 2 * (dqk + dv) + 4 * n * heads + (a * n * s if sparse else 0)
+    return a * n * heads * 2 * (dqk + dv) + 4 * n * heads + a * n * s
+
+
+def _dense_attention_bytes(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> int:
+    """MLACoreAttention (glm5_train.model.layers.equal_width_attention): q, k, v zero-padded to
+    one width D = max(Dqk, Dv) run SDPA's flash kernel (CPU; CUDA flash or memory-efficient),
+    which keeps q, k, v and its D-wide output, and an fp32 log-sum-exp per head and query.
+    A document mask is kept as the additive [b, 1, s, s] mask SDPA converts it to, per layer."""
+    a, n, s = inp.activation_bytes, inp.tokens, inp.seq
+    width = max(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim)
+    total = 4 * a * n * heads * width + 4 * n * heads
+    return total + (a * n * s if inp.document_mask else 0)
 
 
 def _indexer_kl_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
     """The indexer's second, differentiable pass for the sparse-stage KL (dsa_loss.py). Its
     inputs are gathered to the full sequence under SP and it is replicated over TP."""
-    a, n, s, keys = inp.activation_bytes, inp.tokens, inp.seq, inp.seq_length
+    a, n, s = inp.activation_bytes, inp.tokens, inp.seq
     Hi, Di, topk = cfg.index_n_heads, cfg.index_head_dim, min(cfg.index_topk, inp.seq)
     H = cfg.hidden_size
     q_in = cfg.q_lora_rank or H
@@ -185,9 +202,10 @@ def _indexer_kl_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
         total = a * n * (q_in + H) if inp.sequence_parallel and inp.tp > 1 else 0
     total += a * n * Di + 8 * n  # wk's output and the key LayerNorm's mean and rstd
     total += 2 * a * s * cfg.qk_rope_head_dim  # RoPE cos and sin for indexer q and k
-    total += 4 * n * (Di + Hi * Di + Hi)  # fp32 k, q and head weights of the score einsums
-    total += 4 * n * Hi * keys  # ReLU(q . k) [b, s, Hi, s] in fp32: the dominant term
-    total += s * keys + 4 * n * keys  # causal mask; index scores [b, s, s] kept by the gather
+    # Scored at the selected keys only (dsa._SelectedScores): it keeps the RoPE'd q and k in
+    # the activation dtype and the fp32 head weights, and recomputes the gathered keys and
+    # the [b, s, K, Hi] logits in backward; nothing grows with s x s.
+    total += a * n * (Hi * Di + Di) + 4 * n * Hi
     return total + 18 * n * topk  # top-k ids (int64), valid mask, log-softmax, target, mask
 
 
@@ -265,10 +283,13 @@ def _attention_flops(cfg: GLM5Config, inp: MemoryInputs) -> int:
     pairs = b * s * s if sparse else b * s * (s + 1) // 2
     dims = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
     core = 6 * pairs * cfg.num_attention_heads * dims // (inp.tp * inp.cp)
-    # The indexer (replicated over TP) scores all pairs for the selection; with the KL a
-    # second differentiable pass and its backward add three more.
-    passes = (4 if inp.dsa_kl else 1) if sparse else 0
-    return core + passes * 2 * b * s * s * cfg.index_n_heads * cfg.index_head_dim // inp.cp
+    if not sparse:
+        return core
+    # The indexer (replicated over TP) scores the causal pairs for the blockwise selection;
+    # the KL scores the K selected keys per query, and its backward recomputes them and takes
+    # the q and k gradients: four passes over s x K pairs.
+    index_pairs = b * s * (s + 1) // 2 + (4 * b * s * min(cfg.index_topk, s) if inp.dsa_kl else 0)
+    return core + 2 * index_pairs * cfg.index_n_heads * cfg.index_head_dim // inp.cp
 
 
 def layer_part(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> Part:
