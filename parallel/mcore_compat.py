@@ -249,22 +249,24 @@ def _source(dotted: str) -> str:
 
 
 def stale_reason(patch: Patch) -> str | None:
-    """Why ``patch`` no longer fits the installed torch / megatron-core, or None if it fits."""
-    if patch.target in _INSTALLED:
-        return None
+    """Why ``patch`` no longer fits the installed torch / megatron-core, or None if it fits.
+    Installed or not: an installed entry is checked against the original it replaced."""
     try:
         owner = resolve_owner(patch.module)
     except (ModuleNotFoundError, AttributeError) as err:
         return f"{patch.target}: {patch.module} does not resolve ({err})"
-    present = hasattr(owner, patch.attr)
+    installed = patch.target in _INSTALLED
     if patch.binds_missing:
-        return (f"{patch.target} is now bound upstream ({patch.why}): drop the fix"
-                if present else None)
-    if not present and not patch.on_instances:
+        if not installed and hasattr(owner, patch.attr):
+            return f"{patch.target} is now bound upstream ({patch.why}): drop the fix"
+        return None
+    if not installed and not patch.on_instances and not hasattr(owner, patch.attr):
         return f"{patch.target} no longer exists ({patch.why})"
     if patch.fingerprint:
-        original = getattr(owner, patch.attr) if not patch.callers else resolve_owner(
-            patch.callers[0])
+        if patch.callers:
+            original = resolve_owner(patch.callers[0])
+        else:
+            original = _INSTALLED[patch.target] if installed else getattr(owner, patch.attr)
         got = fingerprint_of(original)
         if got != (patch.fingerprint, patch.signature):
             return (f"{patch.target}: the code it was written against changed (fingerprint, "
