@@ -78,15 +78,17 @@ class Runtime:
         return self.groups.dp.size()
 
 
-def assemble(job: JobConfig) -> Runtime:
-    """Validate, create process groups, and build data, model, optimizer and hooks, in the
-    order the module docstring explains."""
-    validate_job(job)
+def assemble(job: JobConfig, validated: bool = False) -> Runtime:
+    """Validate (unless the caller just did, ``validated``), create process groups, and build
+    data, model, optimizer and hooks, in the order the module docstring explains."""
+    if not validated:
+        validate_job(job)
     mcore_compat.install()
     process_groups.init_distributed(job.parallel, job.train.seed)
     groups = process_groups.groups()
-    dataset = build_dataset(job)
-    config, chunks = build_model(job, groups)
+    tokenizer = build_tokenizer(job.data.tokenizer)
+    dataset = build_dataset(job, tokenizer)
+    config, chunks = build_model(job, groups, tokenizer.eod)
     apply_dsa_freezing(chunks, job.dsa)
     embedding_tie = EmbeddingTie(config, job.model.tie_word_embeddings, groups.pp)
     zero2, pinned = None, []
@@ -136,8 +138,10 @@ def check_data(job: JobConfig) -> None:
         check_datasets(list(job.data.paths), job.data.split)
 
 
-def build_model(job: JobConfig, groups: ProcessGroupCollection) -> tuple[object, list]:
+def build_model(job: JobConfig, groups: ProcessGroupCollection,
+                eod_token_id: int | None = None) -> tuple[object, list]:
     """(megatron-core config, this rank's initialised model chunks), process groups existing.
+    ``eod_token_id``: the tokenizer's end-of-document token (None: the job's tokenizer's).
 
     On CUDA megatron-core builds the parameters on this rank's GPU (no CPU copy of the model);
     the few it leaves on the host (the MoE router's weight) follow with ``.to``, as
@@ -145,7 +149,7 @@ def build_model(job: JobConfig, groups: ProcessGroupCollection) -> tuple[object,
     where = comm_device()
     config = to_mcore_config(job.model, job.parallel.sizes(), job.train.torch_dtype,
                              use_cpu_initialization=where.type == "cpu")
-    eod = build_tokenizer(job.data.tokenizer).eod
+    eod = build_tokenizer(job.data.tokenizer).eod if eod_token_id is None else eod_token_id
     chunks = build_model_chunks(job.model, config, dsa_training=job.dsa, eod_token_id=eod,
                                 groups=groups)
     if where.type != "cpu":
@@ -172,8 +176,7 @@ def install_muon(optimizer, chunks: list, job: JobConfig, config,
             install_on_fp32_optimizer(sub, layouts, cfg)
 
 
-def build_dataset(job: JobConfig):
-    tokenizer = build_tokenizer(job.data.tokenizer)
+def build_dataset(job: JobConfig, tokenizer):
     if not job.data.paths:
         job.data.paths = [ensure_builtin_corpus(job.data, tokenizer)]
     samples = job.train.train_iters * job.train.global_batch_size

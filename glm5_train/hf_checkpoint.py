@@ -43,11 +43,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import (
-    ShardedTensor,
-    ShardedTensorFactory,
     is_main_replica,
 )
-from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -68,6 +65,7 @@ from glm5_train.pipeline_plan import resolve_pipeline_layout
 from parallel import mcore_compat
 from parallel.layout import validate_layout
 from parallel.process_groups import init_distributed, world_from_env
+from parallel.sharded_tensors import local_sharded_tensors
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -116,15 +114,7 @@ def local_tensors(chunks: list[torch.nn.Module]) -> list[LocalTensor]:
         chunk = getattr(chunk, "module", chunk)
         owned = {t.untyped_storage().data_ptr()
                  for t in list(chunk.parameters()) + list(chunk.buffers())}
-        sharded, _ = extract_sharded_tensors_and_factories(chunk.sharded_state_dict())
-        todo = _leaves(sharded)
-        while todo:
-            item = todo.pop(0)
-            if isinstance(item, ShardedTensorFactory):
-                todo[:0] = _leaves(item.build())
-                continue
-            if not isinstance(item, ShardedTensor):
-                continue
+        for item in local_sharded_tensors(chunk):
             if item.flattened_range is not None:
                 raise RuntimeError(f"{item.key}: flattened sharded tensors are not supported")
             if item.data.untyped_storage().data_ptr() not in owned:

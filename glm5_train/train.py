@@ -52,9 +52,11 @@ def train_step(rt: Runtime, iterators: list) -> tuple[float, list]:
     return float(grad_norm), reports
 
 
-def train(job: JobConfig, run_dir: str) -> list[dict]:
-    """Run the whole job in this (already torchrun-launched) process; returns step records."""
-    rt = assemble(job)
+def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
+    """Run the whole job in this (already torchrun-launched) process; returns step records.
+    ``validated``: ``validate_job`` has just run (the Hydra entry point runs it first, to report
+    a config error in one line)."""
+    rt = assemble(job, validated)
     state = TrainState()
     if job.checkpoint.load:
         state = load_checkpoint(job.checkpoint.load, rt.chunks, rt.optimizer, rt.scheduler,
@@ -158,7 +160,7 @@ def main() -> None:
         except CONFIG_ERRORS as err:
             exit_on_config_error(err)
         run_dir = HydraConfig.get().runtime.output_dir
-        train(job, run_dir)
+        train(job, run_dir, validated=True)
         # Only on success: after a failure the other ranks may never reach a barrier, and
         # torchrun tears the job down anyway.
         _shutdown()

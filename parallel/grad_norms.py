@@ -38,11 +38,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.utils import unwrap_model
 
 from parallel.distopt_slices import distributed_optimizers, slice_range
+from parallel.sharded_tensors import local_sharded_tensors
 
 
 @dataclass(frozen=True)
@@ -91,25 +91,7 @@ def global_names(module: torch.nn.Module) -> dict[torch.nn.Parameter, GlobalName
 
 
 def _shards(model: torch.nn.Module) -> Iterator[ShardedTensor]:
-    tensors, _ = extract_sharded_tensors_and_factories(model.sharded_state_dict())
-    pending = list(_leaves(tensors))
-    while pending:
-        item = pending.pop()
-        if isinstance(item, ShardedTensorFactory):  # e.g. SwiGLU fc1 as its two halves
-            pending.extend(_leaves(item.build()))
-        elif item.data is not None:
-            yield item
-
-
-def _leaves(tree) -> Iterator:
-    if isinstance(tree, (ShardedTensor, ShardedTensorFactory)):
-        yield tree
-    elif isinstance(tree, dict):
-        for value in tree.values():
-            yield from _leaves(value)
-    elif isinstance(tree, (list, tuple)):
-        for value in tree:
-            yield from _leaves(value)
+    return (t for t in local_sharded_tensors(model) if t.data is not None)
 
 
 def _tensor_name(shard: ShardedTensor) -> str:

@@ -13,13 +13,17 @@ import importlib.util
 
 import torch
 from megatron.core.models.gpt import GPTModel
-from megatron.core.pipeline_parallel.utils import (is_pp_first_stage, is_pp_last_stage,
-                                                   is_vp_first_stage, is_vp_last_stage)
-from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_decoder_layer_specs,
 )
+from megatron.core.pipeline_parallel.utils import (
+    is_pp_first_stage,
+    is_pp_last_stage,
+    is_vp_first_stage,
+    is_vp_last_stage,
+)
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 from megatron.core.transformer.spec_utils import ModuleSpec

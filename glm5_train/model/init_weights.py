@@ -18,8 +18,9 @@ import hashlib
 import math
 
 import torch
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+from parallel.sharded_tensors import local_sharded_tensors
 
 # Output projections of residual branches get megatron's depth-scaled init (std / sqrt(2L)).
 _RESIDUAL_OUTPUTS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight",
@@ -44,33 +45,9 @@ def initialize_weights(chunks: list[torch.nn.Module], seed: int, std: float,
 
 
 def _sharded_params(chunk: torch.nn.Module) -> list[ShardedTensor]:
-    sharded_sd = chunk.sharded_state_dict()
-    tensors_and_factories, _ = extract_sharded_tensors_and_factories(sharded_sd)
     params = {id(p) for p in chunk.parameters()}
-    candidates = _build_all(_flatten(tensors_and_factories))
-    return [t for t in candidates if id(t.data) in params or _is_param_view(t, params)]
-
-
-def _build_all(items: list) -> list[ShardedTensor]:
-    """Expand factories (e.g. the SwiGLU fc1, stored as two global tensors) into the sharded
-    tensors they build; those are views of the parameter, so writing them writes the weight."""
-    out: list[ShardedTensor] = []
-    for item in items:
-        if isinstance(item, ShardedTensorFactory):
-            out.extend(_build_all(_flatten(item.build())))
-        else:
-            out.append(item)
-    return out
-
-
-def _flatten(tree) -> list:
-    if isinstance(tree, (ShardedTensor, ShardedTensorFactory)):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in _flatten(v)]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in _flatten(v)]
-    return []
+    return [t for t in local_sharded_tensors(chunk)
+            if id(t.data) in params or _is_param_view(t, params)]
 
 
 def _is_param_view(sharded: ShardedTensor, params: set[int]) -> bool:
