@@ -18,6 +18,7 @@ from hydra.errors import CompactHydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from glm5_train.activation_config import ActivationsConfig
 from glm5_train.checkpoint import CheckpointConfig
 from glm5_train.data import DataConfig
 from glm5_train.model.config import GLM5Config
@@ -109,6 +110,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dsa: DSATrainingConfig = field(default_factory=DSATrainingConfig)
+    activations: ActivationsConfig = field(default_factory=ActivationsConfig)
 
     @classmethod
     def from_hydra(cls, tree: Any) -> "JobConfig":
@@ -121,10 +123,11 @@ class JobConfig:
             data=_build(DataConfig, "data", plain.pop("data", {})),
             checkpoint=_build(CheckpointConfig, "checkpoint", plain.pop("checkpoint", {})),
             dsa=_build(DSATrainingConfig, "dsa", plain.pop("dsa", {})),
+            activations=_build(ActivationsConfig, "activations", plain.pop("activations", {})),
         )
         if plain:
             raise ValueError(f"unknown config group(s) {sorted(plain)}: known groups are model, "
-                             "parallel, train, data, checkpoint, dsa")
+                             "parallel, train, data, checkpoint, dsa, activations")
         job.validate()
         return job
 
@@ -133,6 +136,7 @@ class JobConfig:
         self.train.validate()
         self.data.validate()
         self.dsa.validate()
+        self.activations.validate()
         _check_checkpoint(self.checkpoint)
         if (self.train.optimizer == "muon" and self.parallel.use_distributed_optimizer
                 and (self.checkpoint.save or self.checkpoint.load)):
