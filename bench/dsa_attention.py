@@ -1,114 +1,151 @@
-"""Sparse (DSA, top-k) vs dense causal MLA attention cost at long sequences, on this machine.
+"""One layer's DSA attention (absorbed sparse MLA) against the best dense attention, on this
+machine: time and memory of forward + backward at long sequences.
 
-Two figures per length: the measured time ratio of our implementation (indexer + top-k + masked
-attention on dense kernels, see ``glm5_train.model.dsa.sparse_attention``) against dense causal
-attention, and the FLOP ratio a sparse MLA kernel would get (attention over K keys per query
-plus the indexer's own S^2 scoring at its smaller width), which is where GLM-5's 1.5-2x claim
-lives. On a CPU without such a kernel DSA costs more than dense attention, and this says so.
+    python bench/dsa_attention.py [--seq 8192 16384 32768] [--heads 16] [--index-heads 8]
 
-    python bench/dsa_attention.py [--seq 4096 8192 16384] [--topk 2048]
+GLM-5's per-head shapes: latent 512 + 64 RoPE (the 576-wide latent key), q/k nope 192, value
+256, indexer heads of 128, top-k 2048; heads scaled down in GLM-5's 2:1 ratio (64 : 32) so a
+CPU finishes (default 16 attention : 8 indexer heads). Batch 1, fp32.
 
-For each sequence length, times forward + backward of the core attention alone, in the same
-process: dense causal softmax attention (the MLA core without DSA) against DSA (lightning indexer
-scores + top-k + attention over the selected keys only). Head shapes are GLM-5's per-head widths
-(q/k 256 = 192 + 64 RoPE, v 256; indexer 128-dim heads, key 128) with fewer heads so that a CPU
-finishes; the ratio depends on heads only through both sides alike. Prints the ratio
-dense/sparse per length and ends with one line ``dsa_attention: seq=<S> topk=<K> ratio=<x>``
-for the longest sequence.
+- ``dsa``: what ``DSACoreAttention`` runs in the sparse stage: the indexer's blockwise top-k
+  (no gradient), the absorbed attention over the selected latent keys
+  (``sparse_mla.absorbed_sparse_attention``: q_nope absorbed by W_UK, MQA over the latent, W_UV
+  up-projection) and the sparse-stage indexer KL with its backward.
+- ``dense``: causal attention on SDPA's flash kernel over up-projected q/k/v (256 wide,
+  ``layers.equal_width_attention``), the dense path of the model. Its key/value
+  up-projection is not timed (the absorbed side's absorption and W_UV are: conservative).
+
+Per length and variant: wall time of one forward + backward (after a short warm-up call),
+the bytes autograd saves for backward (exact: unique storages through saved_tensors_hooks,
+parameters and inputs excluded) and the peak resident-memory growth during the call (Linux
+VmHWM, reset through /proc/self/clear_refs). Last line:
+``ours=<DSA seconds at the longest S> baseline=<dense seconds there> ratio=<ours/baseline>``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
-import statistics
 import sys
 import time
+import types
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from glm5_train.model.dsa import DSAIndexer, sparse_attention  # noqa: E402
+from glm5_train.model.dsa import DSAIndexer  # noqa: E402
+from glm5_train.model.dsa_loss import sparse_indexer_kl  # noqa: E402
+from glm5_train.model.layers import equal_width_attention  # noqa: E402
+from glm5_train.model.sparse_mla import absorbed_sparse_attention  # noqa: E402
+
+LATENT, ROPE, NOPE, V, INDEX_DIM, TOPK = 512, 64, 192, 256, 128, 2048
+HIDDEN, Q_LORA = 1024, 512  # the indexer's inputs (x, qr); their widths only set its cost
+SCALE = (NOPE + ROPE) ** -0.5
 
 
-class _Cfg:  # the few TransformerConfig fields DSAIndexer reads
-    def __init__(self, hidden: int, q_lora: int) -> None:
-        self.params_dtype, self.hidden_size, self.q_lora_rank = torch.float32, hidden, q_lora
+class _Cfg:  # the TransformerConfig fields DSAIndexer reads
+    params_dtype, hidden_size, q_lora_rank = torch.float32, HIDDEN, Q_LORA
 
 
-def dense_causal(q, k, v, scale):
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), is_causal=True,
-        scale=scale)
-    return out.permute(2, 0, 1, 3).reshape(q.shape[0], q.shape[1], -1)
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith(field))
+    return int(line.split()[1])
 
 
-def dsa(q, k, v, scale, indexer, x, qr):
-    with torch.no_grad():  # the blockwise selection DSACoreAttention runs
-        topk, picked = indexer.select_blockwise(x, qr)
-        valid = picked > float("-inf")
-    return sparse_attention(q, k, v, topk, valid, scale)[0]
+class Measured:
+    """Saved-for-backward bytes (unique storages, ``exclude`` left out) and peak RSS growth."""
 
+    def __init__(self, exclude) -> None:
+        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self.saved: dict[int, int] = {}
 
-def kernel_flop_ratio(seq: int, topk: int, heads: int, index_heads: int) -> float:
-    """Dense causal attention FLOPs / (sparse attention over top-k + indexer) FLOPs, fwd."""
-    pairs_dense = seq * (seq + 1) / 2
-    pairs_sparse = sum(min(t + 1, topk) for t in range(seq))
-    attention_width = 256 + 256  # QK over 256 dims, PV over 256 dims
-    dense = 2 * pairs_dense * heads * attention_width
-    sparse = 2 * pairs_sparse * heads * attention_width + 2 * pairs_dense * index_heads * 128
-    return dense / sparse
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.exclude:
+            self.saved.setdefault(ptr, t.untyped_storage().nbytes())
+        return t
 
-
-def timed(fn, tensors, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        for t in tensors:
-            t.grad = None
+    def run(self, step) -> tuple[float, int, int]:
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")  # VmHWM := VmRSS
+        before = _status_kib("VmRSS")
         start = time.perf_counter()
-        fn().float().sum().backward()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+            loss = step()
+        loss.backward()
+        seconds = time.perf_counter() - start
+        return seconds, sum(self.saved.values()), (_status_kib("VmHWM") - before) * 1024
 
 
-def run(seq: int, topk: int, heads: int, index_heads: int, repeats: int) -> tuple[float, float]:
-    gen = torch.Generator().manual_seed(seq)
-    hidden, q_lora = 512, 256
+def dense_case(seq: int, heads: int, gen: torch.Generator):
+    q, k, v = (torch.randn(1, heads, seq, NOPE + ROPE, generator=gen).requires_grad_()
+               for _ in range(3))
 
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen).requires_grad_()
+    def step():
+        return equal_width_attention(q, k, v, None, SCALE).sum()
 
-    q, k, v = rand(seq, 1, heads, 256), rand(seq, 1, heads, 256), rand(seq, 1, heads, 256)
-    x, qr = torch.randn(1, seq, hidden, generator=gen), torch.randn(1, seq, q_lora, generator=gen)
-    indexer = DSAIndexer(_Cfg(hidden, q_lora), index_heads, 128, topk, 64, 1e6)
-    scale = 256 ** -0.5
-    dense_s = timed(lambda: dense_causal(q, k, v, scale), (q, k, v), repeats)
-    sparse_s = timed(lambda: dsa(q, k, v, scale, indexer, x, qr), (q, k, v), repeats)
-    return dense_s, sparse_s
+    return step, (q, k, v)
+
+
+def dsa_case(seq: int, heads: int, index_heads: int, gen: torch.Generator):
+    query = torch.randn(seq, 1, heads, NOPE + ROPE, generator=gen).requires_grad_()
+    latent_key = torch.randn(seq, 1, 1, LATENT + ROPE, generator=gen).requires_grad_()
+    weight = torch.nn.Parameter(torch.randn(heads, NOPE + V, LATENT, generator=gen) * 0.04)
+    x = torch.randn(seq, 1, HIDDEN, generator=gen)
+    qr = torch.randn(seq, 1, Q_LORA, generator=gen)
+    indexer = DSAIndexer(_Cfg(), index_heads, INDEX_DIM, TOPK, ROPE, 1e6)
+    module = types.SimpleNamespace(indexer=indexer, tp_group=None,
+                                   _indexer_inputs=lambda x, qr: (x.transpose(0, 1),
+                                                                  qr.transpose(0, 1)))
+
+    def step():
+        with torch.no_grad():  # the blockwise selection DSACoreAttention runs
+            topk, picked = indexer.select_blockwise(x.transpose(0, 1), qr.transpose(0, 1))
+            valid = picked > float("-inf")
+        out, probs = absorbed_sparse_attention(query, latent_key, weight[:, :NOPE],
+                                               weight[:, NOPE:], topk, valid, SCALE,
+                                               need_probs=True)
+        kl, _ = sparse_indexer_kl(module, x, qr, topk, valid, probs)
+        return out.sum() + 1e-3 * kl
+
+    return step, (query, latent_key, weight, x, qr, *indexer.parameters())
+
+
+def measure(case) -> tuple[float, int, int]:
+    step, leaves = case
+    return Measured(leaves).run(step)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 16384])
-    parser.add_argument("--topk", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--index-heads", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seq", type=int, nargs="+", default=[8192, 16384, 32768])
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--index-heads", type=int, default=8)
     args = parser.parse_args()
-    print(f"dsa_attention: heads={args.heads} index_heads={args.index_heads} topk={args.topk} "
-          f"torch threads={torch.get_num_threads()} (forward+backward, median of {args.repeats})")
-    ratio = None
+    print(f"dsa_attention: {args.heads} heads, {args.index_heads} indexer heads, top-k {TOPK}, "
+          f"torch threads {torch.get_num_threads()} (one forward + backward each)", flush=True)
+    gen = torch.Generator().manual_seed(0)
+    # Warm-up: kernels and allocator pools of both paths, at a length that does not count.
+    measure(dense_case(2 * TOPK, args.heads, gen))
+    measure(dsa_case(2 * TOPK, args.heads, args.index_heads, gen))
+    results = {}
     for seq in args.seq:
-        dense_s, sparse_s = run(seq, args.topk, args.heads, args.index_heads, args.repeats)
-        ratio = dense_s / sparse_s
-        flops = kernel_flop_ratio(seq, args.topk, args.heads, args.index_heads)
-        glm5 = kernel_flop_ratio(seq, args.topk, 64, 32)
-        print(f"seq {seq:6d}: dense {dense_s * 1e3:9.1f} ms   dsa {sparse_s * 1e3:9.1f} ms   "
-              f"measured dense/dsa {ratio:5.2f}   sparse-kernel FLOP ratio {flops:5.2f} "
-              f"(GLM-5 heads 64/32: {glm5:5.2f})")
-    print(f"dsa_attention: seq={args.seq[-1]} topk={args.topk} ratio={ratio:.3f} "
-          f"kernel_flop_ratio={flops:.3f}")
+        for name, case in (("dense", lambda: dense_case(seq, args.heads, gen)),
+                           ("dsa", lambda: dsa_case(seq, args.heads, args.index_heads, gen))):
+            seconds, saved, peak = measure(case())
+            results[name, seq] = seconds
+            print(f"seq {seq:6d} {name:5s}: {seconds:8.2f} s   saved for backward "
+                  f"{saved / 2**20:9.1f} MiB   peak RSS growth {peak / 2**20:9.1f} MiB",
+                  flush=True)
+        print(f"seq {seq:6d} dense/dsa time: {results['dense', seq] / results['dsa', seq]:.2f}x",
+              flush=True)
+    longest = args.seq[-1]
+    ours, baseline = results["dsa", longest], results["dense", longest]
+    print(f"ours={ours:.3f} baseline={baseline:.3f} ratio={ours / baseline:.3f}")
 
 
 if __name__ == "__main__":

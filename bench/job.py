@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -21,6 +22,25 @@ def run_training(nproc: int, overrides: list[str], run_dir: str, label: str) -> 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False)
     if proc.returncode:
-        raise SystemExit(f"{label} run failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+        log = proc.stdout + proc.stderr
+        raise SystemExit(f"{label} run failed (exit {proc.returncode}){root_cause(log)}:\n"
+                         f"{log[-4000:]}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as handle:
         return [json.loads(line) for line in handle if line.strip()]
+
+
+def root_cause(log: str) -> str:
+    """The job's own error line, else the first rank's exception line: the tail of a torchrun
+    log is its failure summary and the other ranks' "connection closed" errors."""
+    lines = log.splitlines()
+    for line in lines:
+        if line.startswith("glm5_train: error:"):
+            return f": {line}"
+    for line in lines:
+        text = re.sub(r"^\[rank\d+\]: ", "", line)
+        if (re.match(r"[\w.]*(Error|Exception)\b", text) and "Connection closed" not in text
+                and "ChildFailedError" not in text):
+            return f": {line.strip()}"
+    if "SIGKILL" in log:
+        return ": a rank was killed (SIGKILL; out of memory?)"
+    return ""

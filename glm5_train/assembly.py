@@ -32,6 +32,7 @@ from functools import partial
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from glm5_train.activation_memory import build_activation_tracker
 from glm5_train.data import (
     build_train_iterator,
     build_train_valid_test_datasets,
@@ -46,6 +47,7 @@ from glm5_train.optim import attach_schedule_hooks, build_optimizer, build_sched
 from glm5_train.pipeline_plan import resolve_pipeline_layout
 from glm5_train.tokenizer import build_tokenizer
 from parallel import mcore_compat, process_groups
+from parallel.activation_offload import ActivationTracker
 from parallel.device import comm_device
 from parallel.distributed_muon import install_distributed_muon
 from parallel.embedding_tie import EmbeddingTie
@@ -68,6 +70,8 @@ class Runtime:
     dataset: object
     zero2: PipelineZero2 | None = None
     param_grad_norms: ParamGradNorms | None = None  # train.log_param_grad_norms
+    # saved-for-backward bytes per step (always) and activation offloading (when configured)
+    activations: ActivationTracker | None = None
 
     @property
     def dp_rank(self) -> int:
@@ -106,7 +110,10 @@ def assemble(job: JobConfig, validated: bool = False) -> Runtime:
     scheduler = build_scheduler(optimizer, job.train, job.train.train_iters)
     attach_schedule_hooks(chunks, config, optimizer, groups, embedding_tie, zero2)
     norms = ParamGradNorms(chunks, optimizer, zero2) if job.train.log_param_grad_norms else None
-    return Runtime(job, config, groups, chunks, optimizer, scheduler, dataset, zero2, norms)
+    # After DDP: its buffers hold the parameters the meter must leave out.
+    activations = build_activation_tracker(job, chunks, groups, num_microbatches(job, groups))
+    return Runtime(job, config, groups, chunks, optimizer, scheduler, dataset, zero2, norms,
+                   activations)
 
 
 def validate_job(job: JobConfig) -> int:
@@ -147,11 +154,14 @@ def build_model(job: JobConfig, groups: ProcessGroupCollection,
     the few it leaves on the host (the MoE router's weight) follow with ``.to``, as
     megatron's own ``get_model`` moves every chunk. On CPU nothing moves."""
     where = comm_device()
+    recompute = job.activations.recompute()
     config = to_mcore_config(job.model, job.parallel.sizes(), job.train.torch_dtype,
-                             use_cpu_initialization=where.type == "cpu")
+                             use_cpu_initialization=where.type == "cpu", recompute=recompute)
     eod = build_tokenizer(job.data.tokenizer).eod if eod_token_id is None else eod_token_id
     chunks = build_model_chunks(job.model, config, dsa_training=job.dsa, eod_token_id=eod,
-                                groups=groups)
+                                groups=groups,
+                                loss_chunk_tokens=job.activations.loss_chunk_tokens,
+                                recompute=recompute)
     if where.type != "cpu":
         for chunk in chunks:
             chunk.to(where)
@@ -183,6 +193,11 @@ def build_dataset(job: JobConfig, tokenizer):
     train, _, _ = build_train_valid_test_datasets(
         job.data, tokenizer, job.train.seq_length, job.train.seed, (samples, 0, 0))
     return train
+
+
+def num_microbatches(job: JobConfig, groups: ProcessGroupCollection) -> int:
+    """Micro-batches per step on each data-parallel rank."""
+    return job.train.global_batch_size // (job.train.micro_batch_size * groups.dp.size())
 
 
 def iterators(rt: Runtime, consumed_samples: int) -> list:

@@ -137,6 +137,9 @@ class JobConfig:
         self.data.validate()
         self.dsa.validate()
         self.activations.validate()
+        self.activations.check_recompute_for(
+            self.model.mtp_num_steps if self.model.mtp_sets else 0, self.dsa.stage)
+        self.activations.check_offload_for(self.model.num_hidden_layers, self.model.mtp_sets)
         _check_checkpoint(self.checkpoint)
         if (self.train.optimizer == "muon" and self.parallel.use_distributed_optimizer
                 and (self.checkpoint.save or self.checkpoint.load)):

@@ -17,6 +17,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from parallel.activation_accounting import StepFigures
 from parallel.device import comm_device
 
 
@@ -37,6 +38,22 @@ def gather_memory() -> tuple[list[int], list[int]]:
                 for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
     return [int(t[0]) for t in gathered], [int(t[1]) for t in gathered]
+
+
+# metrics.jsonl names of parallel.activation_accounting.StepFigures' fields, lists by rank.
+SAVED_BYTES_FIELDS = {"saved_bytes_peak": "peak_bytes", "saved_bytes_total": "total_bytes",
+                      "saved_param_bytes": "param_bytes", "offloaded_bytes": "offloaded_bytes",
+                      "reloaded_bytes": "reloaded_bytes"}
+
+
+def gather_saved_bytes(figures: StepFigures) -> dict[str, list[int]]:
+    """Every rank's saved-for-backward figures of the step, in rank order, on every rank."""
+    device = comm_device()
+    local = torch.tensor([getattr(figures, f) for f in SAVED_BYTES_FIELDS.values()],
+                         dtype=torch.int64, device=device)
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return {name: [int(t[i]) for t in gathered] for i, name in enumerate(SAVED_BYTES_FIELDS)}
 
 
 class MetricsLogger:

@@ -12,16 +12,22 @@ implementation saves them for backward (checked against a measured forward in
 
 from __future__ import annotations
 
+from functools import partial
+
+from glm5_train.activation_config import ActivationsConfig
 from glm5_train.model.config import GLM5Config
 from glm5_train.model.stage_costs import (
     GLM5StageModel,
     MemoryInputs,
+    decoder_layer_activation_bytes,
     inputs_from_job,
     mtp_sets,
+    mtp_step_activation_bytes,
     mtp_steps,
 )
 from parallel.pipeline_layout import (
     NO_MEMORY_LIMIT,
+    OffloadSpec,
     PipelineLayout,
     PipelineSchedule,
     PlanReport,
@@ -37,13 +43,42 @@ __all__ = ["NO_MEMORY_LIMIT", "MemoryInputs", "PipelineLayout", "PipelineSchedul
            "parse_layout", "plan_report", "resolve_pipeline_layout"]
 
 
-def plan_report(model_cfg: GLM5Config, layout: PipelineLayout,
-                inputs: MemoryInputs) -> PlanReport:
-    """Per-stage costs and per-rank memory (static + peak in-flight activations)."""
+def plan_report(model_cfg: GLM5Config, layout: PipelineLayout, inputs: MemoryInputs,
+                activations: ActivationsConfig | None = None) -> PlanReport:
+    """Per-stage costs and per-rank memory (static + peak in-flight activations). With
+    ``activations`` offloading (``offload_micro_batches`` > 0) the peak is what stays on the
+    device and each rank reports the bytes it moves per step."""
     model = GLM5StageModel(model_cfg, inputs, len(layout.stages), layout.mtp_stage)
     schedule = PipelineSchedule(layout.pp, layout.vpp, inputs.num_microbatches,
                                 inputs.microbatch_group)
-    return plan_for(model, layout, schedule)
+    offload = None
+    if activations is not None and activations.offload_micro_batches:
+        offload = OffloadSpec(activations.offload_micro_batches, partial(
+            offloaded_unit_bytes, model_cfg, layout, inputs, activations))
+    return plan_for(model, layout, schedule, offload)
+
+
+def offloaded_unit_bytes(cfg: GLM5Config, layout: PipelineLayout, inputs: MemoryInputs,
+                         activations: ActivationsConfig, stage: int) -> list[int]:
+    """Saved bytes per micro-batch that each offloaded layer call of ``stage`` moves to host,
+    in forward order: a decoder layer's, an MTP step's (each of the MTP layer's calls). What
+    something else keeps alive does not move: in fp32 a non-first stage's first layer (and
+    its first MTP step) saves the received input itself, which megatron-core holds."""
+    first = sum(s.count("t") for s in layout.stages[:stage])
+    held = inputs.activation_bytes * inputs.sp_tokens * cfg.hidden_size \
+        if inputs.activation_bytes == 4 and stage > 0 else 0
+    units = []
+    for index in range(first, first + layout.stages[stage].count("t")):
+        if activations.offloads_layer(index):
+            moe = bool(cfg.moe_layer_pattern[index])
+            units.append(decoder_layer_activation_bytes(cfg, moe, inputs) - (
+                held if index == first else 0))
+    if stage == layout.mtp_stage:
+        for step in range(mtp_steps(cfg)):
+            if activations.offloads_layer(cfg.num_hidden_layers + step % mtp_sets(cfg)):
+                received = step == 0 and not layout.stages[stage].count("t")
+                units.append(mtp_step_activation_bytes(cfg, inputs) - (held if received else 0))
+    return units
 
 
 def balance_layout(model_cfg: GLM5Config, pp: int, vpp: int | None, placement: str,

@@ -8,6 +8,7 @@ and micro-batches (a per-micro-batch mean would weigh micro-batches with fewer l
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from functools import partial
 from typing import Any, Iterator
 
@@ -17,6 +18,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import unwrap_model
 
+from parallel.activation_offload import ActivationTracker
 from parallel.device import comm_device
 
 
@@ -33,12 +35,15 @@ def loss_func(loss_mask: torch.Tensor, take_mtp_report, output_tensor: torch.Ten
     return loss_sum, num_tokens, reports
 
 
-def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
+def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module,
+                 activations: ActivationTracker | None = None):
     """megatron-core forward_step_func: every chunk reads its own aligned iterator. Batches
-    come from the data loader on the CPU and move to this rank's device here (a no-op on CPU)."""
+    come from the data loader on the CPU and move to this rank's device here (a no-op on CPU).
+    ``activations``: the model's forward runs inside its saved-tensor meter (and offloader)."""
     batch = to_device(next(data_iterator))
-    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                   labels=batch["labels"], loss_mask=batch["loss_mask"])
+    with activations.forward(model) if activations else nullcontext(lambda out: out) as watch:
+        output = watch(model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                             labels=batch["labels"], loss_mask=batch["loss_mask"]))
     inner = unwrap_model(model)
     return output, partial(loss_func, batch["loss_mask"], getattr(inner, "take_mtp_report", None))
 
@@ -52,12 +57,16 @@ def to_device(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def run_step(chunks: list[torch.nn.Module], iterators: list[Iterator], num_microbatches: int,
              seq_length: int, micro_batch_size: int, groups: ProcessGroupCollection,
-             forward_only: bool = False) -> list[Any]:
-    """Run the pipeline schedule for one global batch; returns the last stage's loss reports."""
+             forward_only: bool = False,
+             activations: ActivationTracker | None = None) -> list[Any]:
+    """Run the pipeline schedule for one global batch; returns the last stage's loss reports.
+    ``activations``: meter (and offload) every micro-batch's forward (training steps only)."""
     schedule = get_forward_backward_func(pp_size=groups.pp.size(),
                                          vp_size=len(chunks) if len(chunks) > 1 else None)
+    step = forward_step if activations is None or forward_only else partial(
+        forward_step, activations=activations)
     return schedule(
-        forward_step_func=forward_step,
+        forward_step_func=step,
         data_iterator=iterators if len(chunks) > 1 else iterators[0],
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=num_microbatches,

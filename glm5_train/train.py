@@ -24,7 +24,7 @@ from hydra.errors import CompactHydraException
 from glm5_train.assembly import Runtime, assemble, iterators, validate_job
 from glm5_train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from glm5_train.job_config import CONFIG_ERRORS, JobConfig, one_line
-from glm5_train.metrics import MetricsLogger, gather_memory
+from glm5_train.metrics import MetricsLogger, gather_memory, gather_saved_bytes
 from glm5_train.model.glm5 import indexer_kl
 from glm5_train.run_dir import register_resolvers
 from glm5_train.step import global_loss, global_mtp_losses, run_step
@@ -41,8 +41,12 @@ def train_step(rt: Runtime, iterators: list) -> tuple[float, list]:
         rt.zero2.begin_step()
     rt.optimizer.zero_grad()
     num_micro = t.global_batch_size // (t.micro_batch_size * rt.dp_size)
+    if rt.activations is not None:
+        rt.activations.begin_step()
     reports = run_step(rt.chunks, iterators, num_micro, t.seq_length, t.micro_batch_size,
-                       rt.groups)
+                       rt.groups, activations=rt.activations)
+    if rt.activations is not None:  # this step's saved-for-backward figures
+        rt.activations.end_step()
     if rt.param_grad_norms is not None:  # the reduced gradients the step clips and applies
         rt.param_grad_norms.measure()
     ok, grad_norm, _ = rt.optimizer.step()
@@ -79,6 +83,8 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
         if state.iteration % job.train.log_interval == 0 or state.iteration == 1:
             record["mem_rss_bytes"], record["mem_peak_bytes"] = gather_memory()
             record.update(gather_fields(meter, buffer_bytes(rt.chunks, rt.optimizer, rt.zero2)))
+            if rt.activations is not None:
+                record.update(gather_saved_bytes(rt.activations.figures))
             logger.log(record)
         records.append(record)
         if _should_save(job, state.iteration):

@@ -223,6 +223,92 @@ class PipelineSchedule:
         return (sum(c.static_bytes for c in mine) + accum, self.peak_activation_bytes(
             rank, [c.activation_bytes_per_microbatch for c in mine]))
 
+    def ops(self, rank: int) -> list[tuple[str, int, int]]:
+        """('F' | 'B', chunk, micro-batch) in execution order. Each chunk forwards its
+        micro-batches in order and megatron-core backwards them first in, first out."""
+        done = {"F": [0] * self.chunks, "B": [0] * self.chunks}
+        ops = []
+        for op, chunk in self.order(rank):
+            ops.append((op, chunk, done[op][chunk]))
+            done[op][chunk] += 1
+        return ops
+
+
+# ------------------------------------------------------------------ activation offloading
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Which forward passes of one rank move their layers' saved tensors to host memory, and
+    when each comes back (``parallel.activation_offload`` runs it; the planner models it).
+
+    A forward (chunk, micro-batch) is a candidate when its backward is not the rank's next op
+    (otherwise it would come straight back: one process, or the last pipeline rank without
+    interleaving, never offloads); the rank's first ``micro_batches`` forwards in schedule
+    order offload if they are candidates (the warm-up's forwards at least: the GLM-5 report
+    offloads during the pipeline warm-up). An offloaded
+    micro-batch starts coming back, its last offloaded layer first, when the op just before its
+    backward starts (``reload_at``); during its backward, layer L's backward starts layer L-1's
+    reload."""
+
+    ops: tuple[tuple[str, int, int], ...]
+    offloaded: frozenset[tuple[int, int]]
+    reload_at: dict[tuple[str, int, int], tuple[int, int]]  # op -> micro-batch it reloads
+
+
+def offload_plan(schedule: PipelineSchedule, rank: int, micro_batches: int) -> OffloadPlan:
+    ops = schedule.ops(rank)
+    offloaded, reload_at, forwards = set(), {}, 0
+    for i, (op, chunk, micro) in enumerate(ops):
+        if op != "F":
+            continue
+        forwards += 1
+        if forwards <= micro_batches and ops[i + 1] != ("B", chunk, micro):
+            offloaded.add((chunk, micro))
+            before = ops[ops.index(("B", chunk, micro)) - 1]
+            reload_at[before] = (chunk, micro)
+    return OffloadPlan(tuple(ops), frozenset(offloaded), reload_at)
+
+
+@dataclass(frozen=True)
+class ChunkActivations:
+    """Saved bytes of one micro-batch on one chunk, and the part its offloaded layers hold."""
+
+    total: int
+    offloadable: int = 0  # leaves the device when the micro-batch offloads
+    top_unit: int = 0  # the last offloaded layer: back by the end of the op before backward
+    largest_unit: int = 0  # resident while it computes, before it moves out
+
+
+def offload_peak(plan: OffloadPlan, chunks: list[ChunkActivations]) -> tuple[int, int]:
+    """(peak resident saved bytes, bytes offloaded per step) of one rank, replaying ``plan``.
+    Candidates for the peak: the end of each forward (an offloaded one's largest layer while
+    it computes, on top of its resident part) and the start of each backward (an offloaded
+    micro-batch's next layer reloads while its top layer is consumed)."""
+    resident: dict[tuple[int, int], int] = {}
+    peak = moved = 0
+    for op, chunk, micro in plan.ops:
+        cost, key = chunks[chunk], (chunk, micro)
+        if (op, chunk, micro) in plan.reload_at:
+            back = plan.reload_at[(op, chunk, micro)]
+            c = chunks[back[0]]
+            resident[back] = c.total - c.offloadable + c.top_unit
+        others = sum(resident.values())
+        if op == "F" and key in plan.offloaded and cost.offloadable:
+            kept = cost.total - cost.offloadable
+            peak = max(peak, others + kept + cost.largest_unit, others + kept)
+            resident[key] = kept
+            moved += cost.offloadable
+        elif op == "F":
+            resident[key] = cost.total
+            peak = max(peak, others + cost.total)
+        else:
+            mine = resident.pop(key)
+            second = cost.largest_unit if cost.offloadable > cost.top_unit else 0
+            if key in plan.offloaded:
+                peak = max(peak, others - mine + min(cost.total, mine + second))
+    return peak, moved
+
 
 # ------------------------------------------------------------------------ report, balance
 
@@ -239,7 +325,8 @@ class StageReport:
 class RankReport:
     rank: int
     static_bytes: int
-    peak_activation_bytes: int
+    peak_activation_bytes: int  # saved bytes resident on the device at the peak
+    offloaded_bytes: int = 0  # moved to host (and back) per step by activation offloading
 
     @property
     def total_bytes(self) -> int:
@@ -266,14 +353,39 @@ class PlanReport:
                 f"spread_bytes={self.max_rank_bytes - self.min_rank_bytes}")
 
 
-def plan_for(model: StageCostModel, layout: PipelineLayout,
-             schedule: PipelineSchedule) -> PlanReport:
-    """Per-stage costs and per-rank memory (static + peak in-flight activations)."""
+@dataclass(frozen=True)
+class OffloadSpec:
+    """Activation offloading for the planner: ``micro_batches`` as ``offload_plan`` takes it,
+    and ``units(stage)``: the saved bytes per micro-batch of each offloaded layer call of a
+    stage, in forward order (an MTP layer applied k times is k calls)."""
+
+    micro_batches: int
+    units: object  # Callable[[int], list[int]]
+
+
+def plan_for(model: StageCostModel, layout: PipelineLayout, schedule: PipelineSchedule,
+             offload: OffloadSpec | None = None) -> PlanReport:
+    """Per-stage costs and per-rank memory (static + peak in-flight activations; with
+    ``offload``, the peak of what stays on the device and the bytes moved per step)."""
     costs = model.costs(list(layout.layers_per_stage))
     stages = tuple(StageReport(s, layout.rank_of(s), "".join(layout.stages[s]), c)
                    for s, c in enumerate(costs))
     ranks = tuple(RankReport(r, *schedule.rank_bytes(r, costs)) for r in range(layout.pp))
+    if offload is not None and offload.micro_batches:
+        ranks = tuple(_with_offload(rank, schedule, costs, offload) for rank in ranks)
     return PlanReport(layout, stages, ranks)
+
+
+def _with_offload(rank: RankReport, schedule: PipelineSchedule, costs: list[StageCosts],
+                  offload: OffloadSpec) -> RankReport:
+    chunks = []
+    for stage in range(rank.rank, len(costs), schedule.pp):
+        units = list(offload.units(stage))
+        chunks.append(ChunkActivations(costs[stage].activation_bytes_per_microbatch, sum(units),
+                                       units[-1] if units else 0, max(units, default=0)))
+    plan = offload_plan(schedule, rank.rank, offload.micro_batches)
+    peak, moved = offload_peak(plan, chunks)
+    return RankReport(rank.rank, rank.static_bytes, peak, moved)
 
 
 def layout_from_counts(counts: list[int], pp: int, vpp: int | None, mtp_stage: int | None,

@@ -29,6 +29,7 @@ from parallel.layout import LayoutError
 from glm5_train.job_config import compose_model_config
 from glm5_train.model import param_count
 from parallel.process_groups import single_process_group
+from parallel.recompute import Recompute
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "plan_pipeline.py")
@@ -220,9 +221,12 @@ def test_sharding_divides_by_tp_ep_and_data_parallel(big):
 
 
 def _measured_forward_bytes(cfg: GLM5Config, seq: int, batch: int,
-                            attention_mask: torch.Tensor | None = None) -> int:
+                            attention_mask: torch.Tensor | None = None,
+                            loss_chunk_tokens: int = 0, recompute: Recompute | None = None) -> int:
     """Unique storage bytes autograd saves in one fp32 forward of the 1-process model, the
-    parameters left out. ``attention_mask``: [batch, 1, seq, seq], True = masked out."""
+    parameters left out, as they stand after the forward (selective recompute frees some saved
+    outputs at once). ``attention_mask``: [batch, 1, seq, seq], True = masked out.
+    ``loss_chunk_tokens``: the model's chunked head + loss (0: megatron's)."""
     from glm5_train.model.config import to_mcore_config
     from parallel.layout import ParallelSizes
     from glm5_train.model.glm5 import build_model_chunks
@@ -230,30 +234,33 @@ def _measured_forward_bytes(cfg: GLM5Config, seq: int, batch: int,
 
     mcore_compat.install()
     with single_process_group():
-        mcore = to_mcore_config(cfg, ParallelSizes(), torch.float32)
-        model = build_model_chunks(cfg, mcore)[0].train()
+        mcore = to_mcore_config(cfg, ParallelSizes(), torch.float32, recompute=recompute)
+        model = build_model_chunks(cfg, mcore, loss_chunk_tokens=loss_chunk_tokens,
+                                   recompute=recompute)[0].train()
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        saved: dict[int, int] = {}
+        saved: dict[int, torch.UntypedStorage] = {}  # by storage identity: a freed storage's
+        # address may be reused by a later one
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             storage = t.untyped_storage()
             if storage.data_ptr() not in params:
-                saved.setdefault(storage.data_ptr(), storage.nbytes())
+                saved.setdefault(storage._cdata, storage)
             return t
 
         tokens = torch.randint(0, 258, (batch, seq), generator=torch.Generator().manual_seed(0))
         positions = torch.arange(seq)[None].expand(batch, seq)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(tokens, positions, attention_mask, labels=tokens)
-    return sum(saved.values())
+    return sum(storage.nbytes() for storage in saved.values())
 
 
 def _estimated_forward_bytes(cfg: GLM5Config, inputs: plan.MemoryInputs) -> int:
     """The planner's terms for what _measured_forward_bytes measures: embedding ids, the
     decoder layers, final norm, the MTP steps, and a head + loss per prediction."""
     steps = cfg.mtp_num_steps
-    layers = sum(memory.decoder_layer_activation_bytes(cfg, bool(moe), inputs)
-                 for moe in cfg.moe_layer_pattern)
+    layer = {moe: memory.layer_part(cfg, moe, inputs) for moe in (False, True)}
+    layers = memory.chunk_layers_part(cfg, layer, [bool(m) for m in cfg.moe_layer_pattern],
+                                      inputs, input_counted=False).activation_bytes
     return (8 * inputs.tokens + layers
             + memory.rms_norm_bytes(inputs.tokens, cfg.hidden_size, inputs)  # final norm
             + steps * memory.mtp_step_activation_bytes(cfg, inputs)
@@ -269,22 +276,22 @@ def _document_mask(batch: int, seq: int) -> torch.Tensor:
     return ~allowed[:, None]
 
 
-@pytest.mark.parametrize("mtp_steps", [0, 3])
-def test_activation_estimate_matches_a_measured_forward(tiny, mtp_steps):
+@pytest.mark.parametrize("mtp_steps, loss_chunk_tokens", [(0, 0), (3, 0), (3, 100)])
+def test_activation_estimate_matches_a_measured_forward(tiny, mtp_steps, loss_chunk_tokens):
     """The whole tiny model on CPU in fp32: embedding ids, 4 decoder layers (DSA sparse with the
     indexer KL: 128 tokens > index_topk 32), final norm, the MTP steps, and a head + loss per
-    prediction. CPU runs SDPA's math path, hence fused_attention=False. Tolerance 5% (measured:
-    within 0.1%)."""
+    prediction (megatron's, or chunked: 256 tokens in 3 chunks). CPU runs SDPA's math path,
+    hence fused_attention=False. Tolerance 5% (measured: within 0.1%)."""
     if not hasattr(tiny, "mtp_num_steps"):
         pytest.skip("this model config has no model.mtp_num_steps")
     cfg = dataclasses.replace(tiny, mtp_num_steps=mtp_steps)
     seq, batch = 128, 2
     inputs = plan.MemoryInputs(seq_length=seq, micro_batch_size=batch, activation_bytes=4,
-                               fused_attention=False)
+                               fused_attention=False, loss_chunk_tokens=loss_chunk_tokens)
     estimate = _estimated_forward_bytes(cfg, inputs)
-    measured = _measured_forward_bytes(cfg, seq, batch)
-    print(f"tiny forward activations, {mtp_steps} MTP steps: estimate {estimate} B, "
-          f"measured {measured} B")
+    measured = _measured_forward_bytes(cfg, seq, batch, loss_chunk_tokens=loss_chunk_tokens)
+    print(f"tiny forward activations, {mtp_steps} MTP steps, loss chunk {loss_chunk_tokens}: "
+          f"estimate {estimate} B, measured {measured} B")
     assert abs(estimate - measured) <= 0.05 * measured
 
 
@@ -307,6 +314,40 @@ def test_dense_attention_estimate_matches_a_measured_forward(tiny, document_mask
     if document_mask:  # the mask term itself is seen: the estimate without it falls short
         unmasked = _estimated_forward_bytes(cfg, dataclasses.replace(inputs, document_mask=False))
         assert measured - unmasked >= 0.9 * layers * 4 * batch * seq * seq
+
+
+RECOMPUTES = {
+    "full_uniform": Recompute("full", "uniform", 1),
+    "full_block_2": Recompute("full", "block", 2),
+    "selective_mla_up_proj": Recompute("selective", modules=("mla_up_proj",)),
+    "selective_moe_act": Recompute("selective", modules=("moe_act",)),
+    "selective_mla_up_proj_moe_act": Recompute("selective", modules=("mla_up_proj", "moe_act")),
+    "selective_core_attn": Recompute("selective", modules=("core_attn",)),
+    "selective_all": Recompute("selective", modules=("core_attn", "mla_up_proj", "moe_act")),
+}
+
+
+@pytest.mark.parametrize("mtp_steps", [0, 3])
+@pytest.mark.parametrize("name", sorted(RECOMPUTES))
+def test_recompute_estimate_matches_a_measured_forward(tiny, name, mtp_steps):
+    """Recompute (parallel/recompute.py) in the tiny fp32 forward: full keeps each unit's input
+    (block 2: layers 0-1 recomputed, 2-3 not; MTP steps recomputed under uniform only),
+    selective frees the recomputed parts' saved tensors (the experts' SwiGLU, the MLA
+    up-projection outputs and RoPE, the DSA core attention and its indexer KL). Tolerance 5% of the measured bytes; the saving itself
+    within 5% too (measured: see the printed figures)."""
+    cfg = dataclasses.replace(tiny, mtp_num_steps=mtp_steps)
+    seq, batch, recompute = 128, 2, RECOMPUTES[name]
+    inputs = plan.MemoryInputs(seq_length=seq, micro_batch_size=batch, activation_bytes=4,
+                               fused_attention=False)
+    with_recompute = dataclasses.replace(inputs, recompute=recompute)
+    estimate = _estimated_forward_bytes(cfg, with_recompute)
+    measured = _measured_forward_bytes(cfg, seq, batch, recompute=recompute)
+    saving = _estimated_forward_bytes(cfg, inputs) - estimate
+    measured_saving = _measured_forward_bytes(cfg, seq, batch) - measured
+    print(f"tiny forward, {name}, {mtp_steps} MTP steps: estimate {estimate} B, measured "
+          f"{measured} B; saving estimate {saving} B, measured {measured_saving} B")
+    assert abs(estimate - measured) <= 0.05 * measured
+    assert measured_saving > 0 and abs(saving - measured_saving) <= 0.05 * measured_saving
 
 
 def _indexer_kl_bytes_744b(big, seq: int) -> int:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from parallel.layout import ParallelSizes
+from parallel.recompute import Recompute
 
 # GLM5Config fields that tune training, not the architecture: free to change on resume.
 TRAINING_FIELDS = frozenset({"moe_aux_loss_coeff", "moe_router_bias_update_rate", "name",
@@ -202,13 +203,16 @@ def _check_mtp(cfg: GLM5Config) -> None:
 def to_mcore_config(model: GLM5Config, par: ParallelSizes,
                     params_dtype: torch.dtype = torch.float32,
                     perform_initialization: bool = True,
-                    use_cpu_initialization: bool = True) -> MLATransformerConfig:
+                    use_cpu_initialization: bool = True,
+                    recompute: Recompute | None = None) -> MLATransformerConfig:
     """Map GLM-5's HF-named architecture plus a parallel layout onto megatron-core's config.
 
     ``use_cpu_initialization``: True builds parameters with no device (the CPU, or whatever a
     ``with torch.device(...)`` context says: tools/count_params.py builds on meta); False builds
     them on ``torch.cuda.current_device()`` as megatron-core's GPU path does (the trainer on
-    CUDA, see ``glm5_train.train.build_model``)."""
+    CUDA, see ``glm5_train.train.build_model``).
+    ``recompute``: activation recompute; its megatron-core fields (full granularity,
+    ``mla_up_proj``) go into the config, the rest is built by ``build_model_chunks``."""
     model.validate()
     bf16 = params_dtype == torch.bfloat16
     kwargs = dict(
@@ -286,5 +290,6 @@ def to_mcore_config(model: GLM5Config, par: ParallelSizes,
         persist_layer_norm=False,
         deterministic_mode=False,
     )
+    kwargs.update((recompute or Recompute()).mcore_fields())
     kwargs.update(par.extra)
     return MLATransformerConfig(**kwargs)

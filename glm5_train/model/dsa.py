@@ -12,7 +12,11 @@ Per query t and earlier key s (``docs/glm5_reference.md`` sec. 3, and HF transfo
 Top-k is deterministic: larger score first, then smaller key index (``rank_keys``), computed
 block by block over queries and keys with a running top-k (``causal_topk``), never [S, S].
 
-The main MLA attention then attends only to the selected keys. megatron-core's experimental
+The main MLA attention then attends only to the selected keys: by default in MLA's absorbed
+form over the selected latent keys, O(S x K) compute and memory (``glm5_train/model/
+sparse_mla.py``; ``dsa.sparse_attention=absorbed``), or, as the reference, dense attention on
+the up-projected keys under a top-k mask (``sparse_attention``; ``masked_dense``, O(S^2)
+compute). megatron-core's experimental
 ``dsa.py`` is not used: no spec builder reaches it without Transformer Engine, its reference
 attention materialises dense [b, h, s, s] scores, and its Hadamard rotation needs CUDA.
 
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -40,6 +45,7 @@ from glm5_train.model.dsa_loss import (
     sparse_indexer_kl,
 )
 from glm5_train.model.layers import MLACoreAttention
+from glm5_train.model.sparse_mla import absorbed_sparse_attention
 from parallel.device import param_device
 
 # Working-set budget (elements) for one query chunk: bounds the indexer's [B, T, Hi, S] scores
@@ -202,8 +208,9 @@ class DSAIndexer(torch.nn.Module):
     def scores(self, x_BSH: torch.Tensor, qr_BSQ: torch.Tensor,
                allowed_BSS: torch.Tensor | None = None) -> torch.Tensor:
         """Index scores I [B, S, S] in fp32, -inf where causality or ``allowed`` forbids.
-        Quadratic memory: the dense warm-up KL and reference checks use it; the sparse stage
-        selects with ``select_blockwise`` and scores only the selected keys."""
+        Quadratic memory: tests and benchmarks use it as the reference. Training does not: the
+        sparse stage selects with ``select_blockwise`` and scores only the selected keys, the
+        dense warm-up KL scores by query chunks (``dsa_loss._DenseKL``)."""
         batch, seq, _ = x_BSH.shape
         q_BSHD, k_BSD, w_BSH = self.project(x_BSH, qr_BSQ)
         block = self._block_scores(lambda t0, t1: q_BSHD[:, t0:t1], k_BSD, w_BSH)
@@ -310,7 +317,13 @@ def _gather_keys(k_BSD: torch.Tensor, idx_BTK: torch.Tensor) -> torch.Tensor:
 
 class DSACoreAttention(MLACoreAttention):
     """MLA core attention restricted to the indexer's top-k keys per query, plus the indexer's
-    KL loss for the DSA training stages (see ``glm5_train/model/dsa_loss.py``)."""
+    KL loss for the DSA training stages (see ``glm5_train/model/dsa_loss.py``).
+
+    Sparse stage with index_topk < S and ``dsa.sparse_attention=absorbed``: ``key`` is MLA's
+    latent key [S, B, 1, C + R] and ``value`` None (``runs_absorbed``, fed by
+    ``sparse_mla.GLM5MLASelfAttention``), attended in the absorbed form. Otherwise the usual
+    up-projected q / k / v: dense flash attention (warm-up, every key selected) or the
+    masked-dense reference."""
 
     def __init__(self, config: TransformerConfig, *args, dsa_n_heads: int, dsa_head_dim: int,
                  dsa_topk: int, rope_theta: float, dsa_training: DSATrainingConfig | None = None,
@@ -320,20 +333,48 @@ class DSACoreAttention(MLACoreAttention):
                                   config.qk_pos_emb_head_dim, rope_theta)
         self.training_cfg = dsa_training or DSATrainingConfig()
         self.kl_meter = KLMeter()
+        # Training forward under megatron-core's tensor_parallel.checkpoint: only the inputs
+        # are kept, selection + attention + KL are recomputed in backward (recompute module
+        # "core_attn"; megatron's own checkpoint_core_attention path drops x and qr).
+        self.recompute_core = False
+        # Set by GLM5MLASelfAttention (glm5_train.model.sparse_mla): W_UK / W_UV views of its
+        # linear_kv_up_proj weight for the absorbed path (a function: no second registration).
+        self.latent_up_weights = None
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    def runs_absorbed(self, seq: int) -> bool:
+        """Whether a forward over ``seq`` tokens takes the absorbed sparse path: then the
+        self-attention hands over the latent key [S, B, 1, C + R] and value None."""
+        cfg = self.training_cfg
+        return (cfg.sparse_attention == "absorbed" and cfg.stage == "sparse"
+                and self.indexer.topk < seq and self.latent_up_weights is not None)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
                 attention_mask: torch.Tensor | None, attn_mask_type=None,
                 packed_seq_params=None, x: torch.Tensor | None = None,
                 qr: torch.Tensor | None = None, **_: object) -> torch.Tensor:
         if packed_seq_params is not None:
             raise NotImplementedError("THD packed sequences need Transformer Engine attention")
+        with_loss = self.training and torch.is_grad_enabled() and self.training_cfg.trains_indexer
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            def attend(query, key, value, attention_mask, x, qr):
+                # First call: checkpoint's no-grad forward; second: the recompute in backward
+                # (grad enabled), whose KL must not be counted again.
+                return self._attend(query, key, value, attention_mask, x, qr, with_loss,
+                                    record_kl=not torch.is_grad_enabled())
+            return tensor_parallel.checkpoint(attend, False, query, key, value, attention_mask,
+                                              x, qr)
+        return self._attend(query, key, value, attention_mask, x, qr, with_loss)
+
+    def _attend(self, query, key, value, attention_mask, x, qr, with_loss: bool,
+                record_kl: bool = True) -> torch.Tensor:
+        """Selection, attention and the KL's attachment (see ``forward``)."""
         cfg = self.training_cfg
-        with_loss = self.training and torch.is_grad_enabled() and cfg.trains_indexer
         allowed_BSS = None if attention_mask is None else ~attention_mask[:, 0]
         if cfg.stage == "dense_warmup":
             out = super().forward(query, key, value, attention_mask)
             if with_loss:
-                out = self._attach(out, dense_indexer_kl(self, query, key, x, qr, allowed_BSS))
+                kl = dense_indexer_kl(self, query, key, x, qr, allowed_BSS, query_chunk)
+                out = self._attach(out, record_kl, kl)
             return out
         if self.indexer.topk >= query.shape[0]:
             # Every causal key is selected: sparse attention is exactly dense causal attention.
@@ -342,18 +383,26 @@ class DSACoreAttention(MLACoreAttention):
             topk_BSK, picked_BSK = self.indexer.select_blockwise(*self._indexer_inputs(x, qr),
                                                                  allowed_BSS)
             valid_BSK = picked_BSK > float("-inf")
-        out, probs_BSK = sparse_attention(query, key, value, topk_BSK, valid_BSK,
-                                          self.softmax_scale, need_probs=with_loss)
+        if value is None:  # the latent key (runs_absorbed): MLA absorbed, O(S K)
+            w_uk, w_uv = self.latent_up_weights()
+            out, probs_BSK = absorbed_sparse_attention(query, key, w_uk, w_uv, topk_BSK,
+                                                       valid_BSK, self.softmax_scale,
+                                                       need_probs=with_loss)
+        else:  # dsa.sparse_attention=masked_dense, or a path megatron-core up-projected
+            out, probs_BSK = sparse_attention(query, key, value, topk_BSK, valid_BSK,
+                                              self.softmax_scale, need_probs=with_loss)
         if with_loss:
-            out = self._attach(out, sparse_indexer_kl(self, x, qr, topk_BSK, valid_BSK,
-                                                      probs_BSK))
+            out = self._attach(out, record_kl, sparse_indexer_kl(self, x, qr, topk_BSK,
+                                                                 valid_BSK, probs_BSK))
         return out
 
-    def _attach(self, out: torch.Tensor, kl: tuple[torch.Tensor, int]) -> torch.Tensor:
+    def _attach(self, out: torch.Tensor, record_kl: bool,
+                kl: tuple[torch.Tensor, int]) -> torch.Tensor:
         """Add coeff x (sum of per-query KL) to the backward pass; megatron-core divides all
         gradients by the global loss-token count, which turns the sum into a mean."""
         kl_sum, queries = kl
-        self.kl_meter.add(kl_sum.detach(), queries)
+        if record_kl:
+            self.kl_meter.add(kl_sum.detach(), queries)
         return MoEAuxLossAutoScaler.apply(out, kl_sum * self.training_cfg.indexer_loss_coeff)
 
     def _indexer_inputs(self, x: torch.Tensor, qr: torch.Tensor):
@@ -374,12 +423,12 @@ def sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     [S, B, N * Dv] and the attention probabilities summed over this rank's heads [B, S, K]
     (detached: the indexer loss's target; None unless ``need_probs``).
 
-    Computed as dense attention with every unselected key masked, one query chunk at a time,
-    on SDPA's fused kernels (memory: one chunk's mask, no [B, N, S, S] logits). That is the same
-    math as gathering the K keys per query but runs on dense matmul kernels: a gather moves
-    S x K x N x D elements per pass and measured ~200x slower on CPU at 4K tokens. The O(S K)
-    compute saving of DSA needs a sparse MLA kernel (FlashMLA-style, on the compressed latent);
-    ``bench/dsa_attention.py`` reports both the measured cost and that kernel's FLOP ratio.
+    The reference sparse path (``dsa.sparse_attention=masked_dense``): dense attention with
+    every unselected key masked, one query chunk at a time, on SDPA's fused kernels (memory:
+    one chunk's mask, no [B, N, S, S] logits), quadratic compute. Gathering per-head keys
+    would move S x K x N x D elements per pass; training runs the absorbed form instead
+    (``sparse_mla.absorbed_sparse_attention``), which gathers the K latent rows once for all
+    heads. ``bench/dsa_attention.py`` measures it against dense attention.
     """
     seq, batch, heads, _ = query.shape
     rows = query_chunk(batch * heads * seq)

@@ -11,19 +11,27 @@ indexer's distribution is the softmax of its index scores; loss = KL(target || i
 - ``freeze_indexer``: no indexer loss and no indexer updates (GLM-5's RL setting).
 
 Memory: the sparse-stage loss scores the indexer at the selected keys only, O(B S K) saved
-for backward (``DSAIndexer.selected_scores``). The dense warm-up loss materialises [B, S, S]
-index scores with autograd and a [B, N, S, S] target: right for tests and moderate contexts, not
-for 202K tokens (that needs a fused kernel).
+for backward (``DSAIndexer.selected_scores``). The dense warm-up loss runs by chunks of T query
+rows (``_DenseKL``): a chunk's target logits [B, N, T, S] and index logits [B, T, Hi, S] exist
+only while that chunk is computed, forward and again in backward; saved for backward are the
+inputs (indexer q, k, w; the main attention's query and key; the mask), nothing quadratic.
+T follows from the working-set budget ``dsa.CHUNK_ELEMENTS``. The backward recomputes each
+chunk's target (all-reduced over TP again) and index logits: one more pass of each than a
+backward from saved [S, S] tensors, the price of O(T x S) memory at 202K tokens.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 STAGES = ("sparse", "dense_warmup")
+# Sparse-stage attention: MLA absorbed over the selected latent keys (glm5_train.model.
+# sparse_mla, O(S K)), or the reference: dense attention under a top-k mask (O(S^2) compute).
+SPARSE_ATTENTION = ("absorbed", "masked_dense")
 
 
 @dataclass
@@ -31,6 +39,7 @@ class DSATrainingConfig:
     stage: str = "sparse"
     indexer_loss_coeff: float = 0.001
     freeze_indexer: bool = False
+    sparse_attention: str = "absorbed"
 
     @property
     def trains_indexer(self) -> bool:
@@ -39,6 +48,9 @@ class DSATrainingConfig:
     def validate(self) -> None:
         if self.stage not in STAGES:
             raise ValueError(f"dsa.stage={self.stage!r}: use one of {STAGES}")
+        if self.sparse_attention not in SPARSE_ATTENTION:
+            raise ValueError(f"dsa.sparse_attention={self.sparse_attention!r}: use one of "
+                             f"{SPARSE_ATTENTION}")
         if self.indexer_loss_coeff < 0:
             raise ValueError(f"dsa.indexer_loss_coeff={self.indexer_loss_coeff} must be >= 0")
         if self.stage == "dense_warmup" and not self.trains_indexer:
@@ -86,18 +98,138 @@ def _detached_inputs(module, x: torch.Tensor, qr: torch.Tensor):
 
 
 def dense_indexer_kl(module, query: torch.Tensor, key: torch.Tensor, x: torch.Tensor,
-                     qr: torch.Tensor, allowed_BSS: torch.Tensor | None) -> tuple:
-    """Warm-up KL over all causal keys. ``query``/``key`` [S, B, N, D]."""
-    seq, batch = query.shape[:2]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=query.device).tril()
-    allowed = causal if allowed_BSS is None else allowed_BSS & causal
-    with torch.no_grad():
-        logits_BNSS = torch.einsum("sbnd,tbnd->bnst", query.float(), key.float())
-        forbidden = ~allowed if allowed.dim() == 2 else ~allowed[:, None]
-        logits_BNSS = (logits_BNSS * module.softmax_scale).masked_fill(forbidden, float("-inf"))
-        target_BSS = _sum_over_tp_heads(logits_BNSS.softmax(-1).sum(1), module.tp_group)
-    index_BSS = module.indexer.scores(*_detached_inputs(module, x, qr), allowed_BSS)
-    return _kl(target_BSS, index_BSS), batch * seq
+                     qr: torch.Tensor, allowed_BSS: torch.Tensor | None,
+                     query_chunk: Callable[[int], int]) -> tuple:
+    """Warm-up KL over all causal keys. ``query``/``key`` [S, B, N, D] (this rank's heads);
+    ``query_chunk``: rows per chunk for a per-row element count (``dsa.query_chunk``, passed
+    in because dsa.py, which owns the budget, imports this module)."""
+    seq, batch, heads = query.shape[:3]
+    indexer = module.indexer
+    q_BSHD, k_BSD, w_BSH = indexer.project(*_detached_inputs(module, x, qr))
+    plan = _DenseKLPlan(softmax_scale=module.softmax_scale, index_scale=indexer.head_dim ** -0.5,
+                        tp_group=module.tp_group,
+                        rows=query_chunk(batch * seq * (heads + indexer.n_heads)))
+    kl_sum = _DenseKL.apply(q_BSHD, k_BSD, w_BSH, query.detach(), key.detach(), allowed_BSS,
+                            plan)
+    return kl_sum, batch * seq
+
+
+@dataclass(frozen=True)
+class _DenseKLPlan:
+    softmax_scale: float  # the main attention's
+    index_scale: float  # Di^-0.5, inside the indexer's ReLU
+    tp_group: object  # the main attention's heads are split over it
+    rows: int  # query rows per chunk
+
+    def chunks(self, seq: int):
+        return ((t0, min(seq, t0 + self.rows)) for t0 in range(0, seq, self.rows))
+
+
+class _DenseKL(torch.autograd.Function):
+    """Sum over queries of KL(target || softmax(I)) over all causal (and allowed) keys, by
+    chunks of query rows, equal to ``_kl(target, DSAIndexer.scores(...))`` with the [B, S, S]
+    target the main attention's head-summed probabilities.
+
+    Inputs: the indexer's q [B, S, Hi, Di], k [B, S, Di], fp32 w [B, S, Hi] (``project``), the
+    detached main-attention query and key [S, B, N, D], the allowed mask [B, S, S] or None.
+    Only these are saved. Chunk rows t0..t1-1 see keys 0..t1-1 only (the rest are causally
+    masked). Backward recomputes each chunk: dKL/dI = softmax(I) x (target mass) - target,
+    zero on rows without any allowed key, then through the ReLU and the two contractions.
+    Every TP rank runs the same chunks, so the per-chunk all-reduces pair up.
+    """
+
+    @staticmethod
+    def forward(ctx, q_BSHD, k_BSD, w_BSH, query, key, allowed_BSS, plan: _DenseKLPlan):
+        ctx.save_for_backward(q_BSHD, k_BSD, w_BSH, query, key, allowed_BSS)
+        ctx.plan = plan
+        total = torch.zeros((), dtype=_compute_dtype(q_BSHD), device=q_BSHD.device)
+        for t0, t1 in plan.chunks(q_BSHD.shape[1]):
+            forbidden_BTS = _forbidden(allowed_BSS, t0, t1, q_BSHD.device)
+            heads_sum_BTS = _target_rows(query, key, forbidden_BTS, t0, t1, plan)
+            relu_BTHS = _index_logits(q_BSHD, k_BSD, t0, t1, plan.index_scale).relu_()
+            index_BTS = _index_scores(w_BSH[:, t0:t1], relu_BTHS, forbidden_BTS)
+            total += _kl(heads_sum_BTS, index_BTS)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_kl):
+        q_BSHD, k_BSD, w_BSH, query, key, allowed_BSS = ctx.saved_tensors
+        plan = ctx.plan
+        dq, dk, dw = (torch.zeros_like(t, dtype=_compute_dtype(t)) for t in (q_BSHD, k_BSD, w_BSH))
+        for t0, t1 in plan.chunks(q_BSHD.shape[1]):
+            forbidden_BTS = _forbidden(allowed_BSS, t0, t1, q_BSHD.device)
+            heads_sum_BTS = _target_rows(query, key, forbidden_BTS, t0, t1, plan)
+            logits_BTHS = _index_logits(q_BSHD, k_BSD, t0, t1, plan.index_scale)
+            positive_BTHS = logits_BTHS > 0
+            relu_BTHS = logits_BTHS.relu_()
+            w_BTH = w_BSH[:, t0:t1].to(relu_BTHS.dtype)
+            index_BTS = _index_scores(w_BTH, relu_BTHS, forbidden_BTS)
+            dindex_BTS = _kl_grad(heads_sum_BTS, index_BTS).mul_(grad_kl)
+            dw[:, t0:t1] = torch.einsum("bts,bths->bth", dindex_BTS, relu_BTHS)
+            del relu_BTHS, logits_BTHS  # the [B, T, Hi, S] gradient below takes their place
+            dlogits_BTHS = (dindex_BTS[:, :, None, :] * w_BTH[..., None]).mul_(positive_BTHS)
+            dlogits_BTHS.mul_(plan.index_scale)
+            dq[:, t0:t1] = torch.einsum("bths,bsd->bthd", dlogits_BTHS, _compute(k_BSD[:, :t1]))
+            dk[:, :t1] += torch.einsum("bths,bthd->bsd", dlogits_BTHS,
+                                       _compute(q_BSHD[:, t0:t1]))
+        return (dq.to(q_BSHD.dtype), dk.to(k_BSD.dtype), dw.to(w_BSH.dtype),
+                None, None, None, None)
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """fp32 at least, as the main attention's target and ``DSAIndexer.scores`` compute (fp64
+    stays fp64 for gradcheck)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _compute(t: torch.Tensor) -> torch.Tensor:
+    return t.to(_compute_dtype(t))
+
+
+def _forbidden(allowed_BSS: torch.Tensor | None, t0: int, t1: int, device) -> torch.Tensor:
+    """True at keys 0..t1-1 that queries t0..t1-1 may not see: [1 or B, T, t1]."""
+    future_TS = (torch.arange(t1, device=device)[None, :]
+                 > torch.arange(t0, t1, device=device)[:, None])
+    if allowed_BSS is None:
+        return future_TS[None]
+    return future_TS[None] | ~allowed_BSS[:, t0:t1, :t1]
+
+
+def _target_rows(query: torch.Tensor, key: torch.Tensor, forbidden_BTS: torch.Tensor,
+                 t0: int, t1: int, plan: _DenseKLPlan) -> torch.Tensor:
+    """The main attention's probabilities of queries t0..t1-1 summed over every TP rank's
+    heads, [B, T, t1], not normalised; zero on rows without any allowed key."""
+    logits_BNTS = torch.einsum("tbnd,sbnd->bnts", _compute(query[t0:t1]), _compute(key[:t1]))
+    logits_BNTS = logits_BNTS.mul_(plan.softmax_scale).masked_fill_(forbidden_BTS[:, None],
+                                                                    float("-inf"))
+    heads_sum_BTS = logits_BNTS.softmax(-1).sum(1)
+    # A row with every key forbidden is NaN after the softmax; it has no target.
+    heads_sum_BTS = heads_sum_BTS.masked_fill_(forbidden_BTS.all(-1, keepdim=True), 0.0)
+    return _sum_over_tp_heads(heads_sum_BTS, plan.tp_group)
+
+
+def _index_logits(q_BSHD: torch.Tensor, k_BSD: torch.Tensor, t0: int, t1: int,
+                  scale: float) -> torch.Tensor:
+    """scale x q[t, h] . k[s] for queries t0..t1-1 and keys 0..t1-1, [B, T, Hi, t1]."""
+    logits_BTHS = torch.einsum("bthd,bsd->bths", _compute(q_BSHD[:, t0:t1]),
+                               _compute(k_BSD[:, :t1]))
+    return logits_BTHS.mul_(scale)
+
+
+def _index_scores(w_BTH: torch.Tensor, relu_BTHS: torch.Tensor,
+                  forbidden_BTS: torch.Tensor) -> torch.Tensor:
+    """I = sum_h w ReLU(...), -inf where forbidden, [B, T, t1]."""
+    index_BTS = torch.einsum("bth,bths->bts", w_BTH.to(relu_BTHS.dtype), relu_BTHS)
+    return index_BTS.masked_fill_(forbidden_BTS, float("-inf"))
+
+
+def _kl_grad(heads_sum_BTS: torch.Tensor, index_BTS: torch.Tensor) -> torch.Tensor:
+    """d ``_kl``(heads_sum, index) / d index: softmax(I) x (the row's target mass, 1 up to
+    rounding) - target; zero on rows with no target (also where I is -inf everywhere)."""
+    target_BTS = heads_sum_BTS / heads_sum_BTS.sum(-1, keepdim=True).clamp_min(1e-30)
+    mass_BT1 = target_BTS.sum(-1, keepdim=True)
+    grad_BTS = index_BTS.softmax(-1).mul_(mass_BT1).sub_(target_BTS)
+    return grad_BTS.masked_fill_(mass_BT1 == 0, 0.0)
 
 
 def sparse_indexer_kl(module, x: torch.Tensor, qr: torch.Tensor, topk_BSK: torch.Tensor,

@@ -36,7 +36,14 @@ from glm5_train.model.dsa import DSACoreAttention
 from glm5_train.model.dsa_loss import DSATrainingConfig
 from glm5_train.model.layers import LatentRMSNorm, RMSNorm
 from glm5_train.model.mtp import chunk_hosts_mtp, mtp_block_spec, shifted_targets
+from glm5_train.model.sparse_mla import GLM5MLASelfAttention
+from parallel.chunked_cross_entropy import chunked_vocab_parallel_cross_entropy
 from parallel.mla_down_projection import MLADownProjection
+from parallel.recompute import (
+    Recompute,
+    set_core_attention_recompute,
+    with_expert_activation_recompute,
+)
 
 
 def transformer_engine_available() -> bool:
@@ -46,27 +53,40 @@ def transformer_engine_available() -> bool:
 def decoder_block_spec(model_cfg: GLM5Config, config: MLATransformerConfig,
                        vp_stage: int | None, pp_rank: int | None = None,
                        use_te: bool | None = None,
-                       dsa_training: DSATrainingConfig | None = None) -> TransformerBlockSubmodules:
-    """The layer specs of the decoder layers one pipeline chunk builds."""
+                       dsa_training: DSATrainingConfig | None = None,
+                       recompute: Recompute | None = None) -> TransformerBlockSubmodules:
+    """The layer specs of the decoder layers one pipeline chunk builds (``recompute``: the
+    selective expert-activation recompute is a spec change, parallel/recompute.py)."""
     use_te = transformer_engine_available() if use_te is None else use_te
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                        normalization="RMSNorm", vp_stage=vp_stage,
                                        pp_rank=pp_rank)
     layers = block.layer_specs if use_te else [_localize_layer(s) for s in block.layer_specs]
     return TransformerBlockSubmodules(
-        layer_specs=[_with_dsa(spec, model_cfg, dsa_training) for spec in layers],
+        layer_specs=[_with_recompute(_with_dsa(spec, model_cfg, dsa_training), recompute)
+                     for spec in layers],
         layer_norm=block.layer_norm if use_te else RMSNorm)
 
 
 def _with_dsa(layer: ModuleSpec, model_cfg: GLM5Config,
               dsa_training: DSATrainingConfig | None) -> ModuleSpec:
-    """GLM-5 runs DeepSeek Sparse Attention in every layer (TE and local specs alike)."""
+    """GLM-5 runs DeepSeek Sparse Attention in every layer (TE and local specs alike), its
+    sparse stage on MLA's latent (GLM5MLASelfAttention hands the core attention the latent
+    key instead of up-projected keys and values)."""
     layer = copy.deepcopy(layer)
+    layer.submodules.self_attention.module = GLM5MLASelfAttention
     layer.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=DSACoreAttention,
         params=dict(dsa_n_heads=model_cfg.index_n_heads, dsa_head_dim=model_cfg.index_head_dim,
                     dsa_topk=model_cfg.index_topk, rope_theta=model_cfg.rope_theta,
                     dsa_training=dsa_training))
+    return layer
+
+
+def _with_recompute(layer: ModuleSpec, recompute: Recompute | None) -> ModuleSpec:
+    """Selective "moe_act": the experts' module classes recompute their SwiGLU."""
+    if recompute is not None and recompute.selects("moe_act"):
+        return with_expert_activation_recompute(layer)
     return layer
 
 
@@ -88,30 +108,44 @@ def build_model_chunks(model_cfg: GLM5Config, config: MLATransformerConfig,
                        use_te: bool | None = None,
                        dsa_training: DSATrainingConfig | None = None,
                        eod_token_id: int | None = None,
-                       groups: ProcessGroupCollection | None = None) -> list["GLM5Model"]:
+                       groups: ProcessGroupCollection | None = None,
+                       loss_chunk_tokens: int = 0,
+                       recompute: Recompute | None = None) -> list["GLM5Model"]:
     """Build this rank's model chunks: one per virtual pipeline stage (one without VPP).
     ``eod_token_id`` marks document ends in packed sequences (MTP never predicts across).
-    ``groups``: the process groups the chunks use (None: megatron-core's, as its own default)."""
+    ``groups``: the process groups the chunks use (None: megatron-core's, as its own default).
+    ``loss_chunk_tokens``: tokens per chunk of the output head + loss (0: megatron's head).
+    ``recompute``: what parallel/recompute.py recomputes beyond ``config``'s megatron-core fields
+    (the experts' activation, via the specs; the DSA core attention, set after the build)."""
     groups = groups or ProcessGroupCollection.use_mpu_process_groups()
     vpp = config.virtual_pipeline_model_parallel_size
     stages = range(vpp) if vpp else [None]
-    return [_build_chunk(model_cfg, config, vp, use_te, dsa_training, eod_token_id, groups)
-            for vp in stages]
+    chunks = [_build_chunk(model_cfg, config, vp, use_te, dsa_training, eod_token_id, groups,
+                           loss_chunk_tokens, recompute)
+              for vp in stages]
+    if recompute is not None and recompute.selects("core_attn"):
+        set_core_attention_recompute(
+            [m for chunk in chunks for m in chunk.modules() if isinstance(m, DSACoreAttention)],
+            True)
+    return chunks
 
 
 def _build_chunk(model_cfg: GLM5Config, config: MLATransformerConfig, vp_stage: int | None,
                  use_te: bool | None, dsa_training: DSATrainingConfig | None,
-                 eod_token_id: int | None, groups: ProcessGroupCollection) -> "GLM5Model":
+                 eod_token_id: int | None, groups: ProcessGroupCollection,
+                 loss_chunk_tokens: int = 0,
+                 recompute: Recompute | None = None) -> "GLM5Model":
     vpp = config.virtual_pipeline_model_parallel_size
     pre = is_pp_first_stage(groups.pp) and (vp_stage is None or is_vp_first_stage(vp_stage, vpp))
     post = is_pp_last_stage(groups.pp) and (vp_stage is None or is_vp_last_stage(vp_stage, vpp))
     mtp_spec = None
     if chunk_hosts_mtp(config, vp_stage):
-        mtp_spec = _mtp_spec(model_cfg, config, use_te, dsa_training)
+        mtp_spec = _mtp_spec(model_cfg, config, use_te, dsa_training, recompute)
     return GLM5Model(
         config=config,
         transformer_layer_spec=decoder_block_spec(model_cfg, config, vp_stage, use_te=use_te,
-                                                  dsa_training=dsa_training),
+                                                  dsa_training=dsa_training,
+                                                  recompute=recompute),
         vocab_size=model_cfg.vocab_size,
         max_sequence_length=model_cfg.max_position_embeddings,
         pre_process=pre,
@@ -125,16 +159,18 @@ def _build_chunk(model_cfg: GLM5Config, config: MLATransformerConfig, vp_stage: 
         vp_stage=vp_stage,
         mtp_num_steps=model_cfg.mtp_num_steps if model_cfg.mtp_sets else 0,
         eod_token_id=eod_token_id,
+        loss_chunk_tokens=loss_chunk_tokens,
     )
 
 
 def _mtp_spec(model_cfg: GLM5Config, config: MLATransformerConfig, use_te: bool | None,
-              dsa_training: DSATrainingConfig | None):
+              dsa_training: DSATrainingConfig | None, recompute: Recompute | None = None):
     """The MTP layers: each wraps a full MoE decoder layer (the model's last layer kind)."""
     use_te = transformer_engine_available() if use_te is None else use_te
     layer = get_gpt_decoder_layer_specs(config, use_transformer_engine=use_te,
                                         normalization="RMSNorm")[-1]
     layer = _with_dsa(layer if use_te else _localize_layer(layer), model_cfg, dsa_training)
+    layer = _with_recompute(layer, recompute)
     if use_te:
         from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
         return mtp_block_spec(layer, TENorm, TEColumnParallelLinear, config.mtp_num_layers)
@@ -150,13 +186,23 @@ class GLM5Model(GPTModel):
     computes each step's loss with the shared output head and attaches it to the main hidden
     states (megatron-core's ``MTPLossAutoScaler``: gradients flow, the returned loss stays the
     main LM loss). Per-step loss sums are kept for logging (``take_mtp_report``).
+
+    With labels and ``loss_chunk_tokens`` > 0 every head (main and MTP) runs the output
+    projection + cross-entropy ``loss_chunk_tokens`` tokens at a time
+    (``parallel.chunked_cross_entropy``): the [S, B, V/TP] logits are never held whole.
     """
 
     def __init__(self, *args, mtp_num_steps: int = 0, eod_token_id: int | None = None,
-                 **kwargs):
+                 loss_chunk_tokens: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
         self.mtp_num_steps = mtp_num_steps
         self.eod_token_id = eod_token_id
+        self.loss_chunk_tokens = loss_chunk_tokens
+        if loss_chunk_tokens and (self.config.cross_entropy_loss_fusion
+                                  or self.config.defer_embedding_wgrad_compute):
+            raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens} replaces megatron's output "
+                             "head and loss: it cannot run with cross_entropy_loss_fusion or "
+                             "defer_embedding_wgrad_compute; turn those off or set 0")
         self._mtp_reports: list[torch.Tensor] = []
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
@@ -176,7 +222,8 @@ class GLM5Model(GPTModel):
                      packed_seq_params=None, sequence_len_offset=None,
                      runtime_gather_output=None, extra_block_kwargs=None,
                      inference_context=None):
-        if not self.mtp_num_steps:
+        chunked_loss = labels is not None and self.loss_chunk_tokens > 0
+        if not self.mtp_num_steps and not chunked_loss:
             return super()._postprocess(
                 hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
                 rotary_pos_sin, mtp_in_postprocess=False, loss_mask=loss_mask,
@@ -186,7 +233,7 @@ class GLM5Model(GPTModel):
                 runtime_gather_output=runtime_gather_output,
                 extra_block_kwargs=extra_block_kwargs, inference_context=inference_context)
         # Without labels (inference) nothing predicts beyond the next token: skip MTP.
-        with_mtp = labels is not None
+        with_mtp = labels is not None and self.mtp_num_steps > 0
         if mtp_in_postprocess and with_mtp:
             hidden_states = self._mtp_steps(hidden_states, input_ids, position_ids,
                                             attention_mask, rotary_pos_emb, packed_seq_params,
@@ -199,11 +246,27 @@ class GLM5Model(GPTModel):
             main, *steps = torch.chunk(hidden_states, 1 + self.mtp_num_steps, dim=0)
             hidden_states = self._attach_mtp_losses(main, steps, input_ids, labels, loss_mask,
                                                     output_weight, runtime_gather_output)
-        logits, _ = self.output_layer(hidden_states, weight=output_weight,
-                                      runtime_gather_output=runtime_gather_output)
         if labels is None:
+            logits, _ = self.output_layer(hidden_states, weight=output_weight,
+                                          runtime_gather_output=runtime_gather_output)
             return logits.transpose(0, 1).contiguous()  # [s, b, v] -> [b, s, v]
-        return self.compute_language_model_loss(labels, logits)
+        return self._token_losses(hidden_states, labels, output_weight, runtime_gather_output)
+
+    def _token_losses(self, hidden_SBH, labels_BS, output_weight, runtime_gather_output):
+        """Per-token cross-entropy [B, S] of the output head: chunked over tokens when
+        ``loss_chunk_tokens`` > 0, else megatron's head (whole logits) and loss. The weight
+        (the head's own or the tied embedding) gets its gradient through param.grad either way,
+        where megatron's DDP hooks take it (gradient_accumulation_fusion is off)."""
+        if not self.loss_chunk_tokens:
+            logits, _ = self.output_layer(hidden_SBH, weight=output_weight,
+                                          runtime_gather_output=runtime_gather_output)
+            return self.compute_language_model_loss(labels_BS, logits)
+        head = self.output_layer
+        loss_SB = chunked_vocab_parallel_cross_entropy(
+            hidden_SBH, head.weight if output_weight is None else output_weight,
+            labels_BS.transpose(0, 1), self.loss_chunk_tokens, tp_group=head.tp_group,
+            sequence_parallel=head.sequence_parallel)
+        return loss_SB.transpose(0, 1).contiguous()
 
     def _mtp_steps(self, hidden_states, input_ids, position_ids, attention_mask,
                    rotary_pos_emb, packed_seq_params, sequence_len_offset):
@@ -228,10 +291,9 @@ class GLM5Model(GPTModel):
         weight = self.config.mtp_loss_scaling_factor / self.mtp_num_steps
         report = []
         for k, hidden in enumerate(steps, start=1):
-            logits, _ = self.output_layer(hidden, weight=output_weight,
-                                          runtime_gather_output=runtime_gather_output)
             targets, mask = shifted_targets(labels, loss_mask, input_ids, k, self.eod_token_id)
-            token_loss = self.compute_language_model_loss(targets, logits) * mask
+            token_loss = self._token_losses(hidden, targets, output_weight,
+                                            runtime_gather_output) * mask
             report.append(torch.stack([token_loss.sum().detach().float(), mask.sum()]))
             main = MTPLossAutoScaler.apply(main, weight * token_loss)
         if self.training:

@@ -18,6 +18,7 @@ from itertools import accumulate
 from glm5_train.model.config import GLM5Config
 from glm5_train.model.param_count import layer_terms, top_terms
 from parallel.layout import LayoutError
+from parallel.recompute import Recompute
 from parallel.pipeline_layout import StageCosts
 
 
@@ -63,6 +64,15 @@ class MemoryInputs:
     # q/k and v widths differ). Dense attention pads to one width and is fused on both.
     fused_attention: bool = True
     document_mask: bool = False  # data.reset_attention_mask: [b, 1, s, s] packed-document masks
+    # dsa.sparse_attention=absorbed: the sparse stage attends over the selected latent keys
+    # (glm5_train.model.sparse_mla); False: masked dense SDPA (the reference path).
+    absorbed_attention: bool = True
+    # activations.loss_chunk_tokens: > 0 runs each head + loss chunked over tokens
+    # (parallel.chunked_cross_entropy, no [n, V] logits kept); 0: megatron's whole-logits head.
+    loss_chunk_tokens: int = 0
+    # activations.recompute_*: full (whole layers, each unit keeping its input) or selective
+    # (parts of every layer), parallel.recompute; the default recomputes nothing.
+    recompute: Recompute = Recompute()
 
     @property
     def expert_tp(self) -> int:
@@ -108,7 +118,10 @@ def inputs_from_job(job, dp: int | None = None, **changes) -> MemoryInputs:
         distributed_optimizer=par.use_distributed_optimizer,
         shard_grads=getattr(par, "pipeline_zero2", False),
         dsa_kl=bool(getattr(dsa, "trains_indexer", True)),
-        document_mask=bool(getattr(getattr(job, "data", None), "reset_attention_mask", False)))
+        absorbed_attention=getattr(dsa, "sparse_attention", "absorbed") == "absorbed",
+        document_mask=bool(getattr(getattr(job, "data", None), "reset_attention_mask", False)),
+        loss_chunk_tokens=getattr(getattr(job, "activations", None), "loss_chunk_tokens", 0),
+        recompute=job.activations.recompute() if hasattr(job, "activations") else Recompute())
     inputs = dataclasses.replace(inputs, **changes)
     if (inputs.tp * inputs.cp * dp) % (inputs.ep * inputs.expert_tp):
         raise LayoutError(
@@ -123,8 +136,10 @@ def inputs_from_job(job, dp: int | None = None, **changes) -> MemoryInputs:
 # ``a`` is the activation dtype's size; fp32 internals are 4 bytes, int64 indices 8, masks 1.
 # Checked: an fp32 CPU forward of the tiny model, MTP on and off, DSA sparse and dense (the
 # latter with and without document masks) (tests), and the fused sparse-SDPA terms in bf16 on an
-# H200. Not modelled: recompute, offloading, transient workspace inside a layer's forward or
-# backward, allocator fragmentation.
+# H200. Recompute is modelled (``chunk_layers_part``, ``selective_recompute_savings``; checked
+# on the tiny forward too), but not its working set: one recompute unit's activations exist
+# again while its backward runs. Not modelled: offloading, transient workspace inside a
+# layer's forward or backward, allocator fragmentation.
 
 
 def rms_norm_bytes(tokens: int, width: int, inp: MemoryInputs) -> int:
@@ -170,12 +185,30 @@ def _core_attention_bytes(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> int
     dqk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
     if not dsa_sparse(cfg, inp):
         return _dense_attention_bytes(cfg, inp, heads)
+    if inp.absorbed_attention:
+        return _absorbed_attention_bytes(cfg, inp, heads)
     if not inp.fused_attention:  # SDPA's math path (CPU, where it computes in fp32): copies
         # of the scaled q, k^T and v, and the probabilities [b, heads, s, s]
         return 4 * n * heads * (2 * dqk + dv) + 4 * n * heads * s
     # Fused kernels: q, k, v and the output, an fp32 log-sum-exp per head and query, and for
     # the top-k selection the additive [b, 1, s, s] mask the kernel keeps for backward.
     return a * n * heads * 2 * (dqk + dv) + 4 * n * heads + a * n * s
+
+
+def _absorbed_attention_bytes(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> int:
+    """The absorbed sparse path (glm5_train.model.sparse_mla, the same on CPU and GPU): the
+    query (q_nope's absorption by W_UK keeps it), the absorbed query [n, heads, C + R], the
+    latent key [n, C + R] (full sequence: gathered under SP), the latent output [n, heads, C]
+    (kept once: the kernel and the W_UV up-projection share it), an fp32 log-sum-exp per head
+    and query, and the int64 picks with their bool validity (counted with the indexer KL when
+    it runs: the same tensors). The key/value up-projection never runs, so the kv latent that
+    ``attention_activation_bytes`` counts as kv_up's input is not kept: subtracted here."""
+    a, n, n_sp = inp.activation_bytes, inp.tokens, inp.sp_tokens
+    dqk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    width, latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    total = a * n * heads * (dqk + width + latent) + a * n * width + 4 * n * heads
+    picks = 0 if inp.dsa_kl else 9 * n * min(cfg.index_topk, inp.seq)
+    return total + picks - a * n_sp * latent
 
 
 def _dense_attention_bytes(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> int:
@@ -230,20 +263,119 @@ def mlp_activation_bytes(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> int:
 
 
 def decoder_layer_activation_bytes(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> int:
-    return attention_activation_bytes(cfg, inp) + mlp_activation_bytes(cfg, moe, inp)
+    """One decoder layer not under full recompute (``chunk_layers_part`` applies that)."""
+    return (attention_activation_bytes(cfg, inp) + mlp_activation_bytes(cfg, moe, inp)
+            - selective_recompute_savings(cfg, moe, inp))
+
+
+# ---------------------------------------------------------------------------------- recompute
+
+
+def recompute_unit_input_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
+    """Full recompute: what a unit keeps, its input hidden states (the checkpoint's saved
+    input; attention mask and RoPE tensors are shared by all layers)."""
+    return inp.activation_bytes * inp.sp_tokens * cfg.hidden_size
+
+
+def selective_recompute_savings(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> int:
+    """Bytes selective recompute (parallel.recompute) no longer keeps in one decoder layer."""
+    rc, a, n, n_sp = inp.recompute, inp.activation_bytes, inp.tokens, inp.sp_tokens
+    saved = 0
+    if rc.selects("moe_act") and moe:
+        # SwiGLU keeps only fc1's output [t, 2F] (the checkpoint's input) of its 5F per token;
+        # routed copies also drop the probability-scaled product (fc2's input, one more F).
+        F = cfg.moe_intermediate_size
+        if cfg.n_shared_experts:
+            saved += 3 * a * n * (cfg.n_shared_experts * F // inp.tp)
+        routed = cfg.num_experts_per_tok * (n_sp * inp.expert_tp if inp.sequence_parallel else n)
+        saved += 4 * a * routed * (F // inp.expert_tp)
+    if rc.selects("mla_up_proj"):
+        # megatron recomputes q_up, kv_up and RoPE from the latents (kept: they were q_up's and
+        # kv_up's inputs anyway): the RoPE cos / sin go, the fp32 frequencies [s, R] stay as
+        # the checkpoint's input; q, k, v are freed after the core attention, which frees what
+        # it keeps of them as they are (not its own copies).
+        R = cfg.qk_rope_head_dim
+        saved += 4 * a * inp.seq * R - 4 * inp.seq * R
+        # With core_attn too its checkpoint keeps all of q, k, v as inputs: all are freed.
+        saved += (_up_projection_output_bytes(cfg, inp) if rc.selects("core_attn")
+                  else _up_projection_outputs_kept_by_core(cfg, inp))
+        if dsa_sparse(cfg, inp) and inp.absorbed_attention:
+            # The absorbed path runs no kv_up, so without recompute nothing keeps the normed
+            # kv latent; the checkpoint keeps it as its input.
+            saved -= inp.activation_bytes * inp.sp_tokens * cfg.kv_lora_rank
+    if rc.selects("core_attn"):
+        # DSACoreAttention.recompute_core: a checkpoint keeps only its inputs, q, k, v whole
+        # and x, qr (kept anyway by the down / q_up projections); the attention's and the
+        # indexer KL's saved tensors go (they include what the core kept of q, k, v).
+        saved += _core_attention_bytes(cfg, inp, cfg.num_attention_heads // inp.tp)
+        if dsa_sparse(cfg, inp) and inp.dsa_kl:
+            saved += _indexer_kl_bytes(cfg, inp)
+        saved -= _up_projection_output_bytes(cfg, inp)
+    return saved
+
+
+def _up_projection_output_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
+    """MLA's q, k, v as handed to the core attention (absorbed sparse path: the query and the
+    latent key [n, C + R], no value)."""
+    a, n, heads = inp.activation_bytes, inp.tokens, cfg.num_attention_heads // inp.tp
+    q_or_k = n * heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    if dsa_sparse(cfg, inp) and inp.absorbed_attention:
+        return a * (q_or_k + n * (cfg.kv_lora_rank + cfg.qk_rope_head_dim))
+    return a * (2 * q_or_k + n * heads * cfg.v_head_dim)
+
+
+def _up_projection_outputs_kept_by_core(cfg: GLM5Config, inp: MemoryInputs) -> int:
+    """Bytes of MLA's q, k, v (the up projections' outputs) that the core attention saves as
+    they are, views included: SDPA's fused kernels keep all three; its CPU math path (DSA
+    sparse, unequal widths) copies q and k but keeps v; the dense path pads the narrower side
+    to one width (a copy) and keeps the other side's tensors."""
+    a, n, heads = inp.activation_bytes, inp.tokens, cfg.num_attention_heads // inp.tp
+    q_or_k, v = n * heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), n * heads * cfg.v_head_dim
+    if dsa_sparse(cfg, inp) and inp.absorbed_attention:  # the query and the latent key
+        return a * (q_or_k + n * (cfg.kv_lora_rank + cfg.qk_rope_head_dim))
+    if not dsa_sparse(cfg, inp):
+        dqk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+        return a * ((2 * q_or_k if dqk >= dv else 0) + (v if dv >= dqk else 0))
+    return a * (2 * q_or_k + v) if inp.fused_attention else a * v
+
+
+def chunk_layers_part(cfg: GLM5Config, layer: dict[bool, Part], moe_flags: list[bool],
+                      inp: MemoryInputs, input_counted: bool) -> Part:
+    """The decoder layers of one pipeline chunk (``layer``: a layer's Part, dense and MoE;
+    ``moe_flags`` per layer, in order) under full recompute: a recomputed layer keeps nothing
+    but its unit's input and costs one more forward (a third of its forward + backward flops).
+    ``input_counted``: the chunk's input is already counted (a received stage input)."""
+    part = Part()
+    for moe in moe_flags:
+        part += layer[moe]
+    rc = inp.recompute
+    redone = [layer[moe] for moe in moe_flags[:rc.recomputed_layers(len(moe_flags))]]
+    if not redone:
+        return part
+    units = rc.units(len(moe_flags)) - (1 if input_counted else 0)
+    dropped = sum(p.activation_bytes for p in redone)
+    return part + Part(activation_bytes=units * recompute_unit_input_bytes(cfg, inp) - dropped,
+                       flops=sum(p.flops for p in redone) // 3)
 
 
 def loss_head_activation_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
-    """One output head + cross-entropy: the head's input (sequence-split under SP) and
-    megatron's fp32 softmax [n, V/TP], plus its target mask (bool) and ids (int64)."""
-    n = inp.tokens
-    vocab = cfg.vocab_size // inp.tp
-    return inp.activation_bytes * inp.sp_tokens * cfg.hidden_size + 4 * n * vocab + 9 * n
+    """One output head + cross-entropy. Megatron's (loss_chunk_tokens 0): the head's input
+    (sequence-split under SP) and its fp32 softmax [n, V/TP], plus the target mask (bool) and
+    ids (int64). Chunked: the head's input (sequence-split under SP: gathered again in
+    backward, as megatron's linear does), the labels (int64) and an fp32 log-sum-exp per token
+    of the whole sequence; each chunk's logits live only inside the forward or backward."""
+    n, head_input = inp.tokens, inp.activation_bytes * inp.sp_tokens * cfg.hidden_size
+    if inp.loss_chunk_tokens > 0:
+        return head_input + 12 * n
+    return head_input + 4 * n * (cfg.vocab_size // inp.tp) + 9 * n
 
 
 def mtp_step_activation_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
     """One MTP step: rolled token ids, enorm, hnorm, eh_proj's input [n, 2H], the MoE layer,
-    and the MTP final norm."""
+    and the MTP final norm. Under full-uniform recompute megatron checkpoints all but the
+    embedding: the rolled ids and the unit's two inputs (hidden states, embedding) stay."""
+    if inp.recompute.mtp_steps_recomputed:
+        return 8 * inp.tokens + 2 * recompute_unit_input_bytes(cfg, inp)
     n_sp, H = inp.sp_tokens, cfg.hidden_size
     norms = 3 * rms_norm_bytes(n_sp, H, inp)
     return (8 * inp.tokens + norms + 2 * inp.activation_bytes * n_sp * H
@@ -279,10 +411,18 @@ class Part:
 
 def _attention_flops(cfg: GLM5Config, inp: MemoryInputs) -> int:
     b, s, sparse = inp.micro_batch_size, inp.seq_length, dsa_sparse(cfg, inp)
-    # Our sparse path runs dense SDPA under a top-k mask: every (query, key) pair costs.
+    # The masked-dense sparse path runs dense SDPA under a top-k mask: every pair costs.
     pairs = b * s * s if sparse else b * s * (s + 1) // 2
     dims = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
     core = 6 * pairs * cfg.num_attention_heads * dims // (inp.tp * inp.cp)
+    if sparse and inp.absorbed_attention:
+        # Absorbed: K picks per query over the D = C + R latent; multiply-adds per pick and
+        # head: forward D (logits) + C (output), backward D (recomputed logits) + C (dp) +
+        # D (dq) + 2D (key/value gradients, one matmul over 2N). The absorption and the W_UV
+        # up-projection cost what the key/value up-projection did (counted with the weights).
+        width, latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        picks = b * s * min(cfg.index_topk, s)
+        core = 2 * picks * cfg.num_attention_heads * (5 * width + 2 * latent) // (inp.tp * inp.cp)
     if not sparse:
         return core
     # The indexer (replicated over TP) scores the causal pairs for the blockwise selection;
@@ -301,8 +441,24 @@ def layer_part(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> Part:
         else:
             dense += term.count // inp.tp if term.key in TP_SPLIT else term.count
             active += term.count
-    flops = 6 * active * inp.tokens // inp.tp + _attention_flops(cfg, inp)
+    flops = (6 * active * inp.tokens // inp.tp + _attention_flops(cfg, inp)
+             + selective_recompute_flops(cfg, inp))
     return Part(dense, expert, decoder_layer_activation_bytes(cfg, moe, inp), flops)
+
+
+def selective_recompute_flops(cfg: GLM5Config, inp: MemoryInputs) -> int:
+    """The extra forward selective recompute runs in backward (matmuls; the expert SwiGLU is
+    elementwise): the MLA up projections, the core attention with its indexer."""
+    rc, heads = inp.recompute, cfg.num_attention_heads // inp.tp
+    flops = 0
+    if rc.selects("mla_up_proj"):
+        dqk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        widths = (cfg.q_lora_rank or cfg.hidden_size) * heads * dqk
+        widths += cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        flops += 2 * inp.tokens * widths
+    if rc.selects("core_attn"):
+        flops += _attention_flops(cfg, inp) // 3
+    return flops
 
 
 def mtp_layer_params(cfg: GLM5Config) -> int:
@@ -324,13 +480,17 @@ def mtp_part(cfg: GLM5Config, inp: MemoryInputs) -> Part:
     params = Part(dense_params=layer.dense_params + eh_proj + 3 * H,
                   expert_params=layer.expert_params).times(sets)
     flops = layer.flops + 6 * 2 * H * H * inp.tokens // inp.tp
+    if inp.recompute.mtp_steps_recomputed:  # each step's forward once more in backward
+        flops += flops // 3
     return params + Part(activation_bytes=mtp_step_activation_bytes(cfg, inp),
                          flops=flops).times(steps)
 
 
 def head_part(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> Part:
-    """Output head(s) on the last stage: the main loss plus one per MTP step."""
-    flops = 6 * cfg.vocab_size * cfg.hidden_size * inp.tokens // inp.tp
+    """Output head(s) on the last stage: the main loss plus one per MTP step. The chunked
+    head's backward recomputes the logits GEMM: 4 GEMMs of 2 V H n flops instead of 3."""
+    gemms = 4 if inp.loss_chunk_tokens > 0 else 3
+    flops = 2 * gemms * cfg.vocab_size * cfg.hidden_size * inp.tokens // inp.tp
     return vocab_part(cfg, inp, "output_head") + Part(
         activation_bytes=loss_head_activation_bytes(cfg, inp), flops=flops).times(heads)
 
@@ -377,7 +537,10 @@ class GLM5StageModel:
         return max(0, min(start + count, self.cfg.first_k_dense_replace) - start)
 
     def part(self, stage: int, dense: int, count: int, final_norm: bool) -> Part:
-        part = self.layer[False].times(dense) + self.layer[True].times(count - dense)
+        # Dense layers come first (GLM-5's first_k_dense_replace); a stage > 0 received its
+        # input, counted below, which its first full-recompute unit keeps.
+        part = chunk_layers_part(self.cfg, self.layer, [False] * dense + [True] * (count - dense),
+                                 self.inp, input_counted=stage > 0)
         if stage == 0:
             part += self.embedding
         else:

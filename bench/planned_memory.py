@@ -1,0 +1,83 @@
+"""The planner's prediction for a training job, and the measured figures to set beside it
+(shared by bench/long_context.py and bench/activation_memory.py).
+
+The prediction is ``glm5_train.pipeline_plan.plan_report`` on the job's own config (composed
+from the same overrides the run gets) and the stages it runs: its resolved pipeline layout
+(given, or balanced for the MTP placement), else megatron-core's even split. On CPU SDPA runs
+its math path, so the estimate is made with ``fused_attention=False`` there.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from job import run_training
+
+from glm5_train.job_config import compose_job
+from glm5_train.pipeline_plan import (
+    PlanReport,
+    inputs_from_job,
+    layout_from_counts,
+    mtp_sets,
+    parse_layout,
+    plan_report,
+    resolve_pipeline_layout,
+)
+
+
+def planned(overrides: list[str], world: int) -> PlanReport:
+    """The planner's report (per pipeline rank: ``peak_activation_bytes``, ``offloaded_bytes``,
+    ``static_bytes``) for the job ``overrides`` describe on ``world`` processes."""
+    job = compose_job(list(overrides))
+    par, model = job.parallel, job.model
+    pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
+    dp = world // (par.tensor_model_parallel_size * pp * par.context_parallel_size)
+    layers, sets = model.num_hidden_layers, mtp_sets(model)
+    resolved = resolve_pipeline_layout(job, dp)
+    if resolved:
+        layout = parse_layout(resolved, pp, vpp, layers, sets)
+    else:
+        stages = pp * (vpp or 1)
+        layout = layout_from_counts([layers // stages] * stages, pp, vpp,
+                                    stages - 1 if sets else None, sets)
+    inputs = inputs_from_job(job, dp, fused_attention=torch.cuda.is_available())
+    return plan_report(model, layout, inputs, job.activations)
+
+
+def measured_field(record: dict, name: str, label: str) -> list[int]:
+    """A per-rank list from a metrics.jsonl record, or a one-line exit naming what is missing."""
+    if name not in record:
+        raise SystemExit(f"{label}: metrics.jsonl has no {name!r} (fields: {sorted(record)}); "
+                         "the tree lacks the feature that writes it (glm5_train/metrics.py)")
+    return record[name]
+
+
+def step_seconds(records: list[dict], tokens_per_step: int) -> float:
+    """Mean step time from the metrics' tokens/s, step 1 (warm-up) left out when there are more."""
+    timed = records[1:] if len(records) > 1 else records
+    return sum(tokens_per_step / r["tokens_per_s"] for r in timed) / len(timed)
+
+
+def run_job(nproc: int, overrides: list[str], run_dir: str, label: str) -> tuple[list[dict], float]:
+    """``bench/job.py``'s run_training, timed (wall seconds of the whole torchrun)."""
+    started = time.monotonic()
+    records = run_training(nproc, overrides, run_dir, label)
+    if not records:
+        raise SystemExit(f"{label} run wrote no metrics.jsonl records ({run_dir})")
+    return records, time.monotonic() - started
+
+
+def relative_error(predicted: float, measured: float) -> str:
+    return f"{(predicted - measured) / measured:+.1%}" if measured else "n/a"
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"

@@ -1,0 +1,359 @@
+"""DeepSeek Sparse Attention's main attention in MLA's absorbed form, at O(S x K) memory.
+
+MLA's keys and values are per-head up-projections of one shared latent: with the normed latent
+c[s] (``kv_lora_rank`` wide) and the shared RoPE key k_pe[s],
+
+    k[s, h] = (W_UK[h] c[s]) ‖ k_pe[s]            v[s, h] = W_UV[h] c[s]
+
+so a query's logit against key s is  q_nope[h] . W_UK[h] c[s] + q_pe[h] . k_pe[s]
+= q_lat[h] . kv[s]  with the absorbed query  q_lat[h] = (W_UK[h]^T q_nope[h]) ‖ q_pe[h]  and the
+latent key  kv[s] = c[s] ‖ k_pe[s]  (576 wide in GLM-5), and the output is
+W_UV[h] (sum_s p[h, s] c[s]). Attention over a query's K selected keys therefore needs only the
+K latent rows, shared by all heads: multi-query attention over the latent
+(``SparseLatentAttention``), then the per-head up-projection of its output by W_UV.
+
+``SparseLatentAttention`` runs by chunks of query rows: one row gather of the chunk's selected
+latent keys (shared by all heads), batched matmuls for logits and outputs, an fp32
+log-sum-exp per head and query. Its backward recomputes each chunk's gathered keys and logits
+from what forward saved: the absorbed queries, the latent keys, the indices and validity, the
+log-sum-exp and the output, O(S x N x 576 + S x K) bytes; nothing [S, S], nothing [S, K, N].
+
+``GLM5MLASelfAttention`` feeds it: megatron-core's ``MLASelfAttention`` whose
+``get_query_key_value_tensors`` returns, when the core attention will run this path, the query
+as usual and the latent key [S, B, 1, C + R] with value None instead of up-projected keys and
+values (the up-projection ``linear_kv_up_proj`` is never run there; its weight reaches the core
+attention as W_UK / W_UV views, so its gradient arrives through them).
+
+Shape legend: B batch, S sequence, T query chunk, K top-k, N heads (this rank), C latent width
+(kv_lora_rank), R RoPE width, D = C + R, Dn / Dv per-head nope-key / value widths.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings import apply_rotary_pos_emb
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+# Working-set budget (fp32 elements) of one query chunk's gathered latent keys [B, T, K, D]:
+# 16 MiB (T = 3 rows at GLM-5's K = 2048, D = 576). The gathered keys are read by three
+# matmuls per pass; chunks that stay near the cache size measured ~2x faster per row on CPU
+# than 64 MiB ones (and 4 MiB ones pay more per-chunk overhead).
+LATENT_CHUNK_ELEMENTS = 1 << 22
+
+
+def latent_chunk_rows(batch: int, picks: int, width: int) -> int:
+    """Query rows per chunk so that the chunk's gathered keys hold ~LATENT_CHUNK_ELEMENTS."""
+    return max(1, LATENT_CHUNK_ELEMENTS // max(1, batch * picks * width))
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """Compute dtype: fp32 at least (bf16 promoted, fp64 kept for gradient checks)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+class _KeyTable:
+    """The latent keys [B, S, D] as a table of rows [B*S, D] without copying: the [S, B]
+    layout megatron produces (a transposed view) and a contiguous [B, S, D] both work.
+    Row of (b, s) = b * b_step + s * s_step."""
+
+    def __init__(self, kv_BSD: torch.Tensor) -> None:
+        batch, seq, width = kv_BSD.shape
+        if kv_BSD.is_contiguous():
+            self.rows, self.b_step, self.s_step = kv_BSD.view(batch * seq, width), seq, 1
+        elif kv_BSD.transpose(0, 1).is_contiguous():
+            self.rows = kv_BSD.transpose(0, 1).view(seq * batch, width)
+            self.b_step, self.s_step = 1, batch
+        else:
+            self.rows, self.b_step, self.s_step = kv_BSD.reshape(batch * seq, width), seq, 1
+        self.batch, self.seq, self.width = batch, seq, width
+
+    def row_index(self, idx_BTK: torch.Tensor) -> torch.Tensor:
+        """Flat table rows [B*T*K] of the picks (each batch's picks index its own keys)."""
+        batch_base = torch.arange(self.batch, device=idx_BTK.device) * self.b_step
+        return (idx_BTK * self.s_step + batch_base[:, None, None]).flatten()
+
+    def gather(self, rows: torch.Tensor, tokens: int, buffer: dict) -> torch.Tensor:
+        """[B*T, K, D] picked keys, fp32 (gathered first: only the chunk's rows are cast).
+        Written into ``buffer``'s tensors, allocated once per call: fresh pages for every
+        chunk cost more than the copy itself on CPU."""
+        picked = _reuse(buffer, "picked", (rows.numel(), self.width), self.rows.dtype)
+        torch.index_select(self.rows, 0, rows, out=picked)
+        if picked.dtype != _fp32(picked).dtype:
+            picked = _reuse(buffer, "fp32", picked.shape, _fp32(picked).dtype).copy_(picked)
+        return picked.view(self.batch * tokens, -1, self.width)
+
+    def as_input_layout(self, grad_rows: torch.Tensor) -> torch.Tensor:
+        """A gradient table [B*S, D] viewed as the [B, S, D] input it belongs to."""
+        if self.b_step == 1:
+            return grad_rows.view(self.seq, self.batch, self.width).transpose(0, 1)
+        return grad_rows.view(self.batch, self.seq, self.width)
+
+
+def _reuse(buffer: dict, name: str, shape, dtype) -> torch.Tensor:
+    """A scratch tensor of ``shape`` from ``buffer`` (grown once, then reused)."""
+    numel = int(torch.Size(shape).numel())
+    held = buffer.get(name)
+    if held is None or held.numel() < numel or held.dtype != dtype:
+        held = buffer[name] = torch.empty(numel, dtype=dtype, device=buffer["device"])
+    return held[:numel].view(shape)
+
+
+class SparseLatentAttention(torch.autograd.Function):
+    """Softmax attention of each query's N heads over its own K latent keys.
+
+    ``q_lat`` [B, S, N, D] absorbed queries, ``kv`` [B, S, D] latent keys (values are their
+    first ``value_width`` columns), ``idx`` [B, S, K] key positions, ``valid`` [B, S, K]
+    (False: a pick past the causal keys, which gets no weight), ``scale`` the softmax scale.
+    Returns the output [B, S, N, value_width] (dtype of ``q_lat``) and, when ``need_probs``,
+    the attention probabilities of the picks summed over the N heads [B, S, K] fp32
+    (detached: the indexer KL's target), else an empty tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, q_lat, kv, idx, valid, scale: float, value_width: int, rows: int,
+                need_probs: bool):
+        batch, seq, heads, _ = q_lat.shape
+        table = _KeyTable(kv)
+        out = q_lat.new_empty(batch, seq, heads, value_width)
+        compute = _fp32(q_lat).dtype  # fp32, or fp64 for gradient checks
+        lse_BSN = torch.empty(batch, seq, heads, dtype=compute, device=q_lat.device)
+        probs = (torch.empty(batch, seq, idx.shape[-1], dtype=compute, device=q_lat.device)
+                 if need_probs else q_lat.new_empty(0))
+        buffer = {"device": q_lat.device}
+        for t0 in range(0, seq, rows):
+            chunk = slice(t0, min(seq, t0 + rows))
+            keys = table.gather(table.row_index(idx[:, chunk]), chunk.stop - t0, buffer)
+            q = _fp32(q_lat[:, chunk]).reshape(keys.shape[0], heads, -1)
+            p, lse = _chunk_probs(q, keys, valid[:, chunk], scale, None)
+            lse_BSN[:, chunk] = lse.view(batch, -1, heads)
+            o = torch.bmm(p, keys[..., :value_width])  # [B*T, N, Dv]
+            out[:, chunk] = o.view(batch, -1, heads, value_width).to(out.dtype)
+            if need_probs:
+                probs[:, chunk] = p.sum(1).view(batch, -1, idx.shape[-1])
+        ctx.save_for_backward(q_lat, kv, idx, valid, lse_BSN, out)
+        ctx.scale, ctx.value_width, ctx.rows = scale, value_width, rows
+        ctx.mark_non_differentiable(probs)
+        return out, probs
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_probs):
+        q_lat, kv, idx, valid, lse_BSN, out = ctx.saved_tensors
+        scale, dv, rows = ctx.scale, ctx.value_width, ctx.rows
+        batch, seq, heads, width = q_lat.shape
+        table = _KeyTable(kv)
+        dq = torch.empty(q_lat.shape, dtype=_fp32(q_lat).dtype, device=q_lat.device)
+        dkv_rows = torch.zeros(table.rows.shape, dtype=dq.dtype, device=q_lat.device)
+        buffer = {"device": q_lat.device}
+        for t0 in range(0, seq, rows):
+            chunk = slice(t0, min(seq, t0 + rows))
+            tokens = chunk.stop - t0
+            flat = table.row_index(idx[:, chunk])
+            keys = table.gather(flat, tokens, buffer)  # [B*T, K, D]
+            q = _fp32(q_lat[:, chunk]).reshape(batch * tokens, heads, width)
+            p, _ = _chunk_probs(q, keys, valid[:, chunk], scale,
+                                lse_BSN[:, chunk].reshape(-1, heads))
+            d_out = _fp32(grad_out[:, chunk]).reshape(batch * tokens, heads, dv)
+            o = _fp32(out[:, chunk]).reshape(batch * tokens, heads, dv)
+            # Softmax backward: dlogit = p * (dp - sum_k p dp), where sum_k p dp = dO . O;
+            # computed in dp's buffer, then scaled (logit = scale x q . k).
+            dp = torch.bmm(d_out, keys[..., :dv].transpose(1, 2))  # [B*T, N, K]
+            dlogits = dp.sub_((d_out * o).sum(-1, keepdim=True)).mul_(p).mul_(scale)
+            dq[:, chunk] = torch.bmm(dlogits, keys).view(batch, tokens, heads, width)
+            # Key and value gradients of the picked rows in one matmul over 2N heads: the
+            # logit gradient against the queries, the probabilities against dO (the value
+            # columns; zero in the RoPE columns).
+            left = torch.cat([dlogits, p], dim=1).transpose(1, 2)  # [B*T, K, 2N]
+            right = torch.cat([q, torch.nn.functional.pad(d_out, (0, width - dv))], dim=1)
+            dkeys = _reuse(buffer, "dkeys", keys.shape, keys.dtype)
+            dkv_rows.index_add_(0, flat, torch.bmm(left, right, out=dkeys).view(-1, width))
+        return (dq.to(q_lat.dtype), table.as_input_layout(dkv_rows).to(kv.dtype),
+                None, None, None, None, None, None)
+
+
+def _chunk_probs(q: torch.Tensor, keys: torch.Tensor, valid_BTK: torch.Tensor,
+                 scale: float, lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probabilities [B*T, N, K] of one chunk's queries [B*T, N, D] against its keys
+    [B*T, K, D] (invalid picks 0) and the fp32 log-sum-exp [B*T, N]; ``lse`` given
+    (backward): reuse it instead of reducing again."""
+    logits = torch.bmm(q, keys.transpose(1, 2)).mul_(scale)  # [B*T, N, K]
+    logits.masked_fill_(~valid_BTK.reshape(q.shape[0], 1, -1), float("-inf"))
+    if lse is None:
+        lse = torch.logsumexp(logits, dim=-1)
+    # A query without any valid pick (impossible causally, but masks may forbid all) gets 0.
+    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return logits.sub_(finite[..., None]).exp_(), lse
+
+
+def sparse_latent_attention(q_lat: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
+                            valid: torch.Tensor, scale: float, value_width: int,
+                            need_probs: bool = False, rows: int | None = None):
+    """``SparseLatentAttention`` with the default chunk rows; probs None unless asked for."""
+    rows = rows or latent_chunk_rows(q_lat.shape[0], idx.shape[-1], kv.shape[-1])
+    out, probs = SparseLatentAttention.apply(q_lat, kv, idx, valid, scale, value_width, rows,
+                                             need_probs)
+    return out, (probs if need_probs else None)
+
+
+def absorbed_sparse_attention(query: torch.Tensor, latent_key: torch.Tensor,
+                              w_uk: torch.Tensor, w_uv: torch.Tensor, idx_BSK: torch.Tensor,
+                              valid_BSK: torch.Tensor, scale: float, need_probs: bool = False,
+                              rows: int | None = None):
+    """MLA attention over each query's selected keys, in the absorbed form.
+
+    ``query`` [S, B, N, Dn + R] (q_nope ‖ RoPE'd q_pe), ``latent_key`` [S, B, 1, C + R]
+    (normed latent ‖ RoPE'd shared key), ``w_uk`` [N, Dn, C] and ``w_uv`` [N, Dv, C] (views of
+    the key/value up-projection). Returns [S, B, N * Dv] and the head-summed probabilities of
+    the picks [B, S, K] (None unless ``need_probs``)."""
+    seq, batch, heads, _ = query.shape
+    dn, latent = w_uk.shape[1], w_uk.shape[2]
+    q_nope = query.view(seq * batch, heads, -1)[..., :dn].transpose(0, 1)  # [N, S*B, Dn] view
+    q_abs = torch.bmm(q_nope, w_uk).transpose(0, 1).view(seq, batch, heads, latent)
+    q_lat = torch.cat([q_abs, query[..., dn:]], dim=-1).transpose(0, 1)  # [B, S, N, D] view
+    kv = latent_key.squeeze(2).transpose(0, 1)  # [B, S, D] view of the [S, B] layout
+    o_lat, probs = sparse_latent_attention(q_lat, kv, idx_BSK, valid_BSK, scale, latent,
+                                           need_probs, rows)
+    # Per-head up-projection of the latent output: [N, B*S, C] x [N, C, Dv].
+    o_NRV = torch.bmm(o_lat.view(batch * seq, heads, latent).transpose(0, 1),
+                      w_uv.transpose(1, 2))
+    out = o_NRV.view(heads, batch, seq, -1).permute(2, 1, 0, 3)
+    return out.reshape(seq, batch, -1), probs
+
+
+# ------------------------------------------------------------------ feeding the latent
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity; hands its input a contiguous gradient. megatron-core's
+    ``copy_to_tensor_model_parallel_region`` all-reduces ``grad.contiguous()`` and returns the
+    original gradient, so a non-contiguous one (what ``torch.cat``'s backward gives each input)
+    would come back unreduced."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class GLM5MLASelfAttention(MLASelfAttention):
+    """megatron-core's MLA self-attention that hands DSA's core attention the latent key
+    instead of up-projected keys and values when it runs the absorbed sparse path
+    (``DSACoreAttention.runs_absorbed``); every other case is megatron-core's own."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # A bound method, not a module reference: the up-projection stays registered once.
+        self.core_attention.latent_up_weights = self.latent_up_weights
+
+    def latent_up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [N, Dn, C] and W_UV [N, Dv, C]: views of ``linear_kv_up_proj.weight``
+        ([N * (Dn + Dv), C] on this TP rank), so that gradients reach that parameter."""
+        cfg = self.config
+        weight = self.linear_kv_up_proj.weight.view(
+            self.num_attention_heads_per_partition, cfg.qk_head_dim + cfg.v_head_dim,
+            cfg.kv_lora_rank)
+        return weight[:, :cfg.qk_head_dim], weight[:, cfg.qk_head_dim:]
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
+                                    position_ids=None, packed_seq_params=None,
+                                    inference_context=None, *, inference_params=None):
+        runs_absorbed = getattr(self.core_attention, "runs_absorbed", None)
+        plain = (key_value_states is not None or packed_seq_params is not None
+                 or inference_context is not None or inference_params is not None)
+        if plain or runs_absorbed is None or not runs_absorbed(self._full_sequence(hidden_states)):
+            return super().get_query_key_value_tensors(
+                hidden_states, key_value_states, position_ids, packed_seq_params,
+                inference_context, inference_params=inference_params)
+        return self._absorbed_query_and_latent_key(hidden_states)
+
+    def _full_sequence(self, hidden_states: torch.Tensor) -> int:
+        split = self.config.sequence_parallel and _world(self.tp_group) > 1
+        return hidden_states.shape[0] * (_world(self.tp_group) if split else 1)
+
+    def _absorbed_query_and_latent_key(self, hidden_states: torch.Tensor):
+        """(query [S, B, N, Dn + R], latent key [S, B, 1, C + R], None, q latent, kv latent),
+        megatron-core's down projections, norms and RoPE, without the key/value up-projection."""
+        cfg = self.config
+        if cfg.apply_rope_fusion or cfg.q_lora_rank is None:
+            raise ValueError("the absorbed sparse MLA path needs q_lora_rank and unfused RoPE "
+                             "(apply_rope_fusion=False); or set dsa.sparse_attention=masked_dense")
+        rotary = self.rotary_pos_emb(self._full_sequence(hidden_states), packed_seq=False)
+        rotary, mscale = rotary if cfg.rope_type == "yarn" else (rotary, 1.0)
+        q_compressed, _ = self.linear_q_down_proj(hidden_states)
+        kv_combined, _ = self.linear_kv_down_proj(hidden_states)
+        if (q_compressed.shape[-1] != cfg.q_lora_rank
+                or kv_combined.shape[-1] != cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim):
+            raise ValueError("the absorbed sparse MLA path needs replicated (not column-"
+                             "parallel) MLA down projections; or set "
+                             "dsa.sparse_attention=masked_dense")
+        kv_compressed, k_pos_emb = torch.split(
+            kv_combined, [cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim], dim=-1)
+        if _world(self.tp_group) > 1 and cfg.sequence_parallel:
+            k_pos_emb = gather_from_sequence_parallel_region(k_pos_emb, group=self.tp_group)
+        q_compressed = self.q_layernorm(q_compressed)
+        kv_compressed = self._latent_norm(kv_compressed)
+
+        def up_and_rope(q_compressed, kv_compressed, k_pos_emb, rotary):
+            return self._query_and_latent_key(q_compressed, kv_compressed, k_pos_emb, rotary,
+                                              mscale)
+
+        if self.recompute_up_proj:  # megatron-core's selective "mla_up_proj", as it does it:
+            # q_up and RoPE rerun from the latents in backward; query and key are freed after
+            # the core attention (MultiLatentAttention.forward) and restored in place.
+            self.qkv_up_checkpoint = tensor_parallel.CheckpointWithoutOutput(
+                fp8=cfg.fp8 or cfg.fp4)
+            query, key = self.qkv_up_checkpoint.checkpoint(up_and_rope, q_compressed,
+                                                           kv_compressed, k_pos_emb, rotary)
+        else:
+            query, key = up_and_rope(q_compressed, kv_compressed, k_pos_emb, rotary)
+        return query, key, None, q_compressed, kv_compressed
+
+    def _query_and_latent_key(self, q_compressed, kv_compressed, k_pos_emb, rotary, mscale):
+        cfg = self.config
+        q, _ = self.linear_q_up_proj(q_compressed)
+        q = q.view(*q.shape[:-1], self.num_attention_heads_per_partition, self.q_head_dim)
+        q_no_pe, q_pos_emb = torch.split(q, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
+        rotary = rotary[:q.shape[0]]
+        q_pos_emb = apply_rotary_pos_emb(q_pos_emb, rotary, config=cfg, mscale=mscale,
+                                         cp_group=self.pg_collection.cp)
+        k_pos_emb = apply_rotary_pos_emb(k_pos_emb.unsqueeze(-2), rotary, config=cfg,
+                                         mscale=mscale, cp_group=self.pg_collection.cp)
+        latent = self._share_latent(kv_compressed).unsqueeze(-2)
+        query = torch.cat([q_no_pe, q_pos_emb], dim=-1)
+        return query, torch.cat([latent, k_pos_emb], dim=-1)
+
+    def _latent_norm(self, kv_compressed: torch.Tensor) -> torch.Tensor:
+        """kv_layernorm; in the Transformer Engine spec it is fused into linear_kv_up_proj
+        (kv_layernorm an IdentityOp), whose RMSNorm weight is applied here instead."""
+        up = self.linear_kv_up_proj
+        if not isinstance(self.kv_layernorm, IdentityOp) or not hasattr(up, "layer_norm_weight"):
+            return self.kv_layernorm(kv_compressed)
+        x32 = kv_compressed.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + up.eps)
+        gamma = up.layer_norm_weight.float()
+        gamma = gamma + 1 if getattr(up, "zero_centered_gamma", False) else gamma
+        return (x32 * gamma).to(kv_compressed.dtype)
+
+    def _share_latent(self, kv_compressed: torch.Tensor) -> torch.Tensor:
+        """The latent every TP rank's heads read, with the column-parallel up-projection's
+        semantics: under SP all-gathered (backward reduce-scatter), else copied (backward
+        all-reduce of the heads' gradients)."""
+        if _world(self.tp_group) == 1:
+            return kv_compressed
+        if self.config.sequence_parallel:
+            return gather_from_sequence_parallel_region(kv_compressed, group=self.tp_group)
+        shared = copy_to_tensor_model_parallel_region(kv_compressed, group=self.tp_group)
+        return _ContiguousGrad.apply(shared)
+
+
+def _world(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
