@@ -1,0 +1,44 @@
+"""The GLM-5 experiment recipes (configs/experiment/) compose, pass every layout rule at the
+world size their parallel preset names, and fit a 141 GB H200 by the planner's estimate."""
+
+from __future__ import annotations
+
+import pytest
+
+from glm5_train.job_config import compose_job
+from glm5_train.pipeline_plan import inputs_from_job, plan_report, resolve_pipeline_layout
+from parallel.layout import validate_layout
+from tests.parity import pipeline_of
+
+H200_BYTES = 141 * 10**9
+WORLD = 256  # configs/parallel/glm5_200k_256gpu.yaml: TP8 x PP8 x DP4
+
+
+@pytest.mark.parametrize("experiment", ["glm5_dsa_sparse", "glm5_dsa_warmup"])
+def test_experiment_composes_and_passes_the_layout_rules(experiment):
+    job = compose_job([f"+experiment={experiment}"])
+    assert job.train.seq_length == 202_752 == job.model.max_position_embeddings
+    dp = validate_layout(job.parallel, job.model, WORLD, job.train.global_batch_size,
+                         job.train.micro_batch_size, job.train.seq_length)
+    assert dp == 4
+    assert resolve_pipeline_layout(job, dp)  # a balanced MTP-split layout exists
+
+
+def test_sparse_stage_at_202752_tokens_fits_an_h200_by_the_planner():
+    """Full recompute keeps each layer's input; the largest rank's static + in-flight bytes
+    plus one layer's recompute working set (the layer's activations without recompute) stay
+    under 141 GB."""
+    job = compose_job(["+experiment=glm5_dsa_sparse"])
+    dp = validate_layout(job.parallel, job.model, WORLD, job.train.global_batch_size,
+                         job.train.micro_batch_size, job.train.seq_length)
+    layout = pipeline_of(job, dp)
+    report = plan_report(job.model, layout, inputs_from_job(job, dp), job.activations)
+    plain = compose_job(["+experiment=glm5_dsa_sparse", "activations.recompute_granularity=null",
+                         "activations.recompute_method=null",
+                         "activations.recompute_num_layers=null"])
+    full = plan_report(plain.model, layout, inputs_from_job(plain, dp), plain.activations)
+    working_set = max(stage.costs.activation_bytes_per_microbatch / stage.layers.count("t")
+                      for stage in full.stages if "t" in stage.layers)
+    print(f"sparse stage at 202,752 tokens: max rank {report.max_rank_bytes / 2**30:.1f} GiB "
+          f"+ one layer's working set {working_set / 2**30:.1f} GiB")
+    assert report.max_rank_bytes + working_set < H200_BYTES
