@@ -19,6 +19,7 @@ from glm5_train.model.config import GLM5Config
 from glm5_train.model.stage_costs import (
     GLM5StageModel,
     MemoryInputs,
+    checkpoint_leaf_bytes,
     decoder_layer_activation_bytes,
     inputs_from_job,
     mtp_sets,
@@ -63,7 +64,9 @@ def offloaded_unit_bytes(cfg: GLM5Config, layout: PipelineLayout, inputs: Memory
     """Saved bytes per micro-batch that each offloaded layer call of ``stage`` moves to host,
     in forward order: a decoder layer's, an MTP step's (each of the MTP layer's calls). What
     something else keeps alive does not move: in fp32 a non-first stage's first layer (and
-    its first MTP step) saves the received input itself, which megatron-core holds."""
+    its first MTP step) saves the received input itself, which megatron-core holds; under
+    selective recompute autograd holds the output-discarding checkpoints' inputs
+    (``checkpoint_leaf_bytes``)."""
     first = sum(s.count("t") for s in layout.stages[:stage])
     held = inputs.activation_bytes * inputs.sp_tokens * cfg.hidden_size \
         if inputs.activation_bytes == 4 and stage > 0 else 0
@@ -71,13 +74,14 @@ def offloaded_unit_bytes(cfg: GLM5Config, layout: PipelineLayout, inputs: Memory
     for index in range(first, first + layout.stages[stage].count("t")):
         if activations.offloads_layer(index):
             moe = bool(cfg.moe_layer_pattern[index])
-            units.append(decoder_layer_activation_bytes(cfg, moe, inputs) - (
-                held if index == first else 0))
+            units.append(decoder_layer_activation_bytes(cfg, moe, inputs)
+                         - checkpoint_leaf_bytes(cfg, moe, inputs) - (held if index == first else 0))
     if stage == layout.mtp_stage:
         for step in range(mtp_steps(cfg)):
             if activations.offloads_layer(cfg.num_hidden_layers + step % mtp_sets(cfg)):
                 received = step == 0 and not layout.stages[stage].count("t")
-                units.append(mtp_step_activation_bytes(cfg, inputs) - (held if received else 0))
+                units.append(mtp_step_activation_bytes(cfg, inputs)
+                             - checkpoint_leaf_bytes(cfg, True, inputs) - (held if received else 0))
     return units
 
 

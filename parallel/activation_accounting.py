@@ -8,6 +8,12 @@ node's backward has run (or the graph is dropped). What is counted:
   count once, by the storage's bytes; a storage is found again by its data pointer while it is
   alive (a weak reference to the storage tells a live storage from a new one at a reused
   address);
+- storages megatron-core's output-discarding recompute empties (``CheckpointWithoutOutput``:
+  the output of a checkpointed function, saved by the op that consumes it, is resized to 0
+  bytes after that op's forward and refilled in backward just before that op's backward
+  runs) count what they hold: the tensors saved from such an output are found by their
+  autograd node at pack time; their storage's size is read again before any new peak is
+  taken (the emptying: same layer, soon after) and when autograd unpacks them (the refill);
 - parameters (and anything registered with ``exclude``) apart: ``saved_param_bytes`` is the
   unique bytes of excluded storages referenced by saved tensors; they are never "live" bytes,
   they exist anyway;
@@ -31,12 +37,26 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from megatron.core.tensor_parallel.random import CheckpointWithoutOutputFunction
+
+# The autograd node of a CheckpointWithoutOutput output (the class torch makes for the Function).
+_DISCARDED_OUTPUT_NODE = CheckpointWithoutOutputFunction._backward_cls
+
+
+def _may_be_discarded(tensor: torch.Tensor) -> bool:
+    """The tensor is (a view of) an output megatron-core's output-discarding checkpoint will
+    empty after its consumer's forward."""
+    base = tensor._base if tensor._base is not None else tensor
+    return isinstance(base.grad_fn, _DISCARDED_OUTPUT_NODE) or isinstance(
+        tensor.grad_fn, _DISCARDED_OUTPUT_NODE)
 
 
 class StorageRecord:
-    """One storage saved for backward: its bytes, the handles autograd holds on it, and where
-    its data is: the device original (``original``), a host copy (``host``), a device copy made
-    from it (``reloaded``). ``offload_state`` belongs to ``parallel.activation_offload``."""
+    """One storage saved for backward: its bytes (as it holds them now), the handles autograd
+    holds on it, and where its data is: the device original (``original``), a host copy
+    (``host``), a device copy made from it (``reloaded``). ``resizable``: an output-discarding
+    checkpoint's output (emptied in forward, refilled in backward). ``offload_state`` belongs to
+    ``parallel.activation_offload``."""
 
     __slots__ = (
         "__weakref__",
@@ -50,6 +70,7 @@ class StorageRecord:
         "released",
         "reloaded",
         "resident",
+        "resizable",
         "scope",
     )
 
@@ -64,6 +85,7 @@ class StorageRecord:
         self.reloaded: torch.Tensor | None = None  # flat uint8 device copy of ``host``
         self.resident = True  # counted in the meter's live device bytes
         self.released = False
+        self.resizable = False
         self.offload_state = None
 
     def storage(self) -> torch.UntypedStorage | None:
@@ -94,6 +116,8 @@ class Packed:
         self.stride, self.offset = tensor.stride(), tensor.storage_offset()
 
     def unpack(self) -> torch.Tensor:
+        if self.record.resizable:  # refilled by its recompute just before this backward
+            self.meter.resized(self.record)
         if self.tensor is not None:
             return self.tensor
         storage = self.meter.device_storage(self.record)
@@ -130,6 +154,8 @@ class SavedTensorMeter:
         self.on_unpack = None  # callable(record): its device copy is ready when it returns
         self.live_bytes = 0
         self.host_bytes = 0
+        # Resizable records not yet seen emptied: read again before each new peak.
+        self._to_be_emptied: list[StorageRecord] = []
         self._reset_step()
 
     # ------------------------------------------------------------------------ set-up, step
@@ -173,6 +199,9 @@ class SavedTensorMeter:
             self._by_ptr[ptr] = record
             self.total_bytes += record.nbytes
             self._grow(record.nbytes)
+        if not record.resizable and _may_be_discarded(tensor):
+            record.resizable = True
+            self._to_be_emptied.append(record)
         packed = Packed(record, tensor, self)
         record.refs += 1
         record.packs.append(weakref.ref(packed))
@@ -201,7 +230,21 @@ class SavedTensorMeter:
 
     def _grow(self, nbytes: int) -> None:
         self.live_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if self.live_bytes > self.peak_bytes:
+            self._settle_emptied()
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _settle_emptied(self) -> None:
+        """Count the resizable storages emptied since they were packed at what they hold now
+        (0 bytes); those not emptied yet are read again before the next new peak."""
+        waiting = []
+        for record in self._to_be_emptied:
+            if record.released or record.original is None:
+                continue
+            self.resized(record)
+            if record.nbytes:
+                waiting.append(record)
+        self._to_be_emptied = waiting
 
     # ------------------------------------------------- moves (parallel.activation_offload)
 
@@ -242,15 +285,18 @@ class SavedTensorMeter:
         self._grow(record.nbytes)
 
     def resized(self, record: StorageRecord) -> None:
-        """The device original changed size under us (megatron-core's output-discarding
-        recompute shrinks a storage to 0 bytes and refills it in backward): count what it
-        holds now."""
+        """The device original may have changed size under us (megatron-core's output-
+        discarding recompute shrinks a storage to 0 bytes and refills it in backward): count
+        what it holds now (a refill may make a new peak)."""
         storage = record.original() if record.original is not None else None
-        if storage is None or not record.resident:
+        if storage is None or not record.resident or record.released:
             return
         now = storage.nbytes()
+        if now == record.nbytes:
+            return
         self.live_bytes += now - record.nbytes
         record.nbytes = now
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
 
 def _unpack(packed):

@@ -177,8 +177,12 @@ def _ranks_in_header(name: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
+# Full-scale GLM-5 presets need the 744B model: checked below and in tests/test_experiments.py.
+FULL_SCALE_PRESETS = {"glm5_slime_256gpu.yaml", "glm5_200k_256gpu.yaml"}
+
+
 @pytest.mark.parametrize("name", sorted(f[:-5] for f in os.listdir(f"{CONFIG_DIR}/parallel")
-                                        if f != "glm5_slime_256gpu.yaml"))
+                                        if f not in FULL_SCALE_PRESETS))
 def test_shipped_layouts_pass_every_rule(name):
     job = compose_job([f"parallel={name}"])
     t = job.train

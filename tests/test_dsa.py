@@ -207,7 +207,8 @@ class _LargestOutput(TorchDispatchMode):
 def test_selection_and_sparse_kl_create_no_seq_by_seq_tensor(monkeypatch):
     """At S = 512 (B = 1) no tensor of the blockwise selection or of the sparse KL's forward
     and backward reaches S x S / 2 elements, while the full-row path makes S x S ones."""
-    monkeypatch.setattr(dsa, "CHUNK_ELEMENTS", 4096)  # query blocks of 32, KL chunks of 25
+    monkeypatch.setattr(dsa, "CHUNK_ELEMENTS", 4096)  # query blocks of 32
+    monkeypatch.setattr(dsa, "SELECTED_CHUNK_ELEMENTS", 4096)  # KL chunks of 32 queries
     monkeypatch.setattr(dsa, "INDEXER_KEY_BLOCK", 64)
     gen = torch.Generator().manual_seed(4)
     batch, seq, k = 1, 512, 16

@@ -56,7 +56,9 @@ CHUNK_ELEMENTS = 1 << 25
 
 # Keys per block of the indexer's blockwise top-k (``causal_topk``); its query block follows
 # from CHUNK_ELEMENTS so that one block's [B, T, Hi, key block] fp32 logits stay bounded.
-INDEXER_KEY_BLOCK = 2048
+# Each key block costs a merge (concatenate, top-k over K + block keys): at 16K tokens,
+# 8 indexer heads, K = 2048, blocks of 16384 keys selected ~1.5x faster than blocks of 2048.
+INDEXER_KEY_BLOCK = 16384
 
 # Selection rule, everywhere (full row and blockwise): larger score first, then smaller key
 # index. Scores are packed with their key index into one int64 that orders exactly so, which
@@ -249,9 +251,22 @@ class DSAIndexer(torch.nn.Module):
         """Differentiable I at each query's selected keys only, [B, S, K] fp32 (unmasked):
         ``scores(...).gather(-1, topk_BSK)`` at O(B S K) memory (``_SelectedScores``)."""
         q_BSHD, k_BSD, w_BSH = self.project(x_BSH, qr_BSQ)
-        per_row = x_BSH.shape[0] * topk_BSK.shape[-1] * (self.n_heads + self.head_dim)
         return _SelectedScores.apply(q_BSHD, k_BSD, w_BSH, topk_BSK, self.head_dim ** -0.5,
-                                     query_chunk(per_row))
+                                     selected_chunk_rows(*topk_BSK.shape[::2], self.head_dim))
+
+
+# Budget (elements) of one query chunk's gathered indexer keys [B, T, K, Di] in
+# ``_SelectedScores``: 4 MiB fp32 (T = 4 at K = 2048, Di = 128), near the core's L2, so the
+# gathered keys stay cached between the matmuls that read them (forward: logits; backward:
+# logits, dq and the key gradient). Measured at 4K tokens, 8 heads (bench/dsa_attention.py
+# shapes): T = 4..8 fastest; T = 1..2 pay per-chunk overhead, T = 16 ran ~1.7x slower and
+# T = 120 (chunks of CHUNK_ELEMENTS) ~6x.
+SELECTED_CHUNK_ELEMENTS = 1 << 20
+
+
+def selected_chunk_rows(batch: int, picks: int, width: int) -> int:
+    """Query rows per ``_SelectedScores`` chunk: gathered keys of ~SELECTED_CHUNK_ELEMENTS."""
+    return max(1, SELECTED_CHUNK_ELEMENTS // max(1, batch * picks * width))
 
 
 class _SelectedScores(torch.autograd.Function):
@@ -259,42 +274,50 @@ class _SelectedScores(torch.autograd.Function):
 
     Autograd over a gather would save each chunk's gathered keys [B, T, K, Di] and logits
     [B, T, K, Hi] (GB per layer at 4K tokens); this saves only q, k, w and the indices and
-    recomputes a chunk's gathered keys and logits in backward.
+    recomputes a chunk's gathered keys and logits in backward. Per chunk: one row gather of
+    the picked keys into a reused buffer, then batched matmuls over the B*T queries (G below):
+    logits [G, Hi, K] = q [G, Hi, Di] x keys^T, the head sum [G, 1, K] = w [G, 1, Hi] x ReLU.
     """
 
     @staticmethod
     def forward(ctx, q_BSHD, k_BSD, w_BSH, topk_BSK, scale: float, rows: int):
         ctx.save_for_backward(q_BSHD, k_BSD, w_BSH, topk_BSK)
         ctx.scale, ctx.rows = scale, rows
-        out = []
-        for start in range(0, topk_BSK.shape[1], rows):
-            chunk = slice(start, start + rows)
-            q_BTHD, w_BTH = _compute(q_BSHD[:, chunk]), _compute(w_BSH[:, chunk])
-            k_BTKD = _gather_keys(k_BSD, topk_BSK[:, chunk])
-            logits_BTKH = torch.einsum("bthd,btkd->btkh", q_BTHD, k_BTKD)
-            out.append(torch.einsum("bth,btkh->btk", w_BTH, logits_BTKH.mul_(scale).relu_()))
-        return torch.cat(out, dim=1)
+        batch, seq, picks = topk_BSK.shape
+        keys = _KeyRows(k_BSD)
+        out = torch.empty(batch, seq, picks, dtype=keys.rows.dtype, device=k_BSD.device)
+        for start in range(0, seq, rows):
+            chunk = slice(start, min(seq, start + rows))
+            k_GKD = keys.gather(topk_BSK[:, chunk])[1]
+            relu_GHK = torch.bmm(_chunk_rows(q_BSHD, chunk), k_GKD.transpose(1, 2))
+            w_G1H = _chunk_rows(w_BSH, chunk).unsqueeze(1)
+            out[:, chunk] = torch.bmm(w_G1H, relu_GHK.mul_(scale).relu_()).view(batch, -1, picks)
+        return out
 
     @staticmethod
     def backward(ctx, grad_BSK):
         q_BSHD, k_BSD, w_BSH, topk_BSK = ctx.saved_tensors
-        dq, dk, dw = (torch.zeros_like(t, dtype=_compute(t).dtype)
-                      for t in (q_BSHD, k_BSD, w_BSH))
-        for start in range(0, topk_BSK.shape[1], ctx.rows):
-            chunk = slice(start, start + ctx.rows)
-            idx_BTK = topk_BSK[:, chunk]
-            q_BTHD, w_BTH = _compute(q_BSHD[:, chunk]), _compute(w_BSH[:, chunk])
-            k_BTKD = _gather_keys(k_BSD, idx_BTK)
-            logits_BTKH = torch.einsum("bthd,btkd->btkh", q_BTHD, k_BTKD).mul_(ctx.scale)
-            positive_BTKH = logits_BTKH > 0
-            g_BTK = _compute(grad_BSK[:, chunk])
-            dw[:, chunk] = torch.einsum("btk,btkh->bth", g_BTK, logits_BTKH.relu_())
-            dlogits_BTKH = (g_BTK[..., None] * w_BTH[:, :, None, :]
-                            * positive_BTKH * ctx.scale)
-            dq[:, chunk] = torch.einsum("btkh,btkd->bthd", dlogits_BTKH, k_BTKD)
-            dk_BTKD = torch.einsum("btkh,bthd->btkd", dlogits_BTKH, q_BTHD)
-            dk.scatter_add_(1, _key_index(idx_BTK, dk.shape[-1]), dk_BTKD.flatten(1, 2))
-        return dq.to(q_BSHD.dtype), dk.to(k_BSD.dtype), dw.to(w_BSH.dtype), None, None, None
+        batch, seq, picks = topk_BSK.shape
+        keys = _KeyRows(k_BSD)
+        dq, dw = (torch.empty(t.shape, dtype=_compute(t).dtype, device=t.device)
+                  for t in (q_BSHD, w_BSH))
+        dk_rows = torch.zeros_like(keys.rows)
+        for start in range(0, seq, ctx.rows):
+            chunk = slice(start, min(seq, start + ctx.rows))
+            flat, k_GKD = keys.gather(topk_BSK[:, chunk])
+            q_GHD, w_GH = _chunk_rows(q_BSHD, chunk), _chunk_rows(w_BSH, chunk)
+            g_GK = _chunk_rows(grad_BSK, chunk)
+            relu_GHK = torch.bmm(q_GHD, k_GKD.transpose(1, 2)).mul_(ctx.scale).relu_()
+            dw[:, chunk] = torch.bmm(relu_GHK, g_GK.unsqueeze(2)).view(batch, -1, w_GH.shape[1])
+            # dI/dlogit = g x w x scale where the ReLU passes (its output > 0), else 0: built
+            # in the ReLU's buffer (sign() is that 0/1 mask there).
+            dlogits_GHK = relu_GHK.sign_().mul_(g_GK.unsqueeze(1)).mul_(
+                w_GH.unsqueeze(2) * ctx.scale)
+            dq[:, chunk] = torch.bmm(dlogits_GHK, k_GKD).view(batch, -1, *q_BSHD.shape[2:])
+            dk_rows.index_add_(0, flat, torch.bmm(dlogits_GHK.transpose(1, 2), q_GHD,
+                                                  out=keys.scratch(k_GKD.shape)).flatten(0, 1))
+        return (dq.to(q_BSHD.dtype), dk_rows.view(k_BSD.shape).to(k_BSD.dtype),
+                dw.to(w_BSH.dtype), None, None, None)
 
 
 def _compute(t: torch.Tensor) -> torch.Tensor:
@@ -302,17 +325,36 @@ def _compute(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def _key_index(idx_BTK: torch.Tensor, width: int) -> torch.Tensor:
-    """Indices [B, T*K, width] for gathering / scattering rows of a [B, S, width] tensor."""
-    return idx_BTK.flatten(1)[..., None].expand(-1, -1, width)
+def _chunk_rows(t_BS: torch.Tensor, chunk: slice) -> torch.Tensor:
+    """A chunk of queries of a [B, S, ...] tensor as [B*T, ...] in the compute dtype."""
+    return _compute(t_BS[:, chunk]).flatten(0, 1)
 
 
-def _gather_keys(k_BSD: torch.Tensor, idx_BTK: torch.Tensor) -> torch.Tensor:
-    """The selected keys of a chunk of queries, [B, T, K, Di], at least fp32 (gathered
-    before the cast: only the chunk's keys are converted)."""
-    batch, tokens, picks = idx_BTK.shape
-    gathered = k_BSD.gather(1, _key_index(idx_BTK, k_BSD.shape[-1]))
-    return _compute(gathered).view(batch, tokens, picks, -1)
+class _KeyRows:
+    """The indexer keys [B, S, Di] as one table of rows [B*S, Di] (compute dtype), gathered
+    chunk by chunk into buffers allocated once: fresh pages per chunk cost more than the
+    copy."""
+
+    def __init__(self, k_BSD: torch.Tensor) -> None:
+        self.seq, self.width = k_BSD.shape[1], k_BSD.shape[2]
+        self.rows = _compute(k_BSD).reshape(-1, self.width)
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def scratch(self, shape, name: str = "scratch") -> torch.Tensor:
+        numel = int(torch.Size(shape).numel())
+        held = self.buffers.get(name)
+        if held is None or held.numel() < numel:
+            held = self.buffers[name] = self.rows.new_empty(numel)
+        return held[:numel].view(shape)
+
+    def gather(self, idx_BTK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Flat table rows [B*T*K], picked keys [B*T, K, Di]) of a chunk's picks."""
+        batch, tokens, picks = idx_BTK.shape
+        base = torch.arange(batch, device=idx_BTK.device) * self.seq
+        flat = (idx_BTK + base[:, None, None]).flatten()
+        out = self.scratch((flat.numel(), self.width), "keys")
+        torch.index_select(self.rows, 0, flat, out=out)
+        return flat, out.view(batch * tokens, picks, self.width)
 
 
 class DSACoreAttention(MLACoreAttention):

@@ -131,12 +131,13 @@ class SparseLatentAttention(torch.autograd.Function):
             chunk = slice(t0, min(seq, t0 + rows))
             keys = table.gather(table.row_index(idx[:, chunk]), chunk.stop - t0, buffer)
             q = _fp32(q_lat[:, chunk]).reshape(keys.shape[0], heads, -1)
-            p, lse = _chunk_probs(q, keys, valid[:, chunk], scale, None)
+            logits = torch.bmm(keys, q.transpose(1, 2))  # [B*T, K, N]
+            p, lse = _chunk_probs(logits, valid[:, chunk], scale, None)
             lse_BSN[:, chunk] = lse.view(batch, -1, heads)
-            o = torch.bmm(p, keys[..., :value_width])  # [B*T, N, Dv]
+            o = torch.bmm(p.transpose(1, 2), keys[..., :value_width])  # [B*T, N, Dv]
             out[:, chunk] = o.view(batch, -1, heads, value_width).to(out.dtype)
             if need_probs:
-                probs[:, chunk] = p.sum(1).view(batch, -1, idx.shape[-1])
+                probs[:, chunk] = p.sum(2).view(batch, -1, idx.shape[-1])
         ctx.save_for_backward(q_lat, kv, idx, valid, lse_BSN, out)
         ctx.scale, ctx.value_width, ctx.rows = scale, value_width, rows
         ctx.mark_non_differentiable(probs)
@@ -157,38 +158,45 @@ class SparseLatentAttention(torch.autograd.Function):
             flat = table.row_index(idx[:, chunk])
             keys = table.gather(flat, tokens, buffer)  # [B*T, K, D]
             q = _fp32(q_lat[:, chunk]).reshape(batch * tokens, heads, width)
-            p, _ = _chunk_probs(q, keys, valid[:, chunk], scale,
-                                lse_BSN[:, chunk].reshape(-1, heads))
             d_out = _fp32(grad_out[:, chunk]).reshape(batch * tokens, heads, dv)
             o = _fp32(out[:, chunk]).reshape(batch * tokens, heads, dv)
+            # The queries and dO (zero in the RoPE columns) side by side, [B*T, 2N, D]: one
+            # matmul against the gathered keys gives the logits and dp = dO . v, [B*T, K, 2N];
+            # the same pair is the right factor of the key and value gradients below.
+            pair = torch.cat([q, torch.nn.functional.pad(d_out, (0, width - dv))], dim=1)
+            both = torch.bmm(keys, pair.transpose(1, 2))
+            p, _ = _chunk_probs(both[..., :heads], valid[:, chunk], scale,
+                                lse_BSN[:, chunk].reshape(-1, heads))
             # Softmax backward: dlogit = p * (dp - sum_k p dp), where sum_k p dp = dO . O;
-            # computed in dp's buffer, then scaled (logit = scale x q . k).
-            dp = torch.bmm(d_out, keys[..., :dv].transpose(1, 2))  # [B*T, N, K]
-            dlogits = dp.sub_((d_out * o).sum(-1, keepdim=True)).mul_(p).mul_(scale)
-            dq[:, chunk] = torch.bmm(dlogits, keys).view(batch, tokens, heads, width)
+            # computed in dp's columns, then scaled (logit = scale x q . k).
+            dlogits = both[..., heads:].sub_((d_out * o).sum(-1)[:, None, :]).mul_(p)
+            dlogits.mul_(scale)
+            dq[:, chunk] = torch.bmm(dlogits.transpose(1, 2), keys).view(batch, tokens, heads,
+                                                                           width)
             # Key and value gradients of the picked rows in one matmul over 2N heads: the
-            # logit gradient against the queries, the probabilities against dO (the value
-            # columns; zero in the RoPE columns).
-            left = torch.cat([dlogits, p], dim=1).transpose(1, 2)  # [B*T, K, 2N]
-            right = torch.cat([q, torch.nn.functional.pad(d_out, (0, width - dv))], dim=1)
+            # probabilities against dO (the value columns; zero in the RoPE columns), the
+            # logit gradient against the queries. ``both`` now holds (p, dlogits): it is the
+            # left factor as it is, against the pair with its halves swapped (small).
+            swapped = torch.cat([pair[:, heads:], pair[:, :heads]], dim=1)
             dkeys = _reuse(buffer, "dkeys", keys.shape, keys.dtype)
-            dkv_rows.index_add_(0, flat, torch.bmm(left, right, out=dkeys).view(-1, width))
+            dkv_rows.index_add_(0, flat, torch.bmm(both, swapped, out=dkeys).view(-1, width))
         return (dq.to(q_lat.dtype), table.as_input_layout(dkv_rows).to(kv.dtype),
                 None, None, None, None, None, None)
 
 
-def _chunk_probs(q: torch.Tensor, keys: torch.Tensor, valid_BTK: torch.Tensor,
-                 scale: float, lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Probabilities [B*T, N, K] of one chunk's queries [B*T, N, D] against its keys
-    [B*T, K, D] (invalid picks 0) and the fp32 log-sum-exp [B*T, N]; ``lse`` given
-    (backward): reuse it instead of reducing again."""
-    logits = torch.bmm(q, keys.transpose(1, 2)).mul_(scale)  # [B*T, N, K]
-    logits.masked_fill_(~valid_BTK.reshape(q.shape[0], 1, -1), float("-inf"))
+def _chunk_probs(logits: torch.Tensor, valid_BTK: torch.Tensor, scale: float,
+                 lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probabilities [B*T, K, N] from one chunk's unscaled logits [B*T, K, N] (keys x
+    queries: the faster matmul orientation on CPU; invalid picks 0, computed in place) and
+    the fp32 log-sum-exp over the picks [B*T, N]; ``lse`` given (backward): reuse it instead
+    of reducing again."""
+    logits = logits.mul_(scale)
+    logits.masked_fill_(~valid_BTK.reshape(logits.shape[0], -1, 1), float("-inf"))
     if lse is None:
-        lse = torch.logsumexp(logits, dim=-1)
+        lse = torch.logsumexp(logits, dim=1)
     # A query without any valid pick (impossible causally, but masks may forbid all) gets 0.
     finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    return logits.sub_(finite[..., None]).exp_(), lse
+    return logits.sub_(finite[:, None, :]).exp_(), lse
 
 
 def sparse_latent_attention(q_lat: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,

@@ -291,11 +291,11 @@ def selective_recompute_savings(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -
         saved += 4 * a * routed * (F // inp.expert_tp)
     if rc.selects("mla_up_proj"):
         # megatron recomputes q_up, kv_up and RoPE from the latents (kept: they were q_up's and
-        # kv_up's inputs anyway): the RoPE cos / sin go, the fp32 frequencies [s, R] stay as
-        # the checkpoint's input; q, k, v are freed after the core attention, which frees what
-        # it keeps of them as they are (not its own copies).
-        R = cfg.qk_rope_head_dim
-        saved += 4 * a * inp.seq * R - 4 * inp.seq * R
+        # kv_up's inputs anyway): the RoPE cos / sin go; the fp32 frequencies [s, R] the
+        # checkpoint keeps as its input are the rotary module's cached tensor, one per layer
+        # for every micro-batch (not per micro-batch: left out); q, k, v are freed after the
+        # core attention, which frees what it keeps of them as they are (not its own copies).
+        saved += 4 * a * inp.seq * cfg.qk_rope_head_dim
         # With core_attn too its checkpoint keeps all of q, k, v as inputs: all are freed.
         saved += (_up_projection_output_bytes(cfg, inp) if rc.selects("core_attn")
                   else _up_projection_outputs_kept_by_core(cfg, inp))
@@ -303,6 +303,10 @@ def selective_recompute_savings(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -
             # The absorbed path runs no kv_up, so without recompute nothing keeps the normed
             # kv latent; the checkpoint keeps it as its input.
             saved -= inp.activation_bytes * inp.sp_tokens * cfg.kv_lora_rank
+        # Its rope-key input holds a storage: counted already only where the kv latent
+        # norm's fp32 input aliases that same [latent | rope key] output (attention_...).
+        if not _rope_key_input_aliases_the_norm(inp):
+            saved -= _rope_key_input_bytes(cfg, inp)
     if rc.selects("core_attn"):
         # DSACoreAttention.recompute_core: a checkpoint keeps only its inputs, q, k, v whole
         # and x, qr (kept anyway by the down / q_up projections); the attention's and the
@@ -311,7 +315,46 @@ def selective_recompute_savings(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -
         if dsa_sparse(cfg, inp) and inp.dsa_kl:
             saved += _indexer_kl_bytes(cfg, inp)
         saved -= _up_projection_output_bytes(cfg, inp)
+        if dsa_sparse(cfg, inp) and inp.absorbed_attention:
+            # The absorbed core's bytes net out the kv latent nothing keeps there (see
+            # _absorbed_attention_bytes): a layer property, not a saved tensor of the core.
+            saved += inp.activation_bytes * inp.sp_tokens * cfg.kv_lora_rank
     return saved
+
+
+def _rope_key_input_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
+    """The storage the up-projection checkpoint's rope-key input keeps: a view of the kv down
+    projection's whole [latent | rope key] output, or under SP over TP > 1 the gathered rope
+    key [n, R]."""
+    if inp.sequence_parallel and inp.tp > 1:
+        return inp.activation_bytes * inp.tokens * cfg.qk_rope_head_dim
+    return inp.activation_bytes * inp.sp_tokens * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+
+
+def _rope_key_input_aliases_the_norm(inp: MemoryInputs) -> bool:
+    """In fp32 the kv latent norm saves (a view of) the down projection's output itself."""
+    return inp.activation_bytes == 4 and not (inp.sequence_parallel and inp.tp > 1)
+
+
+def checkpoint_leaf_bytes(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> int:
+    """Saved bytes of one decoder layer that activation offloading cannot free under selective
+    recompute: megatron-core's output-discarding checkpoint (``CheckpointWithoutOutput``: MLA's
+    up-projection, our experts' SwiGLU) saves its inputs as detached autograd leaves, and
+    autograd keeps a saved leaf itself even when saved-tensor hooks pack it. Kept: the q and kv
+    latents and the rope-key input (``mla_up_proj``), each expert's fc1 output and routing
+    probability (``moe_act``)."""
+    rc, a, n, n_sp = inp.recompute, inp.activation_bytes, inp.tokens, inp.sp_tokens
+    kept = 0
+    if rc.selects("mla_up_proj"):
+        q_latent = cfg.q_lora_rank or cfg.hidden_size  # without q_lora: the normed input
+        kept += a * n_sp * (q_latent + cfg.kv_lora_rank) + _rope_key_input_bytes(cfg, inp)
+    if rc.selects("moe_act") and moe:
+        F = cfg.moe_intermediate_size
+        routed = cfg.num_experts_per_tok * (n_sp * inp.expert_tp if inp.sequence_parallel else n)
+        kept += 2 * a * routed * (F // inp.expert_tp) + 4 * routed
+        if cfg.n_shared_experts:
+            kept += 2 * a * n * (cfg.n_shared_experts * F // inp.tp)
+    return kept
 
 
 def _up_projection_output_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
@@ -516,6 +559,7 @@ class GLM5StageModel:
         steps = mtp_steps(cfg) if mtp_stage is not None else 0
         self.layer = {moe: layer_part(cfg, moe, inp) for moe in (False, True)}
         self.embedding = vocab_part(cfg, inp, "embedding")
+        self.token_ids = Part(activation_bytes=8 * inp.tokens)  # the embedding lookup's (int64)
         hidden = Part(activation_bytes=inp.activation_bytes * inp.sp_tokens * cfg.hidden_size)
         self.stage_input = hidden  # megatron keeps each received input until its backward
         self.concat_input = hidden.times(1 + steps)  # main + MTP hidden states, concatenated
@@ -542,16 +586,35 @@ class GLM5StageModel:
         part = chunk_layers_part(self.cfg, self.layer, [False] * dense + [True] * (count - dense),
                                  self.inp, input_counted=stage > 0)
         if stage == 0:
-            part += self.embedding
+            part += self.embedding + self.token_ids
         else:
             after_mtp = self.mtp_stage is not None and stage > self.mtp_stage
             part += self.concat_input if after_mtp else self.stage_input
+            part += Part(activation_bytes=-self._received_input_saved_again(stage, count))
         if stage == self.mtp_stage:  # MTP re-embeds: a stage other than 0 holds a copy
             part += self.mtp + (self.embedding if stage else Part())
         if stage == self.last:
             tied = self.cfg.tie_word_embeddings and stage  # the tied head's copy
             part += self.head + (self.embedding if tied else Part())
         return part + self.final_norm if final_norm else part
+
+    def _received_input_saved_again(self, stage: int, count: int) -> int:
+        """Bytes of a stage's received input (counted once above) that its first consumer's
+        terms count again, being that very storage: the output heads after the MTP stage
+        save slices of the concatenated input; MTP step 0 on a stage without decoder layers
+        saves it as its full-recompute unit's input, or in fp32 as its hidden-state norm's
+        input (the norm's fp32 cast is the tensor itself), as the first decoder layer's input
+        norm does in fp32 (a recomputed first layer: ``chunk_layers_part``'s input_counted)."""
+        inp, hidden = self.inp, self.stage_input.activation_bytes
+        if self.mtp_stage is not None and stage > self.mtp_stage:
+            return self.concat_input.activation_bytes
+        if count:
+            recomputed = inp.recompute.recomputed_layers(count) > 0
+            return hidden if inp.activation_bytes == 4 and not recomputed else 0
+        if stage == self.mtp_stage and mtp_steps(self.cfg):
+            recomputed = inp.recompute.mtp_steps_recomputed
+            return hidden if recomputed or inp.activation_bytes == 4 else 0
+        return 0
 
     def costs(self, counts: list[int]) -> list[StageCosts]:
         norm, starts = self.final_norm_stage(counts), [0, *accumulate(counts)]
