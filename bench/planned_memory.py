@@ -4,7 +4,7 @@
 The prediction is ``glm5_train.pipeline_plan.plan_report`` on the job's own config (composed
 from the same overrides the run gets) and the stages it runs: its resolved pipeline layout
 (given, or balanced for the MTP placement), else megatron-core's even split. On CPU SDPA runs
-its math path, so the estimate is made with ``fused_attention=False`` there.
+its math path: ``inputs_from_job`` plans it there (``fused_attention`` from the device).
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-
-import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
@@ -48,7 +46,7 @@ def planned(overrides: list[str], world: int) -> PlanReport:
         stages = pp * (vpp or 1)
         layout = layout_from_counts([layers // stages] * stages, pp, vpp,
                                     stages - 1 if sets else None, sets)
-    inputs = inputs_from_job(job, dp, fused_attention=torch.cuda.is_available())
+    inputs = inputs_from_job(job, dp)
     return plan_report(model, layout, inputs, job.activations)
 
 

@@ -132,12 +132,13 @@ class SparseLatentAttention(torch.autograd.Function):
             keys = table.gather(table.row_index(idx[:, chunk]), chunk.stop - t0, buffer)
             q = _fp32(q_lat[:, chunk]).reshape(keys.shape[0], heads, -1)
             logits = torch.bmm(keys, q.transpose(1, 2))  # [B*T, K, N]
-            p, lse = _chunk_probs(logits, valid[:, chunk], scale, None)
+            p, lse = _softmax_over_picks(_masked_logits(logits, valid[:, chunk], scale))
             lse_BSN[:, chunk] = lse.view(batch, -1, heads)
             o = torch.bmm(p.transpose(1, 2), keys[..., :value_width])  # [B*T, N, Dv]
             out[:, chunk] = o.view(batch, -1, heads, value_width).to(out.dtype)
-            if need_probs:
-                probs[:, chunk] = p.sum(2).view(batch, -1, idx.shape[-1])
+            if need_probs:  # the head sum as a matmul: a sum over the short last axis is slow
+                probs[:, chunk] = torch.bmm(p, p.new_ones(heads, 1).expand(p.shape[0], -1, -1)
+                                            ).view(batch, -1, idx.shape[-1])
         ctx.save_for_backward(q_lat, kv, idx, valid, lse_BSN, out)
         ctx.scale, ctx.value_width, ctx.rows = scale, value_width, rows
         ctx.mark_non_differentiable(probs)
@@ -165,18 +166,22 @@ class SparseLatentAttention(torch.autograd.Function):
             # the same pair is the right factor of the key and value gradients below.
             pair = torch.cat([q, torch.nn.functional.pad(d_out, (0, width - dv))], dim=1)
             both = torch.bmm(keys, pair.transpose(1, 2))
-            p, _ = _chunk_probs(both[..., :heads], valid[:, chunk], scale,
-                                lse_BSN[:, chunk].reshape(-1, heads))
-            # Softmax backward: dlogit = p * (dp - sum_k p dp), where sum_k p dp = dO . O;
-            # computed in dp's columns, then scaled (logit = scale x q . k).
-            dlogits = both[..., heads:].sub_((d_out * o).sum(-1)[:, None, :]).mul_(p)
-            dlogits.mul_(scale)
+            # Halves copied out contiguous by the first op on each: elementwise work (exp
+            # above all) on a strided half of ``both`` measured ~10x slower on CPU.
+            lse = lse_BSN[:, chunk].reshape(-1, 1, heads)
+            p = _masked_logits(both[..., :heads].contiguous(), valid[:, chunk], scale)
+            p = p.sub_(torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))).exp_()
+            # Softmax backward: dlogit = p * (dp - sum_k p dp), where sum_k p dp = dO . O,
+            # then scaled (logit = scale x q . k).
+            dlogits = torch.sub(both[..., heads:], (d_out * o).sum(-1)[:, None, :])
+            dlogits.mul_(p).mul_(scale)
             dq[:, chunk] = torch.bmm(dlogits.transpose(1, 2), keys).view(batch, tokens, heads,
                                                                            width)
             # Key and value gradients of the picked rows in one matmul over 2N heads: the
             # probabilities against dO (the value columns; zero in the RoPE columns), the
-            # logit gradient against the queries. ``both`` now holds (p, dlogits): it is the
-            # left factor as it is, against the pair with its halves swapped (small).
+            # logit gradient against the queries: left factor (p, dlogits) written into
+            # ``both``, right factor the pair with its halves swapped (small).
+            torch.cat([p, dlogits], dim=2, out=both)
             swapped = torch.cat([pair[:, heads:], pair[:, :heads]], dim=1)
             dkeys = _reuse(buffer, "dkeys", keys.shape, keys.dtype)
             dkv_rows.index_add_(0, flat, torch.bmm(both, swapped, out=dkeys).view(-1, width))
@@ -184,19 +189,40 @@ class SparseLatentAttention(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
-def _chunk_probs(logits: torch.Tensor, valid_BTK: torch.Tensor, scale: float,
-                 lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Probabilities [B*T, K, N] from one chunk's unscaled logits [B*T, K, N] (keys x
-    queries: the faster matmul orientation on CPU; invalid picks 0, computed in place) and
-    the fp32 log-sum-exp over the picks [B*T, N]; ``lse`` given (backward): reuse it instead
-    of reducing again."""
+def _masked_logits(logits: torch.Tensor, valid_BTK: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """One chunk's unscaled logits [B*T, K, N] (keys x queries: the faster matmul
+    orientation on CPU), scaled and -inf at invalid picks, in place."""
     logits = logits.mul_(scale)
-    logits.masked_fill_(~valid_BTK.reshape(logits.shape[0], -1, 1), float("-inf"))
-    if lse is None:
-        lse = torch.logsumexp(logits, dim=1)
-    # A query without any valid pick (impossible causally, but masks may forbid all) gets 0.
-    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    return logits.sub_(finite[:, None, :]).exp_(), lse
+    if bool(valid_BTK.all()):  # every chunk after the first K queries: skip the pass
+        return logits
+    return logits.masked_fill_(~valid_BTK.reshape(logits.shape[0], -1, 1), float("-inf"))
+
+
+def _softmax_over_picks(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the picks (axis 1) of logits [B*T, K, N], in place, and its fp32
+    log-sum-exp [B*T, N]. Reductions over axis 1 with a short contiguous last axis are slow
+    on CPU (amax / logsumexp measured ~5x a pairwise-max tree; sums ~10x a matmul), hence
+    the tree max and the sum as a matmul with ones. A query without any valid pick
+    (impossible causally, but masks may forbid all) gets probabilities 0 and lse -inf."""
+    top = _max_over_picks(logits)  # [B*T, 1, N]
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = logits.sub_(top).exp_()
+    total = torch.bmm(weights.new_ones(1, weights.shape[1]).expand(weights.shape[0], -1, -1),
+                      weights)  # [B*T, 1, N]; >= 1 unless no pick is valid (then 0)
+    lse = (top + total.log()).squeeze(1)
+    return weights.div_(total.clamp_min_(1.0)), lse
+
+
+def _max_over_picks(x: torch.Tensor) -> torch.Tensor:
+    """max over axis 1 of [G, K, N] as [G, 1, N], by halving (elementwise maxima)."""
+    while x.shape[1] > 1:
+        half = x.shape[1] // 2
+        top = torch.maximum(x[:, :half], x[:, half:2 * half])
+        if x.shape[1] % 2:  # the odd row left over joins the first
+            top[:, :1] = torch.maximum(top[:, :1], x[:, 2 * half:])
+        x = top
+    return x
 
 
 def sparse_latent_attention(q_lat: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,

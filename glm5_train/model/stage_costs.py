@@ -15,6 +15,8 @@ import dataclasses
 from dataclasses import dataclass
 from itertools import accumulate
 
+import torch
+
 from glm5_train.model.config import GLM5Config
 from glm5_train.model.param_count import layer_terms, top_terms
 from parallel.layout import LayoutError
@@ -59,7 +61,10 @@ class MemoryInputs:
     # accumulation buffers per rank the size of its largest stage's gradients; without it
     # megatron-core keeps every gradient whole.
     shard_grads: bool = False
-    dsa_kl: bool = True  # the indexer trains with the KL (dense_warmup estimated as sparse)
+    dsa_kl: bool = True  # the indexer trains with the KL
+    # dsa.stage: "dense_warmup" freezes all but the indexer and attends densely
+    # (``frozen_decoder_layer_activation_bytes``); "sparse": everything trains.
+    dsa_stage: str = "sparse"
     # DSA's sparse attention on SDPA's fused kernels (CUDA); False: its math path (CPU, where
     # q/k and v widths differ). Dense attention pads to one width and is fused on both.
     fused_attention: bool = True
@@ -96,7 +101,10 @@ class MemoryInputs:
 
 
 def inputs_from_job(job, dp: int | None = None, **changes) -> MemoryInputs:
-    """MemoryInputs of a JobConfig; ``dp`` defaults to parallel.data_parallel_size or 1."""
+    """MemoryInputs of a JobConfig; ``dp`` defaults to parallel.data_parallel_size or 1. The
+    job runs where it is planned (the training job balances its own layout with this): SDPA's
+    fused kernels with CUDA, its math path on the CPU (``fused_attention``; a plan for another
+    machine passes it in ``changes``)."""
     par, train = job.parallel, job.train
     dp = dp or par.data_parallel_size or 1
     micro = train.micro_batch_size * dp
@@ -118,6 +126,8 @@ def inputs_from_job(job, dp: int | None = None, **changes) -> MemoryInputs:
         distributed_optimizer=par.use_distributed_optimizer,
         shard_grads=getattr(par, "pipeline_zero2", False),
         dsa_kl=bool(getattr(dsa, "trains_indexer", True)),
+        dsa_stage=getattr(dsa, "stage", "sparse"),
+        fused_attention=torch.cuda.is_available(),
         absorbed_attention=getattr(dsa, "sparse_attention", "absorbed") == "absorbed",
         document_mask=bool(getattr(getattr(job, "data", None), "reset_attention_mask", False)),
         loss_chunk_tokens=getattr(getattr(job, "activations", None), "loss_chunk_tokens", 0),
@@ -137,9 +147,12 @@ def inputs_from_job(job, dp: int | None = None, **changes) -> MemoryInputs:
 # Checked: an fp32 CPU forward of the tiny model, MTP on and off, DSA sparse and dense (the
 # latter with and without document masks) (tests), and the fused sparse-SDPA terms in bf16 on an
 # H200. Recompute is modelled (``chunk_layers_part``, ``selective_recompute_savings``; checked
-# on the tiny forward too), but not its working set: one recompute unit's activations exist
-# again while its backward runs. Not modelled: offloading, transient workspace inside a
-# layer's forward or backward, allocator fragmentation.
+# on the tiny forward too, and per rank against the job's measured peaks: tests/
+# test_activation_offload.py), as the job's meter counts it: what forward saves, an output-
+# discarding checkpoint's emptied output at 0 bytes until backward refills it; not the tensors
+# a recomputed unit saves again while its backward runs (backward-time saves, transient).
+# Offloading: ``parallel.pipeline_layout.offload_peak`` on these bytes. Not modelled:
+# transient workspace inside a layer's forward or backward, allocator fragmentation.
 
 
 def rms_norm_bytes(tokens: int, width: int, inp: MemoryInputs) -> int:
@@ -176,8 +189,14 @@ def attention_activation_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
 
 
 def dsa_sparse(cfg: GLM5Config, inp: MemoryInputs) -> bool:
-    """DSACoreAttention falls back to dense causal attention (and no KL) when every key fits."""
-    return cfg.index_topk < inp.seq
+    """DSACoreAttention falls back to dense causal attention (and no KL) when every key fits;
+    the dense warm-up attends densely whatever the sequence."""
+    return cfg.index_topk < inp.seq and not dense_warmup(inp)
+
+
+def dense_warmup(inp: MemoryInputs) -> bool:
+    """dsa.stage=dense_warmup: every parameter frozen but the indexer's."""
+    return inp.dsa_stage == "dense_warmup"
 
 
 def _core_attention_bytes(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> int:
@@ -264,8 +283,101 @@ def mlp_activation_bytes(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> int:
 
 def decoder_layer_activation_bytes(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> int:
     """One decoder layer not under full recompute (``chunk_layers_part`` applies that)."""
+    if dense_warmup(inp):
+        return frozen_decoder_layer_activation_bytes(cfg, moe, inp)
     return (attention_activation_bytes(cfg, inp) + mlp_activation_bytes(cfg, moe, inp)
             - selective_recompute_savings(cfg, moe, inp))
+
+
+# ------------------------------------------------------------------------- DSA dense warm-up
+# Every weight is frozen but the indexer's, so no matmul keeps its input for a weight
+# gradient. But the hidden states still need gradients from the first attention on: each DSA
+# layer adds the indexer KL to its output (MoEAuxLossAutoScaler, dsa.DSACoreAttention._attach),
+# whose result requires grad, and a received pipeline input requires grad too. Every op after
+# that point keeps what its *input* gradient needs: the norms, RoPE's cos / sin, the core
+# attention, the SwiGLU internals, the router, the cross-entropy's softmax. Only the first
+# attention of pipeline stage 0 (whose input, the frozen embedding's output, needs no
+# gradient) keeps nothing but its indexer KL's tensors (``grad_free_first_attention_savings``).
+# Checked: the tiny fp32 forward, 1 stage, MTP on and off (tests/test_pipeline_plan.py), and
+# the job's measured per-rank peaks, 1 process and PP2 x VPP2 (tests/test_activation_offload.py).
+
+
+def frozen_rms_norm_bytes(tokens: int, width: int, inp: MemoryInputs) -> int:
+    """RMSNorm with a frozen weight keeps what its input gradient needs: the fp32 input, the
+    fp32 inverse rms per token and (non-fp32 models) the weight's fp32 copy, not the
+    normalised product (only the weight gradient needs it)."""
+    return 4 * tokens * width + 4 * tokens + (4 * width if inp.activation_bytes != 4 else 0)
+
+
+def frozen_decoder_layer_activation_bytes(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> int:
+    """One dense warm-up decoder layer whose input needs a gradient (all but stage 0's first).
+    Selective recompute is not modelled here (its savings assume trained weights)."""
+    return frozen_attention_activation_bytes(cfg, inp) + frozen_mlp_activation_bytes(cfg, moe, inp)
+
+
+def frozen_attention_activation_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
+    """MLA's input, q latent and kv latent norms, RoPE's cos and sin, the dense core attention
+    (q, k, v padded to one width and its output), and the dense indexer KL; no projection's
+    input (frozen weights)."""
+    n_sp, C, R = inp.sp_tokens, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    total = (frozen_rms_norm_bytes(n_sp, cfg.hidden_size, inp)
+             + frozen_rms_norm_bytes(n_sp, C, inp))
+    if cfg.q_lora_rank:
+        total += frozen_rms_norm_bytes(n_sp, cfg.q_lora_rank, inp)
+    if inp.activation_bytes == 4:  # the kv norm's fp32 input: a view of [latent | rope key]
+        total += 4 * n_sp * R
+    total += 4 * inp.activation_bytes * inp.seq * R
+    total += _dense_attention_bytes(cfg, inp, cfg.num_attention_heads // inp.tp)
+    return total + dense_indexer_kl_bytes(cfg, inp, core_keeps_query_and_key=True)
+
+
+def grad_free_first_attention_savings(cfg: GLM5Config, inp: MemoryInputs) -> int:
+    """What stage 0's first decoder layer does not keep of ``frozen_attention_activation_bytes``:
+    nothing before its KL needs a gradient, so only the indexer KL's tensors stay (then with
+    the main attention's query and key, which its core attention no longer keeps)."""
+    return (frozen_attention_activation_bytes(cfg, inp)
+            - dense_indexer_kl_bytes(cfg, inp, core_keeps_query_and_key=False))
+
+
+def dense_indexer_kl_bytes(cfg: GLM5Config, inp: MemoryInputs,
+                           core_keeps_query_and_key: bool) -> int:
+    """The indexer's projections and the chunked dense KL (dsa_loss._DenseKL) of one layer:
+    the detached inputs its linears keep (x for wk and weights_proj, qr for wq_b: views, or
+    under SP the gathered full sequence; copies with micro-batches > 1, where [s, b] -> [b, s]
+    is not contiguous), wk's output and the key LayerNorm's fp32 mean and rstd, RoPE's cos and
+    sin, and the KL Function's inputs: the indexer's RoPE'd q and k, the fp32 head weights, the
+    main attention's query and key (the same storage as the core attention's when it keeps
+    them unpadded and needs them itself), and a document mask's bool [b, s, s] allowed keys."""
+    a, n, s, H = inp.activation_bytes, inp.tokens, inp.seq, cfg.hidden_size
+    Hi, Di, q_in = cfg.index_n_heads, cfg.index_head_dim, cfg.q_lora_rank
+    if inp.micro_batch_size > 1:
+        total = a * n * ((q_in or H) + 2 * H)
+    else:  # without a q latent, qr is x itself
+        total = a * n * (q_in + H)
+    total += a * n * Di + 8 * n + 2 * a * s * cfg.qk_rope_head_dim
+    total += a * n * (Hi * Di + Di) + 4 * n * Hi
+    dqk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    if not (core_keeps_query_and_key and dqk >= dv):
+        total += 2 * a * n * (cfg.num_attention_heads // inp.tp) * dqk
+    return total + (n * s if inp.document_mask else 0)
+
+
+def frozen_mlp_activation_bytes(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> int:
+    """The pre-MLP norm, and SwiGLU without its product (fc2's input: fc2 is frozen), or the MoE
+    block: the router keeps its input (megatron's router_gating_linear saves it whatever needs
+    grad) and its fp32 / index tensors; each routed copy keeps its SwiGLU, product included
+    (the routing-probability scaling needs it), and the probability, not its permuted input
+    nor the scaled product (fc1's and fc2's inputs)."""
+    a, n, n_sp, H = inp.activation_bytes, inp.tokens, inp.sp_tokens, cfg.hidden_size
+    total = frozen_rms_norm_bytes(n_sp, H, inp)
+    if not moe:
+        return total + 4 * a * n * (cfg.intermediate_size // inp.tp)
+    E, k, F = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    total += a * n_sp * H + 9 * n_sp * E + 20 * n_sp * k + 4 * n_sp
+    if cfg.n_shared_experts:
+        total += 4 * a * n * (cfg.n_shared_experts * F // inp.tp)
+    routed = k * (n_sp * inp.expert_tp if inp.sequence_parallel else n)
+    return total + _swiglu_bytes(routed, F // inp.expert_tp, a) + 4 * routed
 
 
 # ---------------------------------------------------------------------------------- recompute
@@ -304,7 +416,8 @@ def selective_recompute_savings(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -
             # kv latent; the checkpoint keeps it as its input.
             saved -= inp.activation_bytes * inp.sp_tokens * cfg.kv_lora_rank
         # Its rope-key input holds a storage: counted already only where the kv latent
-        # norm's fp32 input aliases that same [latent | rope key] output (attention_...).
+        # norm's fp32 input aliases that same [latent | rope key] output
+        # (attention_activation_bytes).
         if not _rope_key_input_aliases_the_norm(inp):
             saved -= _rope_key_input_bytes(cfg, inp)
     if rc.selects("core_attn"):
@@ -410,7 +523,15 @@ def loss_head_activation_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
     n, head_input = inp.tokens, inp.activation_bytes * inp.sp_tokens * cfg.hidden_size
     if inp.loss_chunk_tokens > 0:
         return head_input + 12 * n
+    if not head_keeps_input(inp):  # dense warm-up: the frozen head keeps no input
+        head_input = 0
     return head_input + 4 * n * (cfg.vocab_size // inp.tp) + 9 * n
+
+
+def head_keeps_input(inp: MemoryInputs) -> bool:
+    """The chunked head keeps its input whatever is frozen (parallel.chunked_cross_entropy);
+    megatron's output layer only for its weight gradient, none in the dense warm-up."""
+    return inp.loss_chunk_tokens > 0 or not dense_warmup(inp)
 
 
 def mtp_step_activation_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
@@ -420,6 +541,9 @@ def mtp_step_activation_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
     if inp.recompute.mtp_steps_recomputed:
         return 8 * inp.tokens + 2 * recompute_unit_input_bytes(cfg, inp)
     n_sp, H = inp.sp_tokens, cfg.hidden_size
+    if dense_warmup(inp):  # the frozen embedding's ids and enorm keep nothing, nor eh_proj
+        return (2 * frozen_rms_norm_bytes(n_sp, H, inp)
+                + decoder_layer_activation_bytes(cfg, True, inp))
     norms = 3 * rms_norm_bytes(n_sp, H, inp)
     return (8 * inp.tokens + norms + 2 * inp.activation_bytes * n_sp * H
             + decoder_layer_activation_bytes(cfg, True, inp))
@@ -559,13 +683,15 @@ class GLM5StageModel:
         steps = mtp_steps(cfg) if mtp_stage is not None else 0
         self.layer = {moe: layer_part(cfg, moe, inp) for moe in (False, True)}
         self.embedding = vocab_part(cfg, inp, "embedding")
-        self.token_ids = Part(activation_bytes=8 * inp.tokens)  # the embedding lookup's (int64)
+        # The embedding lookup's ids (int64), kept for its weight gradient: none when frozen.
+        self.token_ids = Part(activation_bytes=0 if dense_warmup(inp) else 8 * inp.tokens)
         hidden = Part(activation_bytes=inp.activation_bytes * inp.sp_tokens * cfg.hidden_size)
         self.stage_input = hidden  # megatron keeps each received input until its backward
         self.concat_input = hidden.times(1 + steps)  # main + MTP hidden states, concatenated
         self.mtp = mtp_part(cfg, inp) if mtp_stage is not None else Part()
         self.head = head_part(cfg, inp, 1 + steps)
-        self.final_norm = Part(dense_params=cfg.hidden_size, activation_bytes=rms_norm_bytes(
+        norm_bytes = frozen_rms_norm_bytes if dense_warmup(inp) else rms_norm_bytes
+        self.final_norm = Part(dense_params=cfg.hidden_size, activation_bytes=norm_bytes(
             inp.sp_tokens, cfg.hidden_size, inp))
         self._cache: dict[tuple[int, int, int, bool], StageCosts] = {}
 
@@ -587,6 +713,9 @@ class GLM5StageModel:
                                  self.inp, input_counted=stage > 0)
         if stage == 0:
             part += self.embedding + self.token_ids
+            if count and dense_warmup(self.inp):  # its first attention needs no gradient
+                part += Part(activation_bytes=-grad_free_first_attention_savings(self.cfg,
+                                                                                 self.inp))
         else:
             after_mtp = self.mtp_stage is not None and stage > self.mtp_stage
             part += self.concat_input if after_mtp else self.stage_input
@@ -607,7 +736,7 @@ class GLM5StageModel:
         norm does in fp32 (a recomputed first layer: ``chunk_layers_part``'s input_counted)."""
         inp, hidden = self.inp, self.stage_input.activation_bytes
         if self.mtp_stage is not None and stage > self.mtp_stage:
-            return self.concat_input.activation_bytes
+            return self.concat_input.activation_bytes if head_keeps_input(inp) else 0
         if count:
             recomputed = inp.recompute.recomputed_layers(count) > 0
             return hidden if inp.activation_bytes == 4 and not recomputed else 0
