@@ -222,21 +222,27 @@ def test_sharding_divides_by_tp_ep_and_data_parallel(big):
 
 def _measured_forward_bytes(cfg: GLM5Config, seq: int, batch: int,
                             attention_mask: torch.Tensor | None = None,
-                            loss_chunk_tokens: int = 0, recompute: Recompute | None = None) -> int:
+                            loss_chunk_tokens: int = 0, recompute: Recompute | None = None,
+                            dsa_stage: str = "sparse") -> int:
     """Unique storage bytes autograd saves in one fp32 forward of the 1-process model, the
     parameters left out, as they stand after the forward (selective recompute frees some saved
     outputs at once). ``attention_mask``: [batch, 1, seq, seq], True = masked out.
-    ``loss_chunk_tokens``: the model's chunked head + loss (0: megatron's)."""
+    ``loss_chunk_tokens``: the model's chunked head + loss (0: megatron's). ``dsa_stage``:
+    dense_warmup freezes all but the indexer, as the job does."""
     from glm5_train.model.config import to_mcore_config
     from parallel.layout import ParallelSizes
-    from glm5_train.model.glm5 import build_model_chunks
+    from glm5_train.model.dsa_loss import DSATrainingConfig
+    from glm5_train.model.glm5 import apply_dsa_freezing, build_model_chunks
     from parallel import mcore_compat
 
     mcore_compat.install()
     with single_process_group():
         mcore = to_mcore_config(cfg, ParallelSizes(), torch.float32, recompute=recompute)
-        model = build_model_chunks(cfg, mcore, loss_chunk_tokens=loss_chunk_tokens,
-                                   recompute=recompute)[0].train()
+        dsa = DSATrainingConfig(stage=dsa_stage)
+        chunks = build_model_chunks(cfg, mcore, loss_chunk_tokens=loss_chunk_tokens,
+                                    recompute=recompute, dsa_training=dsa)
+        apply_dsa_freezing(chunks, dsa)
+        model = chunks[0].train()
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         saved: dict[int, torch.UntypedStorage] = {}  # by storage identity: a freed storage's
         # address may be reused by a later one
@@ -314,6 +320,34 @@ def test_dense_attention_estimate_matches_a_measured_forward(tiny, document_mask
     if document_mask:  # the mask term itself is seen: the estimate without it falls short
         unmasked = _estimated_forward_bytes(cfg, dataclasses.replace(inputs, document_mask=False))
         assert measured - unmasked >= 0.9 * layers * 4 * batch * seq * seq
+
+
+@pytest.mark.parametrize("mtp_steps, loss_chunk_tokens, document_mask",
+                         [(0, 0, False), (3, 0, False), (3, 100, False), (3, 0, True)])
+def test_dense_warmup_estimate_matches_a_measured_forward(tiny, mtp_steps, loss_chunk_tokens,
+                                                          document_mask):
+    """dsa.stage=dense_warmup, every weight frozen but the indexer's: no projection keeps its
+    input, yet from the first layer's KL-carrying attention output on the hidden states need
+    input gradients, so the norms, RoPE, dense core attention, SwiGLU, router and softmax keep
+    theirs; stage 0's first attention keeps only its indexer KL tensors, the embedding ids
+    nothing. Priced by the one-stage GLM5StageModel (the job's planner path). Measured: within
+    0.1% (the MTP and KL loss scalars left out)."""
+    cfg = dataclasses.replace(tiny, mtp_num_steps=mtp_steps)
+    seq, batch = 128, 2
+    inputs = plan.MemoryInputs(seq_length=seq, micro_batch_size=batch, activation_bytes=4,
+                               fused_attention=False, loss_chunk_tokens=loss_chunk_tokens,
+                               document_mask=document_mask, dsa_stage="dense_warmup")
+    stages = memory.GLM5StageModel(cfg, inputs, 1, 0 if memory.mtp_steps(cfg) else None)
+    estimate = stages.part(0, cfg.first_k_dense_replace, cfg.num_hidden_layers,
+                           True).activation_bytes
+    mask = _document_mask(batch, seq) if document_mask else None
+    measured = _measured_forward_bytes(cfg, seq, batch, mask, loss_chunk_tokens=loss_chunk_tokens,
+                                       dsa_stage="dense_warmup")
+    sparse = _estimated_forward_bytes(cfg, dataclasses.replace(inputs, dsa_stage="sparse"))
+    print(f"tiny dense warm-up forward, {mtp_steps} MTP steps, loss chunk {loss_chunk_tokens}, "
+          f"document mask {document_mask}: estimate {estimate} B, measured {measured} B "
+          f"({estimate / measured - 1:+.2%}); as the sparse stage {sparse} B")
+    assert abs(estimate - measured) <= 0.01 * measured
 
 
 RECOMPUTES = {

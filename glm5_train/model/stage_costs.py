@@ -298,8 +298,10 @@ def decoder_layer_activation_bytes(cfg: GLM5Config, moe: bool, inp: MemoryInputs
 # attention, the SwiGLU internals, the router, the cross-entropy's softmax. Only the first
 # attention of pipeline stage 0 (whose input, the frozen embedding's output, needs no
 # gradient) keeps nothing but its indexer KL's tensors (``grad_free_first_attention_savings``).
-# Checked: the tiny fp32 forward, 1 stage, MTP on and off (tests/test_pipeline_plan.py), and
-# the job's measured per-rank peaks, 1 process and PP2 x VPP2 (tests/test_activation_offload.py).
+# Checked: the tiny fp32 forward, 1 stage, MTP on and off, chunked head, document masks
+# (tests/test_pipeline_plan.py, within 0.03%), and the job's measured per-rank peaks, 1 process
+# and PP2 x VPP2 (tests/test_activation_offload.py, within 0.03%). Not modelled here: selective
+# recompute in this stage (its savings are counted on the trained layer's terms).
 
 
 def frozen_rms_norm_bytes(tokens: int, width: int, inp: MemoryInputs) -> int:
@@ -730,7 +732,8 @@ class GLM5StageModel:
     def _received_input_saved_again(self, stage: int, count: int) -> int:
         """Bytes of a stage's received input (counted once above) that its first consumer's
         terms count again, being that very storage: the output heads after the MTP stage
-        save slices of the concatenated input; MTP step 0 on a stage without decoder layers
+        save slices of the concatenated input (where they keep their input:
+        ``head_keeps_input``); MTP step 0 on a stage without decoder layers
         saves it as its full-recompute unit's input, or in fp32 as its hidden-state norm's
         input (the norm's fp32 cast is the tensor itself), as the first decoder layer's input
         norm does in fp32 (a recomputed first layer: ``chunk_layers_part``'s input_counted)."""
