@@ -133,8 +133,8 @@ class ActivationsConfig:
 
     def check_recompute_for(self, mtp_steps: int, dsa_stage: str) -> None:
         """Rules that need the model and the DSA stage: megatron-core's MTP recompute takes one
-        layer per unit; its reentrant checkpoint passes no gradient into a unit whose input
-        needs none (the frozen embedding's output in the DSA dense warm-up)."""
+        layer per unit; the DSA dense warm-up keeps nothing for backward (its forward runs
+        without autograd, each indexer KL's backward at once), so recomputing is pointless."""
         if self.recompute_granularity != "full":
             return
         if mtp_steps and self.recompute_method == "uniform" and self.recompute_num_layers != 1:
@@ -145,8 +145,7 @@ class ActivationsConfig:
                 "recompute_method=block (MTP steps then not recomputed)")
         if dsa_stage == "dense_warmup":
             raise ValueError(
-                "activations.recompute_granularity=full with dsa.stage=dense_warmup: the "
-                "embedding is frozen there, and megatron-core's reentrant layer checkpoint "
-                "passes no gradient into a unit whose input needs none (the indexer of the "
-                "first units would not train); use recompute_granularity=selective or "
-                "dsa.stage=sparse")
+                "activations.recompute_granularity=full with dsa.stage=dense_warmup: recompute "
+                "is unnecessary in this stage, whose forward keeps nothing for backward (the "
+                "frozen model runs without autograd, each indexer's KL runs its backward at "
+                "once); set activations.recompute_granularity=null, or use dsa.stage=sparse")

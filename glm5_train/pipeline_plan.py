@@ -67,6 +67,8 @@ def offloaded_unit_bytes(cfg: GLM5Config, layout: PipelineLayout, inputs: Memory
     its first MTP step) saves the received input itself, which megatron-core holds; under
     selective recompute autograd holds the output-discarding checkpoints' inputs
     (``checkpoint_leaf_bytes``)."""
+    if inputs.dsa_stage == "dense_warmup":  # the grad-free forward keeps nothing to move
+        return []
     first = sum(s.count("t") for s in layout.stages[:stage])
     held = inputs.activation_bytes * inputs.sp_tokens * cfg.hidden_size \
         if inputs.activation_bytes == 4 and stage > 0 else 0

@@ -129,6 +129,9 @@ class StageCosts:
     activation_bytes_per_microbatch: int
     flops_per_microbatch: int
     accum_grad_bytes: int = 0  # Pipeline ZeRO2: this stage's full gradients, accumulated
+    # Held only while one forward of this stage runs, on top of the micro-batches in flight
+    # before it (e.g. a graph that forward builds and runs its backward on at once).
+    transient_activation_bytes: int = 0
 
     @cached_property  # read in the balancer's inner loop
     def static_bytes(self) -> int:
@@ -220,8 +223,22 @@ class PipelineSchedule:
         ZeRO2's two accumulation buffers are per rank: each as large as its largest stage."""
         mine = costs[rank::self.pp]
         accum = 2 * max(c.accum_grad_bytes for c in mine)
-        return (sum(c.static_bytes for c in mine) + accum, self.peak_activation_bytes(
-            rank, [c.activation_bytes_per_microbatch for c in mine]))
+        peak = self.peak_activation_bytes(rank, [c.activation_bytes_per_microbatch for c in mine])
+        if any(c.transient_activation_bytes for c in mine):
+            peak = max(peak, self.peak_during_forwards(rank, mine))
+        return sum(c.static_bytes for c in mine) + accum, peak
+
+    def peak_during_forwards(self, rank: int, mine: list[StageCosts]) -> int:
+        """The most bytes held while a forward runs: the micro-batches in flight before it
+        plus that stage's transient bytes (each op of the schedule, in order)."""
+        live, peak = [0] * self.chunks, 0
+        held = [c.activation_bytes_per_microbatch for c in mine]
+        for op, chunk in self.order(rank):
+            if op == "F":
+                before = sum(n * b for n, b in zip(live, held))
+                peak = max(peak, before + mine[chunk].transient_activation_bytes)
+            live[chunk] += 1 if op == "F" else -1
+        return peak
 
     def ops(self, rank: int) -> list[tuple[str, int, int]]:
         """('F' | 'B', chunk, micro-batch) in execution order. Each chunk forwards its
@@ -378,8 +395,11 @@ def plan_for(model: StageCostModel, layout: PipelineLayout, schedule: PipelineSc
 
 def _with_offload(rank: RankReport, schedule: PipelineSchedule, costs: list[StageCosts],
                   offload: OffloadSpec) -> RankReport:
+    stages = range(rank.rank, len(costs), schedule.pp)
+    if not any(offload.units(stage) for stage in stages):  # nothing to move: the plain plan
+        return rank
     chunks = []
-    for stage in range(rank.rank, len(costs), schedule.pp):
+    for stage in stages:
         units = list(offload.units(stage))
         chunks.append(ChunkActivations(costs[stage].activation_bytes_per_microbatch, sum(units),
                                        units[-1] if units else 0, max(units, default=0)))

@@ -42,3 +42,22 @@ def test_sparse_stage_at_202752_tokens_fits_an_h200_by_the_planner():
     print(f"sparse stage at 202,752 tokens: max rank {report.max_rank_bytes / 2**30:.1f} GiB "
           f"+ one layer's working set {working_set / 2**30:.1f} GiB")
     assert report.max_rank_bytes + working_set < H200_BYTES
+
+
+def test_warmup_stage_at_202752_tokens_fits_an_h200_by_the_planner():
+    """The dense warm-up's forward runs without autograd (each layer's KL backward runs at
+    once): the largest rank's static + in-flight bytes (received inputs, one layer's KL graph)
+    plus one layer's working set, bounded by what the same layer saves when it trains (the
+    sparse stage without recompute: every intermediate of its forward), stay under 141 GB."""
+    job = compose_job(["+experiment=glm5_dsa_warmup"])
+    dp = validate_layout(job.parallel, job.model, WORLD, job.train.global_batch_size,
+                         job.train.micro_batch_size, job.train.seq_length)
+    layout = pipeline_of(job, dp)
+    report = plan_report(job.model, layout, inputs_from_job(job, dp), job.activations)
+    trained = compose_job(["+experiment=glm5_dsa_warmup", "dsa.stage=sparse"])
+    full = plan_report(trained.model, layout, inputs_from_job(trained, dp), trained.activations)
+    working_set = max(stage.costs.activation_bytes_per_microbatch / stage.layers.count("t")
+                      for stage in full.stages if "t" in stage.layers)
+    print(f"dense warm-up at 202,752 tokens: max rank {report.max_rank_bytes / 2**30:.1f} GiB "
+          f"+ one layer's working set {working_set / 2**30:.1f} GiB")
+    assert report.max_rank_bytes + working_set < H200_BYTES

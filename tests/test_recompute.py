@@ -51,7 +51,7 @@ BAD = [  # (overrides, words the message must hold)
     (["activations.recompute_granularity=full", "activations.recompute_method=block",
       "activations.recompute_num_layers=0"], ["recompute_num_layers=0"]),
     ([*FULL[:2], "activations.recompute_num_layers=2"], ["MTP", "recompute_num_layers=1"]),
-    ([*FULL, "dsa=dense_warmup"], ["dense_warmup", "selective"]),
+    ([*FULL, "dsa=dense_warmup"], ["dense_warmup", "unnecessary", "recompute_granularity=null"]),
     ([*FULL, "activations.recompute_modules=[moe_act]"], ["selective only"]),
     (["activations.recompute_method=block"], ["full only"]),
     (["activations.recompute_granularity=selective"], ["non-empty"]),

@@ -382,6 +382,9 @@ class DSACoreAttention(MLACoreAttention):
         # Set by GLM5MLASelfAttention (glm5_train.model.sparse_mla): W_UK / W_UV views of its
         # linear_kv_up_proj weight for the absorbed path (a function: no second registration).
         self.latent_up_weights = None
+        # Set by GLM5Model around the dense warm-up's grad-free forward (``local_kl_backward``):
+        # the KL then runs its backward here, at once, instead of riding on the layer output.
+        self.kl_backward_in_forward = False
 
     def runs_absorbed(self, seq: int) -> bool:
         """Whether a forward over ``seq`` tokens takes the absorbed sparse path: then the
@@ -396,7 +399,8 @@ class DSACoreAttention(MLACoreAttention):
                 qr: torch.Tensor | None = None, **_: object) -> torch.Tensor:
         if packed_seq_params is not None:
             raise NotImplementedError("THD packed sequences need Transformer Engine attention")
-        with_loss = self.training and torch.is_grad_enabled() and self.training_cfg.trains_indexer
+        with_loss = (self.training and self.training_cfg.trains_indexer
+                     and (torch.is_grad_enabled() or self.kl_backward_in_forward))
         if self.recompute_core and self.training and torch.is_grad_enabled():
             def attend(query, key, value, attention_mask, x, qr):
                 # First call: checkpoint's no-grad forward; second: the recompute in backward
@@ -414,7 +418,9 @@ class DSACoreAttention(MLACoreAttention):
         allowed_BSS = None if attention_mask is None else ~attention_mask[:, 0]
         if cfg.stage == "dense_warmup":
             out = super().forward(query, key, value, attention_mask)
-            if with_loss:
+            if with_loss and self.kl_backward_in_forward:
+                self._kl_backward_now(query, key, x, qr, allowed_BSS)
+            elif with_loss:
                 kl = dense_indexer_kl(self, query, key, x, qr, allowed_BSS, query_chunk)
                 out = self._attach(out, record_kl, kl)
             return out
@@ -447,6 +453,17 @@ class DSACoreAttention(MLACoreAttention):
             self.kl_meter.add(kl_sum.detach(), queries)
         return MoEAuxLossAutoScaler.apply(out, kl_sum * self.training_cfg.indexer_loss_coeff)
 
+    def _kl_backward_now(self, query, key, x, qr, allowed_BSS) -> None:
+        """Dense warm-up under the grad-free forward: the KL's gradient reaches only the
+        indexer's parameters (its inputs are detached), so its backward runs here, scaled
+        exactly as MoEAuxLossAutoScaler's backward would scale it; the indexer's grads then
+        reach megatron's DDP through their usual accumulation hooks."""
+        with torch.enable_grad():
+            kl_sum, queries = dense_indexer_kl(self, query, key, x, qr, allowed_BSS, query_chunk)
+            self.kl_meter.add(kl_sum.detach(), queries)
+            aux_loss = kl_sum * self.training_cfg.indexer_loss_coeff
+            torch.autograd.backward(aux_loss, aux_loss_gradient(self.config, aux_loss))
+
     def _indexer_inputs(self, x: torch.Tensor, qr: torch.Tensor):
         """[S(/TP), B, *] inputs -> full-sequence [B, S, *] on every TP rank."""
         if self.config.sequence_parallel:
@@ -454,6 +471,20 @@ class DSACoreAttention(MLACoreAttention):
             x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
             qr = gather_from_sequence_parallel_region(qr, tensor_parallel_output_grad=False)
         return x.transpose(0, 1), qr.transpose(0, 1)
+
+
+def aux_loss_gradient(config: TransformerConfig, aux_loss: torch.Tensor) -> torch.Tensor:
+    """The gradient MoEAuxLossAutoScaler's backward gives ``aux_loss``: ones x the scale
+    megatron-core's forward_step_calc_loss sets under calculate_per_token_loss (the grad scale
+    function at 1, else 1), computed here because the local backward runs before megatron sets
+    it for the first micro-batch."""
+    if not config.calculate_per_token_loss:
+        raise ValueError("the dense warm-up's local KL backward needs calculate_per_token_loss="
+                         "True (megatron's per-micro-batch aux-loss scale is not known here): "
+                         "build the model config with glm5_train.model.config.to_mcore_config")
+    one = torch.ones(1, device=aux_loss.device)
+    scale = config.grad_scale_func(one) if config.grad_scale_func is not None else one
+    return (torch.ones_like(aux_loss) * scale).sum_to_size(aux_loss.shape)
 
 
 def sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+from contextlib import contextmanager
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -25,6 +26,7 @@ from megatron.core.pipeline_parallel.utils import (
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.transformer.moe.router import Router
 from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -160,6 +162,7 @@ def _build_chunk(model_cfg: GLM5Config, config: MLATransformerConfig, vp_stage: 
         mtp_num_steps=model_cfg.mtp_num_steps if model_cfg.mtp_sets else 0,
         eod_token_id=eod_token_id,
         loss_chunk_tokens=loss_chunk_tokens,
+        grad_free_forward=dsa_training is not None and dsa_training.stage == "dense_warmup",
     )
 
 
@@ -193,8 +196,11 @@ class GLM5Model(GPTModel):
     """
 
     def __init__(self, *args, mtp_num_steps: int = 0, eod_token_id: int | None = None,
-                 loss_chunk_tokens: int = 0, **kwargs):
+                 loss_chunk_tokens: int = 0, grad_free_forward: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
+        self.grad_free_forward = grad_free_forward
+        self._dsa_modules = [m for m in self.modules() if isinstance(m, DSACoreAttention)]
+        self._routers = [m for m in self.modules() if isinstance(m, Router)]
         self.mtp_num_steps = mtp_num_steps
         self.eod_token_id = eod_token_id
         self.loss_chunk_tokens = loss_chunk_tokens
@@ -211,6 +217,22 @@ class GLM5Model(GPTModel):
         # embedding copy but does not default it the way its submodules do.
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+
+    def forward(self, *args, **kwargs):
+        """megatron-core's forward; in the DSA dense warm-up (``grad_free_forward``: all but
+        the indexers frozen, their inputs detached) without autograd: each DSA layer runs its
+        KL's backward at once (``DSACoreAttention.kl_backward_in_forward``), nothing else needs
+        a gradient, so nothing is kept for a backward, and the output only carries megatron's
+        pipeline contract (``GradientBridge``)."""
+        if not (self.grad_free_forward and self.training and torch.is_grad_enabled()):
+            return super().forward(*args, **kwargs)
+        with torch.no_grad(), local_kl_backward(self._dsa_modules), \
+                routers_count_tokens(self._routers):
+            output = super().forward(*args, **kwargs)
+        received = None if self.pre_process else self.decoder.input_tensor
+        if received is not None and received.requires_grad:
+            return GradientBridge.apply(output, received, True)
+        return GradientBridge.apply(output, _dummy_leaf(output.device), False)
 
     def take_mtp_report(self) -> torch.Tensor | None:
         """[steps, 2] (loss sum, token count) of the oldest micro-batch not yet taken."""
@@ -299,6 +321,68 @@ class GLM5Model(GPTModel):
         if self.training:
             self._mtp_reports.append(torch.stack(report))
         return main
+
+
+@contextmanager
+def local_kl_backward(dsa_modules: list[DSACoreAttention]):
+    """The DSA layers of a chunk run their KL's backward inside the forward meanwhile."""
+    for module in dsa_modules:
+        module.kl_backward_in_forward = True
+    try:
+        yield
+    finally:
+        for module in dsa_modules:
+            module.kl_backward_in_forward = False
+
+
+@contextmanager
+def routers_count_tokens(routers: list[Router]):
+    """The MoE routers run with grad mode on inside the grad-free forward: megatron-core counts
+    the tokens per expert for the expert-bias update only then (router._apply_expert_bias),
+    as the dense warm-up always did. Their inputs and weights need no gradient, so autograd
+    records nothing there."""
+    handles = [hook for router in routers for hook in (
+        router.register_forward_pre_hook(_grad_mode_on), router.register_forward_hook(
+            _grad_mode_off))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _grad_mode_on(*_) -> None:  # a hook returning None leaves the module's inputs as they are
+    torch.set_grad_enabled(True)
+
+
+def _grad_mode_off(*_) -> None:  # back to the surrounding no_grad (its exit restores the rest)
+    torch.set_grad_enabled(False)
+
+
+def _dummy_leaf(device: torch.device) -> torch.Tensor:
+    """The first stage's ``GradientBridge`` anchor: makes the output require grad, as
+    megatron's backward step needs, and receives no gradient."""
+    return torch.zeros((), device=device, requires_grad=True)
+
+
+class GradientBridge(torch.autograd.Function):
+    """The grad-free chunk output joined to ``anchor``: the chunk's received pipeline input
+    (``received``; megatron sends its gradient back, the peer waits for it) or a dummy leaf.
+    Forward returns the output unchanged; backward gives the received input zeros (nothing
+    before this chunk needs a gradient: every weight there is frozen, the indexers got theirs
+    in the forward) and a dummy nothing. The received input is saved for backward: megatron
+    keeps it until then anyway, and the saved-bytes meter then counts it."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, anchor: torch.Tensor, received: bool):
+        ctx.received = received
+        ctx.save_for_backward(anchor if received else None)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (anchor,) = ctx.saved_tensors
+        return None, torch.zeros_like(anchor) if ctx.received else None, None
 
 
 def apply_dsa_freezing(chunks: list[torch.nn.Module], dsa_training: DSATrainingConfig) -> None:

@@ -62,8 +62,8 @@ class MemoryInputs:
     # megatron-core keeps every gradient whole.
     shard_grads: bool = False
     dsa_kl: bool = True  # the indexer trains with the KL
-    # dsa.stage: "dense_warmup" freezes all but the indexer and attends densely
-    # (``frozen_decoder_layer_activation_bytes``); "sparse": everything trains.
+    # dsa.stage: "dense_warmup" freezes all but the indexer, attends densely and runs the
+    # model without autograd (``dense_indexer_kl_bytes``); "sparse": everything trains.
     dsa_stage: str = "sparse"
     # DSA's sparse attention on SDPA's fused kernels (CUDA); False: its math path (CPU, where
     # q/k and v widths differ). Dense attention pads to one width and is fused on both.
@@ -283,73 +283,34 @@ def mlp_activation_bytes(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> int:
 
 def decoder_layer_activation_bytes(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> int:
     """One decoder layer not under full recompute (``chunk_layers_part`` applies that)."""
-    if dense_warmup(inp):
-        return frozen_decoder_layer_activation_bytes(cfg, moe, inp)
+    if dense_warmup(inp):  # the grad-free forward keeps nothing (its KL: a transient)
+        return 0
     return (attention_activation_bytes(cfg, inp) + mlp_activation_bytes(cfg, moe, inp)
             - selective_recompute_savings(cfg, moe, inp))
 
 
 # ------------------------------------------------------------------------- DSA dense warm-up
-# Every weight is frozen but the indexer's, so no matmul keeps its input for a weight
-# gradient. But the hidden states still need gradients from the first attention on: each DSA
-# layer adds the indexer KL to its output (MoEAuxLossAutoScaler, dsa.DSACoreAttention._attach),
-# whose result requires grad, and a received pipeline input requires grad too. Every op after
-# that point keeps what its *input* gradient needs: the norms, RoPE's cos / sin, the core
-# attention, the SwiGLU internals, the router, the cross-entropy's softmax. Only the first
-# attention of pipeline stage 0 (whose input, the frozen embedding's output, needs no
-# gradient) keeps nothing but its indexer KL's tensors (``grad_free_first_attention_savings``).
-# Checked: the tiny fp32 forward, 1 stage, MTP on and off, chunked head, document masks
-# (tests/test_pipeline_plan.py, within 0.03%), and the job's measured per-rank peaks, 1 process
-# and PP2 x VPP2 (tests/test_activation_offload.py, within 0.03%). Not modelled here: selective
-# recompute in this stage (its savings are counted on the trained layer's terms).
+# Every weight is frozen but the indexers', whose inputs are detached: the model runs its
+# forward without autograd (glm5.GLM5Model.forward, grad_free_forward) and each DSA layer
+# (decoder and MTP) runs its indexer KL's backward at once (DSACoreAttention._kl_backward_now).
+# So no layer, norm, head or embedding keeps anything for a backward: a stage holds per
+# micro-batch only its received input (glm5.GradientBridge saves it; megatron holds it until
+# the backward anyway), and while one layer's KL runs, that KL's graph
+# (``dense_indexer_kl_bytes``): the stage's transient, on top of the micro-batches in flight
+# (``parallel.pipeline_layout.StageCosts.transient_activation_bytes``). Checked: the tiny
+# fp32 forward as the job runs it, 1 stage, MTP on and off, chunked head, document masks
+# (tests/test_pipeline_plan.py), and the job's measured per-rank peaks, 1 process and
+# PP2 x VPP2 (tests/test_activation_offload.py).
 
 
-def frozen_rms_norm_bytes(tokens: int, width: int, inp: MemoryInputs) -> int:
-    """RMSNorm with a frozen weight keeps what its input gradient needs: the fp32 input, the
-    fp32 inverse rms per token and (non-fp32 models) the weight's fp32 copy, not the
-    normalised product (only the weight gradient needs it)."""
-    return 4 * tokens * width + 4 * tokens + (4 * width if inp.activation_bytes != 4 else 0)
-
-
-def frozen_decoder_layer_activation_bytes(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> int:
-    """One dense warm-up decoder layer whose input needs a gradient (all but stage 0's first).
-    Selective recompute is not modelled here (its savings assume trained weights)."""
-    return frozen_attention_activation_bytes(cfg, inp) + frozen_mlp_activation_bytes(cfg, moe, inp)
-
-
-def frozen_attention_activation_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
-    """MLA's input, q latent and kv latent norms, RoPE's cos and sin, the dense core attention
-    (q, k, v padded to one width and its output), and the dense indexer KL; no projection's
-    input (frozen weights)."""
-    n_sp, C, R = inp.sp_tokens, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    total = (frozen_rms_norm_bytes(n_sp, cfg.hidden_size, inp)
-             + frozen_rms_norm_bytes(n_sp, C, inp))
-    if cfg.q_lora_rank:
-        total += frozen_rms_norm_bytes(n_sp, cfg.q_lora_rank, inp)
-    if inp.activation_bytes == 4:  # the kv norm's fp32 input: a view of [latent | rope key]
-        total += 4 * n_sp * R
-    total += 4 * inp.activation_bytes * inp.seq * R
-    total += _dense_attention_bytes(cfg, inp, cfg.num_attention_heads // inp.tp)
-    return total + dense_indexer_kl_bytes(cfg, inp, core_keeps_query_and_key=True)
-
-
-def grad_free_first_attention_savings(cfg: GLM5Config, inp: MemoryInputs) -> int:
-    """What stage 0's first decoder layer does not keep of ``frozen_attention_activation_bytes``:
-    nothing before its KL needs a gradient, so only the indexer KL's tensors stay (then with
-    the main attention's query and key, which its core attention no longer keeps)."""
-    return (frozen_attention_activation_bytes(cfg, inp)
-            - dense_indexer_kl_bytes(cfg, inp, core_keeps_query_and_key=False))
-
-
-def dense_indexer_kl_bytes(cfg: GLM5Config, inp: MemoryInputs,
-                           core_keeps_query_and_key: bool) -> int:
-    """The indexer's projections and the chunked dense KL (dsa_loss._DenseKL) of one layer:
-    the detached inputs its linears keep (x for wk and weights_proj, qr for wq_b: views, or
-    under SP the gathered full sequence; copies with micro-batches > 1, where [s, b] -> [b, s]
-    is not contiguous), wk's output and the key LayerNorm's fp32 mean and rstd, RoPE's cos and
-    sin, and the KL Function's inputs: the indexer's RoPE'd q and k, the fp32 head weights, the
-    main attention's query and key (the same storage as the core attention's when it keeps
-    them unpadded and needs them itself), and a document mask's bool [b, s, s] allowed keys."""
+def dense_indexer_kl_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
+    """One layer's indexer projections and chunked dense KL (dsa_loss._DenseKL) while its
+    local backward runs: the detached inputs its linears keep (x for wk and weights_proj, qr
+    for wq_b: views, or under SP the gathered full sequence; copies with micro-batches > 1,
+    where [s, b] -> [b, s] is not contiguous), wk's output and the key LayerNorm's fp32 mean
+    and rstd, RoPE's cos and sin, and the KL Function's inputs: the indexer's RoPE'd q and k,
+    the fp32 head weights, the main attention's query and key, and a document mask's bool
+    [b, s, s] allowed keys."""
     a, n, s, H = inp.activation_bytes, inp.tokens, inp.seq, cfg.hidden_size
     Hi, Di, q_in = cfg.index_n_heads, cfg.index_head_dim, cfg.q_lora_rank
     if inp.micro_batch_size > 1:
@@ -358,28 +319,9 @@ def dense_indexer_kl_bytes(cfg: GLM5Config, inp: MemoryInputs,
         total = a * n * (q_in + H)
     total += a * n * Di + 8 * n + 2 * a * s * cfg.qk_rope_head_dim
     total += a * n * (Hi * Di + Di) + 4 * n * Hi
-    dqk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-    if not (core_keeps_query_and_key and dqk >= dv):
-        total += 2 * a * n * (cfg.num_attention_heads // inp.tp) * dqk
+    dqk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    total += 2 * a * n * (cfg.num_attention_heads // inp.tp) * dqk
     return total + (n * s if inp.document_mask else 0)
-
-
-def frozen_mlp_activation_bytes(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> int:
-    """The pre-MLP norm, and SwiGLU without its product (fc2's input: fc2 is frozen), or the MoE
-    block: the router keeps its input (megatron's router_gating_linear saves it whatever needs
-    grad) and its fp32 / index tensors; each routed copy keeps its SwiGLU, product included
-    (the routing-probability scaling needs it), and the probability, not its permuted input
-    nor the scaled product (fc1's and fc2's inputs)."""
-    a, n, n_sp, H = inp.activation_bytes, inp.tokens, inp.sp_tokens, cfg.hidden_size
-    total = frozen_rms_norm_bytes(n_sp, H, inp)
-    if not moe:
-        return total + 4 * a * n * (cfg.intermediate_size // inp.tp)
-    E, k, F = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
-    total += a * n_sp * H + 9 * n_sp * E + 20 * n_sp * k + 4 * n_sp
-    if cfg.n_shared_experts:
-        total += 4 * a * n * (cfg.n_shared_experts * F // inp.tp)
-    routed = k * (n_sp * inp.expert_tp if inp.sequence_parallel else n)
-    return total + _swiglu_bytes(routed, F // inp.expert_tp, a) + 4 * routed
 
 
 # ---------------------------------------------------------------------------------- recompute
@@ -523,29 +465,28 @@ def loss_head_activation_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
     backward, as megatron's linear does), the labels (int64) and an fp32 log-sum-exp per token
     of the whole sequence; each chunk's logits live only inside the forward or backward."""
     n, head_input = inp.tokens, inp.activation_bytes * inp.sp_tokens * cfg.hidden_size
+    if not head_keeps_input(inp):  # dense warm-up: the grad-free forward keeps nothing
+        return 0
     if inp.loss_chunk_tokens > 0:
         return head_input + 12 * n
-    if not head_keeps_input(inp):  # dense warm-up: the frozen head keeps no input
-        head_input = 0
     return head_input + 4 * n * (cfg.vocab_size // inp.tp) + 9 * n
 
 
 def head_keeps_input(inp: MemoryInputs) -> bool:
-    """The chunked head keeps its input whatever is frozen (parallel.chunked_cross_entropy);
-    megatron's output layer only for its weight gradient, none in the dense warm-up."""
-    return inp.loss_chunk_tokens > 0 or not dense_warmup(inp)
+    """Every head (chunked or megatron's) keeps its input, except in the dense warm-up, whose
+    forward runs without autograd."""
+    return not dense_warmup(inp)
 
 
 def mtp_step_activation_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
     """One MTP step: rolled token ids, enorm, hnorm, eh_proj's input [n, 2H], the MoE layer,
     and the MTP final norm. Under full-uniform recompute megatron checkpoints all but the
     embedding: the rolled ids and the unit's two inputs (hidden states, embedding) stay."""
+    if dense_warmup(inp):  # the grad-free forward keeps nothing (its KL: a transient)
+        return 0
     if inp.recompute.mtp_steps_recomputed:
         return 8 * inp.tokens + 2 * recompute_unit_input_bytes(cfg, inp)
     n_sp, H = inp.sp_tokens, cfg.hidden_size
-    if dense_warmup(inp):  # the frozen embedding's ids and enorm keep nothing, nor eh_proj
-        return (2 * frozen_rms_norm_bytes(n_sp, H, inp)
-                + decoder_layer_activation_bytes(cfg, True, inp))
     norms = 3 * rms_norm_bytes(n_sp, H, inp)
     return (8 * inp.tokens + norms + 2 * inp.activation_bytes * n_sp * H
             + decoder_layer_activation_bytes(cfg, True, inp))
@@ -561,21 +502,24 @@ TP_SPLIT = frozenset({"q_up", "kv_up", "o_proj", "dense_mlp", "shared_expert"})
 @dataclass(frozen=True)
 class Part:
     """One piece of a stage per rank: dense and expert parameters (they shard over different
-    data-parallel groups), activation bytes and flops (forward + backward) per micro-batch."""
+    data-parallel groups), activation bytes and flops (forward + backward) per micro-batch,
+    and transient bytes (held only while one of its pieces runs: a stage's is its largest)."""
 
     dense_params: int = 0
     expert_params: int = 0
     activation_bytes: int = 0
     flops: int = 0
+    transient_bytes: int = 0
 
     def __add__(self, other: Part) -> Part:
         return Part(self.dense_params + other.dense_params,
                     self.expert_params + other.expert_params,
-                    self.activation_bytes + other.activation_bytes, self.flops + other.flops)
+                    self.activation_bytes + other.activation_bytes, self.flops + other.flops,
+                    max(self.transient_bytes, other.transient_bytes))
 
     def times(self, k: int) -> Part:
         return Part(k * self.dense_params, k * self.expert_params, k * self.activation_bytes,
-                    k * self.flops)
+                    k * self.flops, self.transient_bytes if k else 0)
 
 
 def _attention_flops(cfg: GLM5Config, inp: MemoryInputs) -> int:
@@ -612,7 +556,13 @@ def layer_part(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> Part:
             active += term.count
     flops = (6 * active * inp.tokens // inp.tp + _attention_flops(cfg, inp)
              + selective_recompute_flops(cfg, inp))
-    return Part(dense, expert, decoder_layer_activation_bytes(cfg, moe, inp), flops)
+    return Part(dense, expert, decoder_layer_activation_bytes(cfg, moe, inp), flops,
+                local_kl_transient_bytes(cfg, inp))
+
+
+def local_kl_transient_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
+    """A DSA layer's transient: its KL's graph in the dense warm-up (none otherwise)."""
+    return dense_indexer_kl_bytes(cfg, inp) if dense_warmup(inp) and inp.dsa_kl else 0
 
 
 def selective_recompute_flops(cfg: GLM5Config, inp: MemoryInputs) -> int:
@@ -651,8 +601,8 @@ def mtp_part(cfg: GLM5Config, inp: MemoryInputs) -> Part:
     flops = layer.flops + 6 * 2 * H * H * inp.tokens // inp.tp
     if inp.recompute.mtp_steps_recomputed:  # each step's forward once more in backward
         flops += flops // 3
-    return params + Part(activation_bytes=mtp_step_activation_bytes(cfg, inp),
-                         flops=flops).times(steps)
+    return params + Part(activation_bytes=mtp_step_activation_bytes(cfg, inp), flops=flops,
+                         transient_bytes=layer.transient_bytes).times(steps)
 
 
 def head_part(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> Part:
@@ -671,7 +621,7 @@ def stage_costs(part: Part, inp: MemoryInputs) -> StageCosts:
     states = sharded if inp.distributed_optimizer else d + e
     return StageCosts(inp.weight_bytes * (d + e), inp.grad_bytes * grads,
                       inp.optimizer_bytes * states, part.activation_bytes, part.flops,
-                      inp.grad_bytes * (d + e) if inp.shard_grads else 0)
+                      inp.grad_bytes * (d + e) if inp.shard_grads else 0, part.transient_bytes)
 
 
 class GLM5StageModel:
@@ -692,9 +642,9 @@ class GLM5StageModel:
         self.concat_input = hidden.times(1 + steps)  # main + MTP hidden states, concatenated
         self.mtp = mtp_part(cfg, inp) if mtp_stage is not None else Part()
         self.head = head_part(cfg, inp, 1 + steps)
-        norm_bytes = frozen_rms_norm_bytes if dense_warmup(inp) else rms_norm_bytes
-        self.final_norm = Part(dense_params=cfg.hidden_size, activation_bytes=norm_bytes(
-            inp.sp_tokens, cfg.hidden_size, inp))
+        norm_bytes = 0 if dense_warmup(inp) else rms_norm_bytes(inp.sp_tokens, cfg.hidden_size,
+                                                                 inp)
+        self.final_norm = Part(dense_params=cfg.hidden_size, activation_bytes=norm_bytes)
         self._cache: dict[tuple[int, int, int, bool], StageCosts] = {}
 
     def final_norm_stage(self, counts: list[int]) -> int:
@@ -715,9 +665,6 @@ class GLM5StageModel:
                                  self.inp, input_counted=stage > 0)
         if stage == 0:
             part += self.embedding + self.token_ids
-            if count and dense_warmup(self.inp):  # its first attention needs no gradient
-                part += Part(activation_bytes=-grad_free_first_attention_savings(self.cfg,
-                                                                                 self.inp))
         else:
             after_mtp = self.mtp_stage is not None and stage > self.mtp_stage
             part += self.concat_input if after_mtp else self.stage_input
@@ -736,8 +683,11 @@ class GLM5StageModel:
         ``head_keeps_input``); MTP step 0 on a stage without decoder layers
         saves it as its full-recompute unit's input, or in fp32 as its hidden-state norm's
         input (the norm's fp32 cast is the tensor itself), as the first decoder layer's input
-        norm does in fp32 (a recomputed first layer: ``chunk_layers_part``'s input_counted)."""
+        norm does in fp32 (a recomputed first layer: ``chunk_layers_part``'s input_counted).
+        In the dense warm-up only glm5.GradientBridge saves it: nothing counts it again."""
         inp, hidden = self.inp, self.stage_input.activation_bytes
+        if dense_warmup(inp):
+            return 0
         if self.mtp_stage is not None and stage > self.mtp_stage:
             return self.concat_input.activation_bytes if head_keeps_input(inp) else 0
         if count:
