@@ -16,10 +16,8 @@ ratio=<ours/baseline>``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -27,38 +25,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from glm5_train.job_config import compose_job
-from glm5_train.pipeline_plan import (
-    inputs_from_job,
-    mtp_sets,
-    parse_layout,
-    plan_report,
-    resolve_pipeline_layout,
-)
+from planned_memory import planned, run_job
 
 
 def overrides(steps: int, seq: int, offload: int) -> list[str]:
     return ["model=glm5_tiny", "parallel=pp2_vpp2", f"train.train_iters={steps}",
             "train.warmup_iters=1", "train.global_batch_size=8", f"train.seq_length={seq}",
             "checkpoint.save=null", f"activations.offload_micro_batches={offload}"]
-
-
-def run(args: list[str], run_dir: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "glm5_train.train", *args, f"hydra.run.dir={run_dir}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False)
-    if proc.returncode:
-        raise SystemExit(proc.stdout[-3000:] + proc.stderr[-3000:])
-    with open(os.path.join(run_dir, "metrics.jsonl")) as handle:
-        return [json.loads(line) for line in handle]
-
-
-def planned(args: list[str]):
-    job = compose_job(args)
-    layout = parse_layout(resolve_pipeline_layout(job, 1), 2, 2, job.model.num_hidden_layers,
-                          mtp_sets(job.model))
-    return plan_report(job.model, layout, inputs_from_job(job, 1), job.activations).ranks
 
 
 def main() -> None:
@@ -71,10 +44,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, count in (("none", 0), ("warm-up", 4), ("all", opts.micro_batches)):
             args = overrides(opts.steps, opts.seq, count)
-            records = run(args, os.path.join(tmp, name))
+            records, _ = run_job(2, args, os.path.join(tmp, name), name)
             last = records[-1]
             speed = statistics.median(r["tokens_per_s"] for r in records[1:])
-            plan = planned(args)
+            plan = planned(args, world=2).ranks
             results[name] = (last, speed, plan)
             print(f"{name:8s} saved_bytes_peak {last['saved_bytes_peak']} planned "
                   f"{[r.peak_activation_bytes for r in plan]} | offloaded_bytes "

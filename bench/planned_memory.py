@@ -20,34 +20,18 @@ if REPO not in sys.path:
 from job import run_training
 
 from glm5_train.job_config import compose_job
-from glm5_train.pipeline_plan import (
-    PlanReport,
-    inputs_from_job,
-    layout_from_counts,
-    mtp_sets,
-    parse_layout,
-    plan_report,
-    resolve_pipeline_layout,
-)
+from glm5_train.pipeline_plan import PlanReport, inputs_from_job, job_pipeline, plan_report
 
 
 def planned(overrides: list[str], world: int) -> PlanReport:
     """The planner's report (per pipeline rank: ``peak_activation_bytes``, ``offloaded_bytes``,
     ``static_bytes``) for the job ``overrides`` describe on ``world`` processes."""
     job = compose_job(list(overrides))
-    par, model = job.parallel, job.model
-    pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
-    dp = world // (par.tensor_model_parallel_size * pp * par.context_parallel_size)
-    layers, sets = model.num_hidden_layers, mtp_sets(model)
-    resolved = resolve_pipeline_layout(job, dp)
-    if resolved:
-        layout = parse_layout(resolved, pp, vpp, layers, sets)
-    else:
-        stages = pp * (vpp or 1)
-        layout = layout_from_counts([layers // stages] * stages, pp, vpp,
-                                    stages - 1 if sets else None, sets)
-    inputs = inputs_from_job(job, dp)
-    return plan_report(model, layout, inputs, job.activations)
+    par = job.parallel
+    dp = world // (par.tensor_model_parallel_size * par.pipeline_model_parallel_size
+                   * par.context_parallel_size)
+    layout = job_pipeline(job, dp)
+    return plan_report(job.model, layout, inputs_from_job(job, dp), job.activations)
 
 
 def measured_field(record: dict, name: str, label: str) -> list[int]:

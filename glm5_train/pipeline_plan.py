@@ -40,8 +40,8 @@ from parallel.pipeline_layout import (
 )
 
 __all__ = ["NO_MEMORY_LIMIT", "MemoryInputs", "PipelineLayout", "PipelineSchedule", "PlanReport",
-           "balance_layout", "inputs_from_job", "layout_from_counts", "mtp_sets", "mtp_steps",
-           "parse_layout", "plan_report", "resolve_pipeline_layout"]
+           "balance_layout", "inputs_from_job", "job_pipeline", "layout_from_counts", "mtp_sets",
+           "mtp_steps", "parse_layout", "plan_report", "resolve_pipeline_layout"]
 
 
 def plan_report(model_cfg: GLM5Config, layout: PipelineLayout, inputs: MemoryInputs,
@@ -114,3 +114,18 @@ def resolve_pipeline_layout(job, dp: int) -> str | None:
     limit_bytes = int(limit * 2**30) if limit is not None else NO_MEMORY_LIMIT
     return balance_layout(model, pp, vpp, par.mtp_placement, inputs_from_job(job, dp),
                           limit_bytes).to_string()
+
+
+def job_pipeline(job, dp: int) -> PipelineLayout:
+    """The stages the job runs: its resolved layout (given, or balanced for the MTP placement),
+    else megatron-core's even split (PP=1: one stage holding everything)."""
+    par, model = job.parallel, job.model
+    pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
+    layers, sets = model.num_hidden_layers, mtp_sets(model)
+    resolved = resolve_pipeline_layout(job, dp)
+    if resolved:
+        return parse_layout(resolved, pp, vpp, layers, sets)
+    stages = pp * (vpp or 1)
+    return layout_from_counts([layers // stages] * stages, pp, vpp,
+                              stages - 1 if sets else None, sets)
+

@@ -25,15 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from glm5_train.job_config import compose_job
-from glm5_train.pipeline_plan import (
-    PipelineLayout,
-    inputs_from_job,
-    layout_from_counts,
-    mtp_sets,
-    parse_layout,
-    plan_report,
-    resolve_pipeline_layout,
-)
+from glm5_train.pipeline_plan import PipelineLayout, inputs_from_job, job_pipeline, plan_report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -262,22 +254,8 @@ def layout_of(job, world: int) -> Layout:
                 else "owners" if job.train.muon_zero_redundant else "naive")
     return Layout(world, tp, pp, cp, dp, par.expert_model_parallel_size, par.expert_tp,
                   par.sequence_parallel, par.use_distributed_optimizer, par.pipeline_zero2,
-                  pipeline_of(job, dp), any(model.moe_layer_pattern),
+                  job_pipeline(job, dp), any(model.moe_layer_pattern),
                   model.topk_method == "noaux_tc", muon, model.tie_word_embeddings)
-
-
-def pipeline_of(job, dp: int) -> PipelineLayout:
-    """The stages the job runs: its resolved layout (given, or balanced for the MTP placement),
-    else megatron-core's even split (PP=1: one stage holding everything)."""
-    par, model = job.parallel, job.model
-    pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
-    layers, sets = model.num_hidden_layers, mtp_sets(model)
-    resolved = resolve_pipeline_layout(job, dp)
-    if resolved:
-        return parse_layout(resolved, pp, vpp, layers, sets)
-    stages = pp * (vpp or 1)
-    return layout_from_counts([layers // stages] * stages, pp, vpp,
-                              stages - 1 if sets else None, sets)
 
 
 def assert_layout_ran(result: JobResult, nprocs: int, overrides: list[str]) -> None:
