@@ -45,6 +45,7 @@ from glm5_train.model.dsa_loss import (
     sparse_indexer_kl,
 )
 from glm5_train.model.layers import MLACoreAttention
+from glm5_train.model.picked_rows import RowTable, Scratch, compute_dtype, fp32_at_least
 from glm5_train.model.sparse_mla import absorbed_sparse_attention
 from parallel.device import param_device
 
@@ -284,11 +285,11 @@ class _SelectedScores(torch.autograd.Function):
         ctx.save_for_backward(q_BSHD, k_BSD, w_BSH, topk_BSK)
         ctx.scale, ctx.rows = scale, rows
         batch, seq, picks = topk_BSK.shape
-        keys = _KeyRows(k_BSD)
+        keys, scratch = RowTable(fp32_at_least(k_BSD)), Scratch(k_BSD.device)
         out = torch.empty(batch, seq, picks, dtype=keys.rows.dtype, device=k_BSD.device)
         for start in range(0, seq, rows):
             chunk = slice(start, min(seq, start + rows))
-            k_GKD = keys.gather(topk_BSK[:, chunk])[1]
+            k_GKD = keys.gather(keys.row_index(topk_BSK[:, chunk]), chunk.stop - start, scratch)
             relu_GHK = torch.bmm(_chunk_rows(q_BSHD, chunk), k_GKD.transpose(1, 2))
             w_G1H = _chunk_rows(w_BSH, chunk).unsqueeze(1)
             out[:, chunk] = torch.bmm(w_G1H, relu_GHK.mul_(scale).relu_()).view(batch, -1, picks)
@@ -298,13 +299,14 @@ class _SelectedScores(torch.autograd.Function):
     def backward(ctx, grad_BSK):
         q_BSHD, k_BSD, w_BSH, topk_BSK = ctx.saved_tensors
         batch, seq, picks = topk_BSK.shape
-        keys = _KeyRows(k_BSD)
-        dq, dw = (torch.empty(t.shape, dtype=_compute(t).dtype, device=t.device)
+        keys, scratch = RowTable(fp32_at_least(k_BSD)), Scratch(k_BSD.device)
+        dq, dw = (torch.empty(t.shape, dtype=compute_dtype(t), device=t.device)
                   for t in (q_BSHD, w_BSH))
         dk_rows = torch.zeros_like(keys.rows)
         for start in range(0, seq, ctx.rows):
             chunk = slice(start, min(seq, start + ctx.rows))
-            flat, k_GKD = keys.gather(topk_BSK[:, chunk])
+            flat = keys.row_index(topk_BSK[:, chunk])
+            k_GKD = keys.gather(flat, chunk.stop - start, scratch)
             q_GHD, w_GH = _chunk_rows(q_BSHD, chunk), _chunk_rows(w_BSH, chunk)
             g_GK = _chunk_rows(grad_BSK, chunk)
             relu_GHK = torch.bmm(q_GHD, k_GKD.transpose(1, 2)).mul_(ctx.scale).relu_()
@@ -315,46 +317,15 @@ class _SelectedScores(torch.autograd.Function):
                 w_GH.unsqueeze(2) * ctx.scale)
             dq[:, chunk] = torch.bmm(dlogits_GHK, k_GKD).view(batch, -1, *q_BSHD.shape[2:])
             dk_rows.index_add_(0, flat, torch.bmm(dlogits_GHK.transpose(1, 2), q_GHD,
-                                                  out=keys.scratch(k_GKD.shape)).flatten(0, 1))
-        return (dq.to(q_BSHD.dtype), dk_rows.view(k_BSD.shape).to(k_BSD.dtype),
+                                                  out=scratch.get("dkeys", k_GKD.shape,
+                                                                  k_GKD.dtype)).flatten(0, 1))
+        return (dq.to(q_BSHD.dtype), keys.as_input_layout(dk_rows).to(k_BSD.dtype),
                 dw.to(w_BSH.dtype), None, None, None)
-
-
-def _compute(t: torch.Tensor) -> torch.Tensor:
-    """fp32 at least, as ``DSAIndexer.scores`` computes (fp64 stays fp64 for gradcheck)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def _chunk_rows(t_BS: torch.Tensor, chunk: slice) -> torch.Tensor:
     """A chunk of queries of a [B, S, ...] tensor as [B*T, ...] in the compute dtype."""
-    return _compute(t_BS[:, chunk]).flatten(0, 1)
-
-
-class _KeyRows:
-    """The indexer keys [B, S, Di] as one table of rows [B*S, Di] (compute dtype), gathered
-    chunk by chunk into buffers allocated once: fresh pages per chunk cost more than the
-    copy."""
-
-    def __init__(self, k_BSD: torch.Tensor) -> None:
-        self.seq, self.width = k_BSD.shape[1], k_BSD.shape[2]
-        self.rows = _compute(k_BSD).reshape(-1, self.width)
-        self.buffers: dict[str, torch.Tensor] = {}
-
-    def scratch(self, shape, name: str = "scratch") -> torch.Tensor:
-        numel = int(torch.Size(shape).numel())
-        held = self.buffers.get(name)
-        if held is None or held.numel() < numel:
-            held = self.buffers[name] = self.rows.new_empty(numel)
-        return held[:numel].view(shape)
-
-    def gather(self, idx_BTK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(Flat table rows [B*T*K], picked keys [B*T, K, Di]) of a chunk's picks."""
-        batch, tokens, picks = idx_BTK.shape
-        base = torch.arange(batch, device=idx_BTK.device) * self.seq
-        flat = (idx_BTK + base[:, None, None]).flatten()
-        out = self.scratch((flat.numel(), self.width), "keys")
-        torch.index_select(self.rows, 0, flat, out=out)
-        return flat, out.view(batch * tokens, picks, self.width)
+    return fp32_at_least(t_BS[:, chunk]).flatten(0, 1)
 
 
 class DSACoreAttention(MLACoreAttention):

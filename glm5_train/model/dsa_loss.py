@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from glm5_train.model.picked_rows import compute_dtype, fp32_at_least
+
 STAGES = ("sparse", "dense_warmup")
 # Sparse-stage attention: MLA absorbed over the selected latent keys (glm5_train.model.
 # sparse_mla, O(S K)), or the reference: dense attention under a top-k mask (O(S^2) compute).
@@ -142,7 +144,7 @@ class _DenseKL(torch.autograd.Function):
     def forward(ctx, q_BSHD, k_BSD, w_BSH, query, key, allowed_BSS, plan: _DenseKLPlan):
         ctx.save_for_backward(q_BSHD, k_BSD, w_BSH, query, key, allowed_BSS)
         ctx.plan = plan
-        total = torch.zeros((), dtype=_compute_dtype(q_BSHD), device=q_BSHD.device)
+        total = torch.zeros((), dtype=compute_dtype(q_BSHD), device=q_BSHD.device)
         for t0, t1 in plan.chunks(q_BSHD.shape[1]):
             forbidden_BTS = _forbidden(allowed_BSS, t0, t1, q_BSHD.device)
             heads_sum_BTS = _target_rows(query, key, forbidden_BTS, t0, t1, plan)
@@ -155,7 +157,7 @@ class _DenseKL(torch.autograd.Function):
     def backward(ctx, grad_kl):
         q_BSHD, k_BSD, w_BSH, query, key, allowed_BSS = ctx.saved_tensors
         plan = ctx.plan
-        dq, dk, dw = (torch.zeros_like(t, dtype=_compute_dtype(t)) for t in (q_BSHD, k_BSD, w_BSH))
+        dq, dk, dw = (torch.zeros_like(t, dtype=compute_dtype(t)) for t in (q_BSHD, k_BSD, w_BSH))
         for t0, t1 in plan.chunks(q_BSHD.shape[1]):
             forbidden_BTS = _forbidden(allowed_BSS, t0, t1, q_BSHD.device)
             heads_sum_BTS = _target_rows(query, key, forbidden_BTS, t0, t1, plan)
@@ -169,21 +171,12 @@ class _DenseKL(torch.autograd.Function):
             del relu_BTHS, logits_BTHS  # the [B, T, Hi, S] gradient below takes their place
             dlogits_BTHS = (dindex_BTS[:, :, None, :] * w_BTH[..., None]).mul_(positive_BTHS)
             dlogits_BTHS.mul_(plan.index_scale)
-            dq[:, t0:t1] = torch.einsum("bths,bsd->bthd", dlogits_BTHS, _compute(k_BSD[:, :t1]))
+            dq[:, t0:t1] = torch.einsum("bths,bsd->bthd", dlogits_BTHS,
+                                        fp32_at_least(k_BSD[:, :t1]))
             dk[:, :t1] += torch.einsum("bths,bthd->bsd", dlogits_BTHS,
-                                       _compute(q_BSHD[:, t0:t1]))
+                                       fp32_at_least(q_BSHD[:, t0:t1]))
         return (dq.to(q_BSHD.dtype), dk.to(k_BSD.dtype), dw.to(w_BSH.dtype),
                 None, None, None, None)
-
-
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    """fp32 at least, as the main attention's target and ``DSAIndexer.scores`` compute (fp64
-    stays fp64 for gradcheck)."""
-    return torch.promote_types(t.dtype, torch.float32)
-
-
-def _compute(t: torch.Tensor) -> torch.Tensor:
-    return t.to(_compute_dtype(t))
 
 
 def _forbidden(allowed_BSS: torch.Tensor | None, t0: int, t1: int, device) -> torch.Tensor:
@@ -199,7 +192,8 @@ def _target_rows(query: torch.Tensor, key: torch.Tensor, forbidden_BTS: torch.Te
                  t0: int, t1: int, plan: _DenseKLPlan) -> torch.Tensor:
     """The main attention's probabilities of queries t0..t1-1 summed over every TP rank's
     heads, [B, T, t1], not normalised; zero on rows without any allowed key."""
-    logits_BNTS = torch.einsum("tbnd,sbnd->bnts", _compute(query[t0:t1]), _compute(key[:t1]))
+    logits_BNTS = torch.einsum("tbnd,sbnd->bnts", fp32_at_least(query[t0:t1]),
+                               fp32_at_least(key[:t1]))
     logits_BNTS = logits_BNTS.mul_(plan.softmax_scale).masked_fill_(forbidden_BTS[:, None],
                                                                     float("-inf"))
     heads_sum_BTS = logits_BNTS.softmax(-1).sum(1)
@@ -211,8 +205,8 @@ def _target_rows(query: torch.Tensor, key: torch.Tensor, forbidden_BTS: torch.Te
 def _index_logits(q_BSHD: torch.Tensor, k_BSD: torch.Tensor, t0: int, t1: int,
                   scale: float) -> torch.Tensor:
     """scale x q[t, h] . k[s] for queries t0..t1-1 and keys 0..t1-1, [B, T, Hi, t1]."""
-    logits_BTHS = torch.einsum("bthd,bsd->bths", _compute(q_BSHD[:, t0:t1]),
-                               _compute(k_BSD[:, :t1]))
+    logits_BTHS = torch.einsum("bthd,bsd->bths", fp32_at_least(q_BSHD[:, t0:t1]),
+                               fp32_at_least(k_BSD[:, :t1]))
     return logits_BTHS.mul_(scale)
 
 

@@ -41,6 +41,8 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
+from glm5_train.model.picked_rows import RowTable, Scratch, compute_dtype, fp32_at_least
+
 # Working-set budget (fp32 elements) of one query chunk's gathered latent keys [B, T, K, D]:
 # 16 MiB (T = 3 rows at GLM-5's K = 2048, D = 576). The gathered keys are read by three
 # matmuls per pass; chunks that stay near the cache size measured ~2x faster per row on CPU
@@ -51,58 +53,6 @@ LATENT_CHUNK_ELEMENTS = 1 << 22
 def latent_chunk_rows(batch: int, picks: int, width: int) -> int:
     """Query rows per chunk so that the chunk's gathered keys hold ~LATENT_CHUNK_ELEMENTS."""
     return max(1, LATENT_CHUNK_ELEMENTS // max(1, batch * picks * width))
-
-
-def _fp32(t: torch.Tensor) -> torch.Tensor:
-    """Compute dtype: fp32 at least (bf16 promoted, fp64 kept for gradient checks)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-class _KeyTable:
-    """The latent keys [B, S, D] as a table of rows [B*S, D] without copying: the [S, B]
-    layout megatron produces (a transposed view) and a contiguous [B, S, D] both work.
-    Row of (b, s) = b * b_step + s * s_step."""
-
-    def __init__(self, kv_BSD: torch.Tensor) -> None:
-        batch, seq, width = kv_BSD.shape
-        if kv_BSD.is_contiguous():
-            self.rows, self.b_step, self.s_step = kv_BSD.view(batch * seq, width), seq, 1
-        elif kv_BSD.transpose(0, 1).is_contiguous():
-            self.rows = kv_BSD.transpose(0, 1).view(seq * batch, width)
-            self.b_step, self.s_step = 1, batch
-        else:
-            self.rows, self.b_step, self.s_step = kv_BSD.reshape(batch * seq, width), seq, 1
-        self.batch, self.seq, self.width = batch, seq, width
-
-    def row_index(self, idx_BTK: torch.Tensor) -> torch.Tensor:
-        """Flat table rows [B*T*K] of the picks (each batch's picks index its own keys)."""
-        batch_base = torch.arange(self.batch, device=idx_BTK.device) * self.b_step
-        return (idx_BTK * self.s_step + batch_base[:, None, None]).flatten()
-
-    def gather(self, rows: torch.Tensor, tokens: int, buffer: dict) -> torch.Tensor:
-        """[B*T, K, D] picked keys, fp32 (gathered first: only the chunk's rows are cast).
-        Written into ``buffer``'s tensors, allocated once per call: fresh pages for every
-        chunk cost more than the copy itself on CPU."""
-        picked = _reuse(buffer, "picked", (rows.numel(), self.width), self.rows.dtype)
-        torch.index_select(self.rows, 0, rows, out=picked)
-        if picked.dtype != _fp32(picked).dtype:
-            picked = _reuse(buffer, "fp32", picked.shape, _fp32(picked).dtype).copy_(picked)
-        return picked.view(self.batch * tokens, -1, self.width)
-
-    def as_input_layout(self, grad_rows: torch.Tensor) -> torch.Tensor:
-        """A gradient table [B*S, D] viewed as the [B, S, D] input it belongs to."""
-        if self.b_step == 1:
-            return grad_rows.view(self.seq, self.batch, self.width).transpose(0, 1)
-        return grad_rows.view(self.batch, self.seq, self.width)
-
-
-def _reuse(buffer: dict, name: str, shape, dtype) -> torch.Tensor:
-    """A scratch tensor of ``shape`` from ``buffer`` (grown once, then reused)."""
-    numel = int(torch.Size(shape).numel())
-    held = buffer.get(name)
-    if held is None or held.numel() < numel or held.dtype != dtype:
-        held = buffer[name] = torch.empty(numel, dtype=dtype, device=buffer["device"])
-    return held[:numel].view(shape)
 
 
 class SparseLatentAttention(torch.autograd.Function):
@@ -120,17 +70,17 @@ class SparseLatentAttention(torch.autograd.Function):
     def forward(ctx, q_lat, kv, idx, valid, scale: float, value_width: int, rows: int,
                 need_probs: bool):
         batch, seq, heads, _ = q_lat.shape
-        table = _KeyTable(kv)
+        table = RowTable(kv)
         out = q_lat.new_empty(batch, seq, heads, value_width)
-        compute = _fp32(q_lat).dtype  # fp32, or fp64 for gradient checks
+        compute = compute_dtype(q_lat)  # fp32, or fp64 for gradient checks
         lse_BSN = torch.empty(batch, seq, heads, dtype=compute, device=q_lat.device)
         probs = (torch.empty(batch, seq, idx.shape[-1], dtype=compute, device=q_lat.device)
                  if need_probs else q_lat.new_empty(0))
-        buffer = {"device": q_lat.device}
+        buffer = Scratch(q_lat.device)
         for t0 in range(0, seq, rows):
             chunk = slice(t0, min(seq, t0 + rows))
             keys = table.gather(table.row_index(idx[:, chunk]), chunk.stop - t0, buffer)
-            q = _fp32(q_lat[:, chunk]).reshape(keys.shape[0], heads, -1)
+            q = fp32_at_least(q_lat[:, chunk]).reshape(keys.shape[0], heads, -1)
             logits = torch.bmm(keys, q.transpose(1, 2))  # [B*T, K, N]
             p, lse = _softmax_over_picks(_masked_logits(logits, valid[:, chunk], scale))
             lse_BSN[:, chunk] = lse.view(batch, -1, heads)
@@ -149,18 +99,18 @@ class SparseLatentAttention(torch.autograd.Function):
         q_lat, kv, idx, valid, lse_BSN, out = ctx.saved_tensors
         scale, dv, rows = ctx.scale, ctx.value_width, ctx.rows
         batch, seq, heads, width = q_lat.shape
-        table = _KeyTable(kv)
-        dq = torch.empty(q_lat.shape, dtype=_fp32(q_lat).dtype, device=q_lat.device)
+        table = RowTable(kv)
+        dq = torch.empty(q_lat.shape, dtype=compute_dtype(q_lat), device=q_lat.device)
         dkv_rows = torch.zeros(table.rows.shape, dtype=dq.dtype, device=q_lat.device)
-        buffer = {"device": q_lat.device}
+        buffer = Scratch(q_lat.device)
         for t0 in range(0, seq, rows):
             chunk = slice(t0, min(seq, t0 + rows))
             tokens = chunk.stop - t0
             flat = table.row_index(idx[:, chunk])
             keys = table.gather(flat, tokens, buffer)  # [B*T, K, D]
-            q = _fp32(q_lat[:, chunk]).reshape(batch * tokens, heads, width)
-            d_out = _fp32(grad_out[:, chunk]).reshape(batch * tokens, heads, dv)
-            o = _fp32(out[:, chunk]).reshape(batch * tokens, heads, dv)
+            q = fp32_at_least(q_lat[:, chunk]).reshape(batch * tokens, heads, width)
+            d_out = fp32_at_least(grad_out[:, chunk]).reshape(batch * tokens, heads, dv)
+            o = fp32_at_least(out[:, chunk]).reshape(batch * tokens, heads, dv)
             # The queries and dO (zero in the RoPE columns) side by side, [B*T, 2N, D]: one
             # matmul against the gathered keys gives the logits and dp = dO . v, [B*T, K, 2N];
             # the same pair is the right factor of the key and value gradients below.
@@ -183,7 +133,7 @@ class SparseLatentAttention(torch.autograd.Function):
             # ``both``, right factor the pair with its halves swapped (small).
             torch.cat([p, dlogits], dim=2, out=both)
             swapped = torch.cat([pair[:, heads:], pair[:, :heads]], dim=1)
-            dkeys = _reuse(buffer, "dkeys", keys.shape, keys.dtype)
+            dkeys = buffer.get("dkeys", keys.shape, keys.dtype)
             dkv_rows.index_add_(0, flat, torch.bmm(both, swapped, out=dkeys).view(-1, width))
         return (dq.to(q_lat.dtype), table.as_input_layout(dkv_rows).to(kv.dtype),
                 None, None, None, None, None, None)
