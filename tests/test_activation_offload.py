@@ -17,17 +17,23 @@ import dataclasses
 
 import pytest
 import torch
+from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
 
 from glm5_train.activation_config import ActivationsConfig
 from glm5_train.job_config import compose_job
-from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
-
 from glm5_train.pipeline_plan import inputs_from_job, plan_report
 from parallel import mcore_compat
 from parallel.activation_accounting import SavedTensorMeter
 from parallel.activation_offload import ActivationOffloader, ActivationTracker
 from parallel.pipeline_layout import PipelineSchedule, offload_plan
-from tests.parity import BASE_OVERRIDES, Tolerances, compare, layout_of, run_job
+from tests.parity import (
+    BASE_OVERRIDES,
+    Tolerances,
+    assert_layout_ran,
+    compare,
+    layout_of,
+    run_job,
+)
 
 EXACT = Tolerances(loss=0.0, grad_norm=0.0, indexer_kl=0.0, param=0.0)
 PLAN_RTOL = 0.05  # the planner's saved bytes against the measured (measured within 2%)
@@ -230,6 +236,7 @@ OFFLOAD = ["activations.offload_micro_batches=8"]  # every candidate forward of 
 def pp2_runs(tmp_path_factory):
     base = run_job(2, PP2_VPP2, str(tmp_path_factory.mktemp("pp2_off")))
     offloaded = run_job(2, PP2_VPP2 + OFFLOAD, str(tmp_path_factory.mktemp("pp2_on")))
+    assert_layout_ran(offloaded, 2, PP2_VPP2 + OFFLOAD)
     return base.records, offloaded.records
 
 
