@@ -30,14 +30,20 @@ def rank_memory_bytes() -> tuple[int, int]:
     return rss, peak
 
 
+def gather_per_rank(values: list[int]) -> list[list[int]]:
+    """Every rank's ``values`` (integers, the same count on each), in rank order, on every
+    rank: one all-gather."""
+    device = comm_device()  # NCCL gathers CUDA tensors only
+    local = torch.tensor(values, dtype=torch.int64, device=device)
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return [[int(v) for v in t] for t in gathered]
+
+
 def gather_memory() -> tuple[list[int], list[int]]:
     """Every rank's (current, peak) memory, in rank order, on every rank."""
-    device = comm_device()  # NCCL gathers CUDA tensors only
-    local = torch.tensor(rank_memory_bytes(), dtype=torch.int64, device=device)
-    gathered = [torch.zeros(2, dtype=torch.int64, device=device)
-                for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, local)
-    return [int(t[0]) for t in gathered], [int(t[1]) for t in gathered]
+    ranks = gather_per_rank(list(rank_memory_bytes()))
+    return [r[0] for r in ranks], [r[1] for r in ranks]
 
 
 # metrics.jsonl names of parallel.activation_accounting.StepFigures' fields, lists by rank.
@@ -48,12 +54,8 @@ SAVED_BYTES_FIELDS = {"saved_bytes_peak": "peak_bytes", "saved_bytes_total": "to
 
 def gather_saved_bytes(figures: StepFigures) -> dict[str, list[int]]:
     """Every rank's saved-for-backward figures of the step, in rank order, on every rank."""
-    device = comm_device()
-    local = torch.tensor([getattr(figures, f) for f in SAVED_BYTES_FIELDS.values()],
-                         dtype=torch.int64, device=device)
-    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, local)
-    return {name: [int(t[i]) for t in gathered] for i, name in enumerate(SAVED_BYTES_FIELDS)}
+    ranks = gather_per_rank([getattr(figures, f) for f in SAVED_BYTES_FIELDS.values()])
+    return {name: [r[i] for r in ranks] for i, name in enumerate(SAVED_BYTES_FIELDS)}
 
 
 class MetricsLogger:
