@@ -19,6 +19,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import unwrap_model
 
 from parallel.activation_offload import ActivationTracker
+from parallel.context_parallel import group_size, shard_sequence
 from parallel.device import comm_device
 
 
@@ -36,16 +37,31 @@ def loss_func(loss_mask: torch.Tensor, take_mtp_report, output_tensor: torch.Ten
 
 
 def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module,
-                 activations: ActivationTracker | None = None):
+                 activations: ActivationTracker | None = None, cp_group=None):
     """megatron-core forward_step_func: every chunk reads its own aligned iterator. Batches
     come from the data loader on the CPU and move to this rank's device here (a no-op on CPU).
-    ``activations``: the model's forward runs inside its saved-tensor meter (and offloader)."""
-    batch = to_device(next(data_iterator))
+    ``activations``: the model's forward runs inside its saved-tensor meter (and offloader).
+    ``cp_group``: every rank of a context-parallel group reads the same whole sequences and
+    keeps its zigzag share of them (``parallel.context_parallel``)."""
+    batch = context_parallel_share(to_device(next(data_iterator)), cp_group)
     with activations.forward(model) if activations else nullcontext(lambda out: out) as watch:
         output = watch(model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                              labels=batch["labels"], loss_mask=batch["loss_mask"]))
     inner = unwrap_model(model)
     return output, partial(loss_func, batch["loss_mask"], getattr(inner, "take_mtp_report", None))
+
+
+def context_parallel_share(batch: dict[str, torch.Tensor], cp_group) -> dict[str, torch.Tensor]:
+    """This context-parallel rank's zigzag share of every [B, S] tensor of a micro-batch."""
+    size = group_size(cp_group)
+    if size == 1:
+        return batch
+    if batch.get("attention_mask") is not None:
+        raise NotImplementedError("attention masks (packed documents) under context "
+                                  "parallelism are not supported yet")
+    rank = dist.get_rank(cp_group)
+    return {key: shard_sequence(value, 1, size, rank) if isinstance(value, torch.Tensor)
+            else value for key, value in batch.items()}
 
 
 def to_device(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -63,8 +79,8 @@ def run_step(chunks: list[torch.nn.Module], iterators: list[Iterator], num_micro
     ``activations``: meter (and offload) every micro-batch's forward (training steps only)."""
     schedule = get_forward_backward_func(pp_size=groups.pp.size(),
                                          vp_size=len(chunks) if len(chunks) > 1 else None)
-    step = forward_step if activations is None or forward_only else partial(
-        forward_step, activations=activations)
+    step = partial(forward_step, cp_group=groups.cp,
+                   activations=None if forward_only else activations)
     return schedule(
         forward_step_func=step,
         data_iterator=iterators if len(chunks) > 1 else iterators[0],
@@ -98,7 +114,8 @@ def global_loss(reports: list[dict[str, torch.Tensor]],
     """Token-weighted loss of the global batch, identical on every rank.
 
     Only last-stage ranks hold reports. Summing (loss_sum, tokens) over the whole world counts
-    each data-parallel partial once per TP x CP replica; the ratio is unaffected.
+    each data-parallel partial once per TP replica (context-parallel ranks hold disjoint
+    tokens); the ratio is unaffected.
     """
     totals = torch.zeros(2, dtype=torch.float64, device=comm_device())
     for report in reports:
@@ -106,5 +123,5 @@ def global_loss(reports: list[dict[str, torch.Tensor]],
     if not _is_last_stage(groups):
         totals.zero_()
     dist.all_reduce(totals)
-    replicas = groups.tp.size() * groups.cp.size()
+    replicas = groups.tp.size()
     return float(totals[0] / totals[1]), int(round(float(totals[1]) / replicas))

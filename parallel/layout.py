@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 import torch
 
+from parallel.context_parallel import check_shardable
+
 
 class ModelShape(Protocol):
     """What the layout rules read of a model config (GLM-5's ``GLM5Config`` is one)."""
@@ -353,14 +355,13 @@ def _check_dispatcher(par: ParallelConfig) -> None:
 
 
 def _check_sequence(par: ParallelConfig, model: ModelShape, seq_length: int) -> None:
-    # transformer_config.py:1987: megatron-core's DSA (GLM-5's attention; model.index_n_heads
-    # indexer heads) has no context parallelism.
-    if par.context_parallel_size > 1:
-        raise LayoutError(
-            f"parallel.context_parallel_size={par.context_parallel_size}: megatron-core's DSA "
-            f"attention (the model's, with model.index_n_heads={model.index_n_heads} indexer "
-            "heads) does not support context parallelism; set parallel.context_parallel_size=1")
     split = par.tensor_model_parallel_size if par.sequence_parallel else 1
+    cp = par.context_parallel_size
+    if cp > 1:  # zigzag: 2 x CP equal chunks, each split again by sequence parallelism
+        try:
+            check_shardable(seq_length, cp, split)
+        except ValueError as err:
+            raise LayoutError(str(err)) from None
     if seq_length % split:
         raise LayoutError(
             f"train.seq_length={seq_length} must be divisible by {split} (sequence parallel "

@@ -223,6 +223,7 @@ class Layout:
     expert_bias: bool  # the router's expert bias is updated (an all-reduce over TP x CP x DP)
     muon: str | None  # None (AdamW), "plain", "owners" or "naive" (distributed Muon)
     tied: bool
+    mtp: bool = False  # the model trains MTP steps (their inputs roll across CP ranks)
 
     @property
     def expert_dp(self) -> int:
@@ -255,7 +256,8 @@ def layout_of(job, world: int) -> Layout:
     return Layout(world, tp, pp, cp, dp, par.expert_model_parallel_size, par.expert_tp,
                   par.sequence_parallel, par.use_distributed_optimizer, par.pipeline_zero2,
                   job_pipeline(job, dp), any(model.moe_layer_pattern),
-                  model.topk_method == "noaux_tc", muon, model.tie_word_embeddings)
+                  model.topk_method == "noaux_tc", muon, model.tie_word_embeddings,
+                  bool(model.mtp_sets and model.mtp_num_steps))
 
 
 def assert_layout_ran(result: JobResult, nprocs: int, overrides: list[str]) -> None:
@@ -351,9 +353,15 @@ def expected_group_sizes(layout: Layout) -> dict[str, set[int]]:
         ops["reduce_scatter"].add(layout.etp)
     if layout.moe and layout.expert_bias:  # tokens per expert for the expert-bias update
         ops["all_reduce"].add(layout.tp * layout.cp * layout.dp)
-    ops["all_reduce"].add(layout.dp)  # finalize's token count over DP x CP
+    if layout.cp > 1:  # latent and indexer keys gathered, their gradients reduce-scattered
+        ops["all_gather"].add(layout.cp)
+        ops["reduce_scatter"].add(layout.cp)
+        if layout.mtp:  # MTP's inputs shifted across shard boundaries: megatron's roll
+            ops["send"].add(layout.world)  # sends to global ranks on the default group
+            ops["recv"].add(layout.world)
+    ops["all_reduce"].add(layout.dp * layout.cp)  # finalize's token count over DP x CP
     ops["all_reduce"].add(layout.embedding_holders)  # EmbeddingTie's sum over stages
-    for size in (layout.dp, *((layout.expert_dp,) if layout.moe else ())):
+    for size in (layout.dp * layout.cp, *((layout.expert_dp,) if layout.moe else ())):
         _gradient_reduction(ops, size, layout)
     return {op: {n for n in sizes if n > 1} for op, sizes in ops.items()}
 

@@ -107,9 +107,9 @@ INTERLEAVED = {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parall
     # parallel_state.py:746: a VPP size, even 1, needs PP > 1.
     (ParallelConfig(virtual_pipeline_model_parallel_size=1), 1, {},
      "virtual_pipeline_model_parallel_size=1 needs pipeline_model_parallel_size > 1 (got 1)"),
-    # transformer_config.py:1987: DSA has no context parallelism.
-    (ParallelConfig(context_parallel_size=2), 2, {},
-     "parallel.context_parallel_size=2: megatron-core's DSA attention"),
+    # Context parallelism's zigzag sharding: 2 x CP equal chunks (64 tokens into 6).
+    (ParallelConfig(context_parallel_size=3), 3, {},
+     "train.seq_length=64 is not divisible by 2 x context_parallel_size = 6"),
     # moe_layer.py:218 and token_dispatcher.py:1346.
     (ParallelConfig(moe_token_dispatcher_type="alltoall_seq"), 1, {},
      "parallel.moe_token_dispatcher_type='alltoall_seq': use one of"),
@@ -137,6 +137,8 @@ def test_dense_models_train_with_tensor_parallelism_without_sequence_parallelism
     # layer's kind) TP=2 without SP is megatron-core's plain tensor parallelism.
     dense = {"first_k_dense_replace": TINY["num_hidden_layers"]}
     assert check(ParallelConfig(tensor_model_parallel_size=2), 2, **dense) == 1
+    # Context parallelism of the DSA attention (ours: megatron-core's DSA has none).
+    assert check(ParallelConfig(context_parallel_size=2), 2) == 1
     # A float field takes an integer (parallel.stage_memory_limit_gib=80).
     assert check(ParallelConfig(stage_memory_limit_gib=80), 1) == 1
 

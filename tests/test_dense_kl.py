@@ -120,7 +120,7 @@ def test_chunked_dense_kl_equals_the_full_row_kl_in_fp64(rows, masked):
                for shape in ((BATCH, seq, hi, di), (BATCH, seq, di), (BATCH, seq, hi)))
     _, _, query, key = _inputs(seq, torch.float64)
     allowed = _allowed(seq) if masked else None
-    plan = _DenseKLPlan(SOFTMAX_SCALE, scale, None, rows)
+    plan = _DenseKLPlan(SOFTMAX_SCALE, scale, None, rows, torch.arange(seq))
     results = []
     for fn in (lambda *t: _DenseKL.apply(*t, query, key, allowed, plan),
                lambda *t: _fp64_reference(*t, query, key, allowed, scale)):
@@ -144,7 +144,7 @@ def test_dense_kl_backward_passes_gradcheck_and_skips_queries_without_keys():
     _, _, query, key = _inputs(seq, torch.float64)
     allowed = _allowed(seq)
     allowed[:, 5] = False
-    plan = _DenseKLPlan(SOFTMAX_SCALE, 0.6, None, 3)
+    plan = _DenseKLPlan(SOFTMAX_SCALE, 0.6, None, 3, torch.arange(seq))
 
     def kl(*t):
         return _DenseKL.apply(*t, query, key, allowed, plan)

@@ -167,7 +167,7 @@ def _core() -> DSACoreAttention:
     core.indexer = DSAIndexer(_Cfg(), n_heads=2, head_dim=8, topk=K, rope_dim=R,
                               rope_theta=1e4)
     core.training_cfg, core.kl_meter = DSATrainingConfig(indexer_loss_coeff=0.5), KLMeter()
-    core.softmax_scale, core.tp_group, core.recompute_core = SCALE, None, False
+    core.softmax_scale, core.tp_group, core.cp_group, core.recompute_core = SCALE, None, None, False
     return core
 
 

@@ -292,4 +292,11 @@ def to_mcore_config(model: GLM5Config, par: ParallelSizes,
     )
     kwargs.update((recompute or Recompute()).mcore_fields())
     kwargs.update(par.extra)
-    return MLATransformerConfig(**kwargs)
+    if kwargs["context_parallel_size"] == 1:
+        return MLATransformerConfig(**kwargs)
+    # megatron-core refuses "dsa" with CP > 1 in __post_init__ because its own DSA attention
+    # has no CP. The variant only makes MLA hand the core attention x and qr; our
+    # DSACoreAttention shards sequences over the CP group itself (glm5_train/model/dsa.py).
+    config = MLATransformerConfig(**{**kwargs, "experimental_attention_variant": None})
+    config.experimental_attention_variant = "dsa"
+    return config

@@ -42,11 +42,12 @@ from glm5_train.model.dsa_loss import (
     DSATrainingConfig,
     KLMeter,
     dense_indexer_kl,
-    sparse_indexer_kl,
+    selected_indexer_kl,
 )
-from glm5_train.model.layers import MLACoreAttention
+from glm5_train.model.layers import MLACoreAttention, attention_at_positions
 from glm5_train.model.picked_rows import RowTable, Scratch, compute_dtype, fp32_at_least
 from glm5_train.model.sparse_mla import absorbed_sparse_attention
+from parallel.context_parallel import ContextShard, context_shard, gather_sequence, group_size
 from parallel.device import param_device
 
 # Working-set budget (elements) for one query chunk: bounds the indexer's [B, T, Hi, S] scores
@@ -92,48 +93,56 @@ def unrank_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def causal_topk(block_scores, batch: int, seq: int, topk: int,
                 allowed_BSS: torch.Tensor | None = None, query_block: int = 512,
-                key_block: int = INDEXER_KEY_BLOCK,
-                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                key_block: int = INDEXER_KEY_BLOCK, device: torch.device | None = None,
+                positions_T: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``topk`` keys per query under causality (and ``allowed_BSS``), block by block.
 
-    ``block_scores(t0, t1)`` prepares queries t0..t1-1 and returns a function of (s0, s1)
+    ``block_scores(t0, t1)`` prepares query rows t0..t1-1 and returns a function of (s0, s1)
     giving their unmasked fp32 scores [B, t1 - t0, s1 - s0] against keys s0..s1-1. Each query
     block keeps a running top-k of ranked keys and merges one key block at a time, so nothing
-    [S, S]-sized exists: memory is O(B x query_block x (topk + key_block)) plus the [B, S, K]
-    results. Returns the key indices [B, S, K] and their scores (-inf where a query has fewer
+    [S, S]-sized exists: memory is O(B x query_block x (topk + key_block)) plus the [B, T, K]
+    results. Returns the key indices [B, T, K] and their scores (-inf where a query has fewer
     than K allowed keys), equal to ``DSAIndexer.select`` over the full masked row, ties and
     -inf fillers included: keys past the diagonal are scanned (as -inf, not scored) up to
     index K so that the fillers are the same lowest-index forbidden keys the full row ranks
-    first.
+    first. ``positions_T``: the global positions of the query rows, increasing (a context-
+    parallel rank's share of the ``seq`` keys); default 0..seq-1.
     """
     k = min(topk, seq)
-    index_BSK = torch.empty(batch, seq, k, dtype=torch.long, device=device)
-    score_BSK = torch.empty(batch, seq, k, dtype=torch.float32, device=device)
-    for t0 in range(0, seq, query_block):
-        t1 = min(seq, t0 + query_block)
+    if positions_T is None:
+        positions_T = torch.arange(seq, device=device)
+    rows = positions_T.numel()
+    last_key = (positions_T + 1).tolist()  # keys 0..last_key[t]-1 are causal for row t
+    index_BTK = torch.empty(batch, rows, k, dtype=torch.long, device=device)
+    score_BTK = torch.empty(batch, rows, k, dtype=torch.float32, device=device)
+    for t0 in range(0, rows, query_block):
+        t1 = min(rows, t0 + query_block)
         against = block_scores(t0, t1)
         best = torch.empty(batch, t1 - t0, 0, dtype=torch.long, device=device)
-        for s0 in range(0, max(t1, k), key_block):
-            s1 = min(max(t1, k), s0 + key_block)
-            scores = _masked_block(against, batch, (t0, t1), (s0, s1), allowed_BSS, device)
+        scanned = max(last_key[t1 - 1], k)
+        for s0 in range(0, scanned, key_block):
+            s1 = min(scanned, s0 + key_block)
+            scores = _masked_block(against, batch, positions_T[t0:t1], (t0, t1), (s0, s1),
+                                   allowed_BSS, device)
             keys = torch.arange(s0, s1, device=device)
             merged = torch.cat([best, rank_keys(scores, keys)], dim=-1)
             best = merged.topk(min(k, merged.shape[-1]), dim=-1).values
-        index_BSK[:, t0:t1], score_BSK[:, t0:t1] = unrank_keys(best)
-    return index_BSK, score_BSK
+        index_BTK[:, t0:t1], score_BTK[:, t0:t1] = unrank_keys(best)
+    return index_BTK, score_BTK
 
 
-def _masked_block(against, batch: int, rows: tuple[int, int], cols: tuple[int, int],
-                  allowed_BSS: torch.Tensor | None, device) -> torch.Tensor:
-    """One block's scores, -inf at keys after the query or not allowed; blocks wholly past
-    the diagonal are not scored."""
+def _masked_block(against, batch: int, positions_T: torch.Tensor, rows: tuple[int, int],
+                  cols: tuple[int, int], allowed_BSS: torch.Tensor | None,
+                  device) -> torch.Tensor:
+    """One block's scores, -inf at keys after the query (by its position) or not allowed;
+    blocks wholly past every query's diagonal are not scored."""
     (t0, t1), (s0, s1) = rows, cols
-    if s0 >= t1:
+    first, last = int(positions_T[0]), int(positions_T[-1])
+    if s0 > last:
         return torch.full((batch, t1 - t0, s1 - s0), float("-inf"), device=device)
     scores = against(s0, s1)
-    if s1 - 1 > t0:  # the block reaches past some query's diagonal
-        future = (torch.arange(s0, s1, device=device)[None, :]
-                  > torch.arange(t0, t1, device=device)[:, None])
+    if s1 - 1 > first:  # the block reaches past some query's diagonal
+        future = torch.arange(s0, s1, device=device)[None, :] > positions_T[:, None]
         scores = scores.masked_fill_(future, float("-inf"))
     if allowed_BSS is not None:
         scores = scores.masked_fill_(~allowed_BSS[:, t0:t1, s0:s1], float("-inf"))
@@ -173,21 +182,30 @@ class DSAIndexer(torch.nn.Module):
     def project(self, x_BSH: torch.Tensor, qr_BSQ: torch.Tensor):
         """Indexer queries [B, S, Hi, Di], the shared key [B, S, Di] (both RoPE'd) and the fp32
         head weights [B, S, Hi], already scaled by Hi^-0.5."""
-        return (self.project_queries(qr_BSQ, 0), *self.project_keys(x_BSH))
-
-    def project_queries(self, qr_BTQ: torch.Tensor, first: int) -> torch.Tensor:
-        """Queries [B, T, Hi, Di] of positions first .. first + T - 1."""
-        batch, tokens, _ = qr_BTQ.shape
-        positions = torch.arange(first, first + tokens, device=qr_BTQ.device)
-        q_BTHD = self.wq_b(qr_BTQ).view(batch, tokens, self.n_heads, self.head_dim)
-        return interleaved_rope(q_BTHD, positions, self.rope_dim, self.rope_theta)
-
-    def project_keys(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The shared key [B, S, Di] and the fp32 head weights [B, S, Hi]."""
         positions = torch.arange(x_BSH.shape[1], device=x_BSH.device)
+        return (self.project_queries(qr_BSQ, positions), *self.project_keys(x_BSH, positions))
+
+    def project_queries(self, qr_BTQ: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
+        """Queries [B, T, Hi, Di] of the tokens at global ``positions_T``."""
+        batch, tokens, _ = qr_BTQ.shape
+        q_BTHD = self.wq_b(qr_BTQ).view(batch, tokens, self.n_heads, self.head_dim)
+        return interleaved_rope(q_BTHD, positions_T, self.rope_dim, self.rope_theta)
+
+    def project_keys(self, x_BSH: torch.Tensor,
+                     positions_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared key [B, S, Di] and the fp32 head weights [B, S, Hi] of the tokens at
+        global ``positions_S``."""
         k_BSD = self.k_norm(self.wk(x_BSH)).unsqueeze(2)
-        k_BSD = interleaved_rope(k_BSD, positions, self.rope_dim, self.rope_theta).squeeze(2)
+        k_BSD = interleaved_rope(k_BSD, positions_S, self.rope_dim, self.rope_theta).squeeze(2)
         return k_BSD, self.weights_proj(x_BSH).float() * self.n_heads ** -0.5
+
+    def sequence_keys(self, x_BTH: torch.Tensor,
+                      shard: ContextShard) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole sequence's shared keys [B, S, Di] (this rank's share projected, then
+        gathered over the context-parallel group: Di values per token; backward reduce-
+        scatters) and this rank's head weights [B, T, Hi]."""
+        k_BTD, w_BTH = self.project_keys(x_BTH, shard.positions)
+        return gather_sequence(k_BTD, shard, dim=1), w_BTH
 
     def _block_scores(self, q_rows, k_BSD, w_BSH):
         """``block_scores`` for ``causal_topk``: I of a block of queries against a block of
@@ -234,25 +252,36 @@ class DSAIndexer(torch.nn.Module):
 
     def select_blockwise(self, x_BSH: torch.Tensor, qr_BSQ: torch.Tensor,
                          allowed_BSS: torch.Tensor | None = None, query_block: int | None = None,
-                         key_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``select(scores(...))`` and the selected scores [B, S, K], without [S, S] memory
+                         key_block: int | None = None, shard: ContextShard | None = None,
+                         keys: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``select(scores(...))`` and the selected scores [B, T, K], without [S, S] memory
         (``causal_topk``). Default blocks: INDEXER_KEY_BLOCK keys, and queries so that a block's
-        [B, T, Hi, key block] logits hold about CHUNK_ELEMENTS values."""
-        batch, seq, _ = x_BSH.shape
+        [B, T, Hi, key block] logits hold about CHUNK_ELEMENTS values. ``shard``: the rows are
+        this context-parallel rank's share (``x``/``qr`` [B, T, *]); ``keys``: the
+        ``sequence_keys`` already computed for it."""
+        batch, rows, _ = x_BSH.shape
+        shard = shard or context_shard(None, rows, x_BSH.device)
+        k_BSD, w_BTH = keys if keys is not None else self.sequence_keys(x_BSH, shard)
         key_block = key_block or INDEXER_KEY_BLOCK
         query_block = query_block or query_chunk(batch * self.n_heads * key_block)
-        # Queries are projected block by block too: [B, S, Hi, Di] is S x Hi x Di values.
-        block = self._block_scores(lambda t0, t1: self.project_queries(qr_BSQ[:, t0:t1], t0),
-                                   *self.project_keys(x_BSH))
-        return causal_topk(block, batch, seq, self.topk, allowed_BSS, query_block, key_block,
-                           x_BSH.device)
+        # Queries are projected block by block too: [B, T, Hi, Di] is T x Hi x Di values.
+        block = self._block_scores(
+            lambda t0, t1: self.project_queries(qr_BSQ[:, t0:t1], shard.positions[t0:t1]),
+            k_BSD, w_BTH)
+        return causal_topk(block, batch, shard.seq, self.topk, allowed_BSS, query_block,
+                           key_block, x_BSH.device, shard.positions)
 
     def selected_scores(self, x_BSH: torch.Tensor, qr_BSQ: torch.Tensor,
-                        topk_BSK: torch.Tensor) -> torch.Tensor:
-        """Differentiable I at each query's selected keys only, [B, S, K] fp32 (unmasked):
-        ``scores(...).gather(-1, topk_BSK)`` at O(B S K) memory (``_SelectedScores``)."""
-        q_BSHD, k_BSD, w_BSH = self.project(x_BSH, qr_BSQ)
-        return _SelectedScores.apply(q_BSHD, k_BSD, w_BSH, topk_BSK, self.head_dim ** -0.5,
+                        topk_BSK: torch.Tensor, shard: ContextShard | None = None,
+                        keys: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Differentiable I at each query's selected keys only, [B, T, K] fp32 (unmasked):
+        ``scores(...).gather(-1, topk_BSK)`` at O(B T K) memory (``_SelectedScores``).
+        ``shard`` / ``keys`` as in ``select_blockwise``."""
+        shard = shard or context_shard(None, x_BSH.shape[1], x_BSH.device)
+        k_BSD, w_BTH = keys if keys is not None else self.sequence_keys(x_BSH, shard)
+        q_BTHD = self.project_queries(qr_BSQ, shard.positions)
+        return _SelectedScores.apply(q_BTHD, k_BSD, w_BTH, topk_BSK, self.head_dim ** -0.5,
                                      selected_chunk_rows(*topk_BSK.shape[::2], self.head_dim))
 
 
@@ -338,6 +367,8 @@ class DSACoreAttention(MLACoreAttention):
     up-projected q / k / v: dense flash attention (warm-up, every key selected) or the
     masked-dense reference."""
 
+    supports_context_parallel = True  # queries stay local, keys gathered (_attend)
+
     def __init__(self, config: TransformerConfig, *args, dsa_n_heads: int, dsa_head_dim: int,
                  dsa_topk: int, rope_theta: float, dsa_training: DSATrainingConfig | None = None,
                  **kwargs) -> None:
@@ -358,11 +389,19 @@ class DSACoreAttention(MLACoreAttention):
         self.kl_backward_in_forward = False
 
     def runs_absorbed(self, seq: int) -> bool:
-        """Whether a forward over ``seq`` tokens takes the absorbed sparse path: then the
-        self-attention hands over the latent key [S, B, 1, C + R] and value None."""
+        """Whether a forward over ``seq`` tokens (the whole sequence, over every context-
+        parallel rank) takes the absorbed sparse path."""
         cfg = self.training_cfg
         return (cfg.sparse_attention == "absorbed" and cfg.stage == "sparse"
                 and self.indexer.topk < seq and self.latent_up_weights is not None)
+
+    def takes_latent(self, seq: int) -> bool:
+        """Whether the self-attention hands over MLA's latent key [S, B, 1, C + R] and value
+        None instead of up-projected keys and values: on the absorbed sparse path, and always
+        under context parallelism, where the latent (C + R values per token) is what crosses
+        ranks and each rank up-projects the gathered latent for its dense paths."""
+        split = group_size(self.cp_group) > 1 and self.latent_up_weights is not None
+        return split or self.runs_absorbed(seq)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor | None,
                 attention_mask: torch.Tensor | None, attn_mask_type=None,
@@ -370,6 +409,10 @@ class DSACoreAttention(MLACoreAttention):
                 qr: torch.Tensor | None = None, **_: object) -> torch.Tensor:
         if packed_seq_params is not None:
             raise NotImplementedError("THD packed sequences need Transformer Engine attention")
+        if attention_mask is not None and group_size(self.cp_group) > 1:
+            raise NotImplementedError("an attention mask (packed documents) under context "
+                                      "parallelism is not supported yet: use "
+                                      "parallel.context_parallel_size=1 with such data")
         with_loss = (self.training and self.training_cfg.trains_indexer
                      and (torch.is_grad_enabled() or self.kl_backward_in_forward))
         if self.recompute_core and self.training and torch.is_grad_enabled():
@@ -387,33 +430,65 @@ class DSACoreAttention(MLACoreAttention):
         """Selection, attention and the KL's attachment (see ``forward``)."""
         cfg = self.training_cfg
         allowed_BSS = None if attention_mask is None else ~attention_mask[:, 0]
-        if cfg.stage == "dense_warmup":
-            out = super().forward(query, key, value, attention_mask)
+        shard = context_shard(self.cp_group, query.shape[0], query.device)
+        if cfg.stage == "dense_warmup" or self.indexer.topk >= shard.seq:
+            # Warm-up, or every causal key selected (sparse attention is then exactly dense).
+            query, key, value = self._dense_inputs(query, key, value, shard)
+            out = self._dense(query, key, value, attention_mask, shard)
+            if cfg.stage != "dense_warmup":
+                return out
             if with_loss and self.kl_backward_in_forward:
-                self._kl_backward_now(query, key, x, qr, allowed_BSS)
+                self._kl_backward_now(query, key, x, qr, allowed_BSS, shard)
             elif with_loss:
-                kl = dense_indexer_kl(self, query, key, x, qr, allowed_BSS, query_chunk)
+                kl = dense_indexer_kl(self, query, key, x, qr, allowed_BSS, query_chunk, shard)
                 out = self._attach(out, record_kl, kl)
             return out
-        if self.indexer.topk >= query.shape[0]:
-            # Every causal key is selected: sparse attention is exactly dense causal attention.
-            return super().forward(query, key, value, attention_mask)
+        # The indexer reads detached inputs: the KL trains the indexer only, selection needs
+        # no gradient. Its keys are projected and gathered once, for both.
+        x_in, qr_in = self._indexer_inputs(x.detach(), qr.detach())
+        with torch.set_grad_enabled(torch.is_grad_enabled() and with_loss):
+            keys = self.indexer.sequence_keys(x_in, shard)
         with torch.no_grad():  # blockwise: no [B, S, S] scores (see causal_topk)
-            topk_BSK, picked_BSK = self.indexer.select_blockwise(*self._indexer_inputs(x, qr),
-                                                                 allowed_BSS)
+            topk_BSK, picked_BSK = self.indexer.select_blockwise(
+                x_in, qr_in, allowed_BSS, shard=shard, keys=tuple(k.detach() for k in keys))
             valid_BSK = picked_BSK > float("-inf")
-        if value is None:  # the latent key (runs_absorbed): MLA absorbed, O(S K)
+        if value is None and cfg.sparse_attention == "absorbed":  # MLA absorbed, O(S K)
             w_uk, w_uv = self.latent_up_weights()
-            out, probs_BSK = absorbed_sparse_attention(query, key, w_uk, w_uv, topk_BSK,
-                                                       valid_BSK, self.softmax_scale,
-                                                       need_probs=with_loss)
+            out, probs_BSK = absorbed_sparse_attention(query, gather_sequence(key, shard),
+                                                       w_uk, w_uv, topk_BSK, valid_BSK,
+                                                       self.softmax_scale, need_probs=with_loss)
         else:  # dsa.sparse_attention=masked_dense, or a path megatron-core up-projected
+            query, key, value = self._dense_inputs(query, key, value, shard)
             out, probs_BSK = sparse_attention(query, key, value, topk_BSK, valid_BSK,
                                               self.softmax_scale, need_probs=with_loss)
         if with_loss:
-            out = self._attach(out, record_kl, sparse_indexer_kl(self, x, qr, topk_BSK,
-                                                                 valid_BSK, probs_BSK))
+            kl = selected_indexer_kl(self, x_in, qr_in, topk_BSK, valid_BSK, probs_BSK,
+                                     shard, keys)
+            out = self._attach(out, record_kl, kl)
         return out
+
+    def _dense_inputs(self, query, key, value, shard: ContextShard):
+        """Up-projected keys and values for dense attention. Given MLA's latent key (value
+        None: context parallelism), the whole sequence's latent is gathered and up-projected
+        here, k = W_UK c ‖ k_pe and v = W_UV c per head; otherwise they arrive up-projected."""
+        if value is not None:
+            return query, key, value
+        latent = gather_sequence(key, shard)  # [S, B, 1, C + R]
+        w_uk, w_uv = self.latent_up_weights()
+        c, k_pe = latent.squeeze(2).split([w_uk.shape[-1], latent.shape[-1] - w_uk.shape[-1]],
+                                          dim=-1)
+        k_nope = torch.einsum("sbc,ndc->sbnd", c, w_uk)
+        key = torch.cat([k_nope, k_pe[:, :, None].expand(-1, -1, w_uk.shape[0], -1)], dim=-1)
+        return query, key, torch.einsum("sbc,nvc->sbnv", c, w_uv)
+
+    def _dense(self, query, key, value, attention_mask, shard: ContextShard) -> torch.Tensor:
+        """Dense causal attention of this rank's queries over the whole sequence's keys."""
+        if not shard.is_split:
+            return super().forward(query, key, value, attention_mask)
+        q_BNTD, k_BNSD, v_BNSD = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        out_BNTD = attention_at_positions(q_BNTD, k_BNSD, v_BNSD, shard.positions,
+                                          self.softmax_scale)
+        return out_BNTD.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
     def _attach(self, out: torch.Tensor, record_kl: bool,
                 kl: tuple[torch.Tensor, int]) -> torch.Tensor:
@@ -424,13 +499,15 @@ class DSACoreAttention(MLACoreAttention):
             self.kl_meter.add(kl_sum.detach(), queries)
         return MoEAuxLossAutoScaler.apply(out, kl_sum * self.training_cfg.indexer_loss_coeff)
 
-    def _kl_backward_now(self, query, key, x, qr, allowed_BSS) -> None:
+    def _kl_backward_now(self, query, key, x, qr, allowed_BSS,
+                         shard: ContextShard | None = None) -> None:
         """Dense warm-up under the grad-free forward: the KL's gradient reaches only the
         indexer's parameters (its inputs are detached), so its backward runs here, scaled
         exactly as MoEAuxLossAutoScaler's backward would scale it; the indexer's grads then
         reach megatron's DDP through their usual accumulation hooks."""
         with torch.enable_grad():
-            kl_sum, queries = dense_indexer_kl(self, query, key, x, qr, allowed_BSS, query_chunk)
+            kl_sum, queries = dense_indexer_kl(self, query, key, x, qr, allowed_BSS, query_chunk,
+                                               shard)
             self.kl_meter.add(kl_sum.detach(), queries)
             aux_loss = kl_sum * self.training_cfg.indexer_loss_coeff
             torch.autograd.backward(aux_loss, aux_loss_gradient(self.config, aux_loss))
@@ -475,13 +552,14 @@ def sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     heads. ``bench/dsa_attention.py`` measures it against dense attention.
     """
     seq, batch, heads, _ = query.shape
-    rows = query_chunk(batch * heads * seq)
+    keys = key.shape[0]  # the whole sequence (more than ``seq`` under context parallelism)
+    rows = query_chunk(batch * heads * keys)
     q_BNSD, k_BNSD, v_BNSD = (t.permute(1, 2, 0, 3) for t in (query, key, value))
     outs, probs = [], []
     for start in range(0, seq, rows):
         q_BNTD = q_BNSD[:, :, start:start + rows]
         idx_BTK, valid_BTK = topk_BSK[:, start:start + rows], valid_BSK[:, start:start + rows]
-        selected_BTS = _selection_mask(idx_BTK, valid_BTK, seq)
+        selected_BTS = _selection_mask(idx_BTK, valid_BTK, keys)
         # SDPA's fused CPU/GPU kernels take the mask and keep memory to one chunk.
         outs.append(F.scaled_dot_product_attention(q_BNTD, k_BNSD, v_BNSD,
                                                    attn_mask=selected_BTS[:, None],

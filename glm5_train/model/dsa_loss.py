@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from glm5_train.model.picked_rows import compute_dtype, fp32_at_least
+from parallel.context_parallel import ContextShard, context_shard
 
 STAGES = ("sparse", "dense_warmup")
 # Sparse-stage attention: MLA absorbed over the selected latent keys (glm5_train.model.
@@ -101,19 +102,25 @@ def _detached_inputs(module, x: torch.Tensor, qr: torch.Tensor):
 
 def dense_indexer_kl(module, query: torch.Tensor, key: torch.Tensor, x: torch.Tensor,
                      qr: torch.Tensor, allowed_BSS: torch.Tensor | None,
-                     query_chunk: Callable[[int], int]) -> tuple:
-    """Warm-up KL over all causal keys. ``query``/``key`` [S, B, N, D] (this rank's heads);
-    ``query_chunk``: rows per chunk for a per-row element count (``dsa.query_chunk``, passed
-    in because dsa.py, which owns the budget, imports this module)."""
-    seq, batch, heads = query.shape[:3]
+                     query_chunk: Callable[[int], int],
+                     shard: ContextShard | None = None) -> tuple:
+    """Warm-up KL over all causal keys. ``query`` [T, B, N, D] / ``key`` [S, B, N, D] (this
+    rank's heads; T = S but for a context-parallel ``shard``: its rows, keys the whole
+    sequence); ``query_chunk``: rows per chunk for a per-row element count (``dsa.query_chunk``,
+    passed in because dsa.py, which owns the budget, imports this module)."""
+    rows, batch, heads = query.shape[:3]
     indexer = module.indexer
-    q_BSHD, k_BSD, w_BSH = indexer.project(*_detached_inputs(module, x, qr))
+    x_in, qr_in = _detached_inputs(module, x, qr)
+    shard = shard or context_shard(None, rows, query.device)
+    k_BSD, w_BTH = indexer.sequence_keys(x_in, shard)
+    q_BTHD = indexer.project_queries(qr_in, shard.positions)
     plan = _DenseKLPlan(softmax_scale=module.softmax_scale, index_scale=indexer.head_dim ** -0.5,
                         tp_group=module.tp_group,
-                        rows=query_chunk(batch * seq * (heads + indexer.n_heads)))
-    kl_sum = _DenseKL.apply(q_BSHD, k_BSD, w_BSH, query.detach(), key.detach(), allowed_BSS,
+                        rows=query_chunk(batch * key.shape[0] * (heads + indexer.n_heads)),
+                        positions=shard.positions)
+    kl_sum = _DenseKL.apply(q_BTHD, k_BSD, w_BTH, query.detach(), key.detach(), allowed_BSS,
                             plan)
-    return kl_sum, batch * seq
+    return kl_sum, batch * rows
 
 
 @dataclass(frozen=True)
@@ -122,9 +129,14 @@ class _DenseKLPlan:
     index_scale: float  # Di^-0.5, inside the indexer's ReLU
     tp_group: object  # the main attention's heads are split over it
     rows: int  # query rows per chunk
+    positions: torch.Tensor  # the query rows' global positions (increasing)
 
-    def chunks(self, seq: int):
-        return ((t0, min(seq, t0 + self.rows)) for t0 in range(0, seq, self.rows))
+    def chunks(self, rows: int):
+        """(t0, t1, s1): query rows t0..t1-1 and the keys 0..s1-1 they may see."""
+        last_key = (self.positions + 1).tolist()
+        for t0 in range(0, rows, self.rows):
+            t1 = min(rows, t0 + self.rows)
+            yield t0, t1, last_key[t1 - 1]
 
 
 class _DenseKL(torch.autograd.Function):
@@ -145,10 +157,10 @@ class _DenseKL(torch.autograd.Function):
         ctx.save_for_backward(q_BSHD, k_BSD, w_BSH, query, key, allowed_BSS)
         ctx.plan = plan
         total = torch.zeros((), dtype=compute_dtype(q_BSHD), device=q_BSHD.device)
-        for t0, t1 in plan.chunks(q_BSHD.shape[1]):
-            forbidden_BTS = _forbidden(allowed_BSS, t0, t1, q_BSHD.device)
-            heads_sum_BTS = _target_rows(query, key, forbidden_BTS, t0, t1, plan)
-            relu_BTHS = _index_logits(q_BSHD, k_BSD, t0, t1, plan.index_scale).relu_()
+        for t0, t1, s1 in plan.chunks(q_BSHD.shape[1]):
+            forbidden_BTS = _forbidden(allowed_BSS, plan.positions, t0, t1, s1)
+            heads_sum_BTS = _target_rows(query, key, forbidden_BTS, t0, t1, s1, plan)
+            relu_BTHS = _index_logits(q_BSHD, k_BSD, t0, t1, s1, plan.index_scale).relu_()
             index_BTS = _index_scores(w_BSH[:, t0:t1], relu_BTHS, forbidden_BTS)
             total += _kl(heads_sum_BTS, index_BTS)
         return total
@@ -158,10 +170,10 @@ class _DenseKL(torch.autograd.Function):
         q_BSHD, k_BSD, w_BSH, query, key, allowed_BSS = ctx.saved_tensors
         plan = ctx.plan
         dq, dk, dw = (torch.zeros_like(t, dtype=compute_dtype(t)) for t in (q_BSHD, k_BSD, w_BSH))
-        for t0, t1 in plan.chunks(q_BSHD.shape[1]):
-            forbidden_BTS = _forbidden(allowed_BSS, t0, t1, q_BSHD.device)
-            heads_sum_BTS = _target_rows(query, key, forbidden_BTS, t0, t1, plan)
-            logits_BTHS = _index_logits(q_BSHD, k_BSD, t0, t1, plan.index_scale)
+        for t0, t1, s1 in plan.chunks(q_BSHD.shape[1]):
+            forbidden_BTS = _forbidden(allowed_BSS, plan.positions, t0, t1, s1)
+            heads_sum_BTS = _target_rows(query, key, forbidden_BTS, t0, t1, s1, plan)
+            logits_BTHS = _index_logits(q_BSHD, k_BSD, t0, t1, s1, plan.index_scale)
             positive_BTHS = logits_BTHS > 0
             relu_BTHS = logits_BTHS.relu_()
             w_BTH = w_BSH[:, t0:t1].to(relu_BTHS.dtype)
@@ -172,28 +184,30 @@ class _DenseKL(torch.autograd.Function):
             dlogits_BTHS = (dindex_BTS[:, :, None, :] * w_BTH[..., None]).mul_(positive_BTHS)
             dlogits_BTHS.mul_(plan.index_scale)
             dq[:, t0:t1] = torch.einsum("bths,bsd->bthd", dlogits_BTHS,
-                                        fp32_at_least(k_BSD[:, :t1]))
-            dk[:, :t1] += torch.einsum("bths,bthd->bsd", dlogits_BTHS,
+                                        fp32_at_least(k_BSD[:, :s1]))
+            dk[:, :s1] += torch.einsum("bths,bthd->bsd", dlogits_BTHS,
                                        fp32_at_least(q_BSHD[:, t0:t1]))
         return (dq.to(q_BSHD.dtype), dk.to(k_BSD.dtype), dw.to(w_BSH.dtype),
                 None, None, None, None)
 
 
-def _forbidden(allowed_BSS: torch.Tensor | None, t0: int, t1: int, device) -> torch.Tensor:
-    """True at keys 0..t1-1 that queries t0..t1-1 may not see: [1 or B, T, t1]."""
-    future_TS = (torch.arange(t1, device=device)[None, :]
-                 > torch.arange(t0, t1, device=device)[:, None])
+def _forbidden(allowed_BSS: torch.Tensor | None, positions: torch.Tensor, t0: int, t1: int,
+               s1: int) -> torch.Tensor:
+    """True at keys 0..s1-1 that query rows t0..t1-1 may not see: [1 or B, T, s1]."""
+    future_TS = (torch.arange(s1, device=positions.device)[None, :]
+                 > positions[t0:t1, None])
     if allowed_BSS is None:
         return future_TS[None]
-    return future_TS[None] | ~allowed_BSS[:, t0:t1, :t1]
+    return future_TS[None] | ~allowed_BSS[:, t0:t1, :s1]
 
 
 def _target_rows(query: torch.Tensor, key: torch.Tensor, forbidden_BTS: torch.Tensor,
-                 t0: int, t1: int, plan: _DenseKLPlan) -> torch.Tensor:
-    """The main attention's probabilities of queries t0..t1-1 summed over every TP rank's
-    heads, [B, T, t1], not normalised; zero on rows without any allowed key."""
+                 t0: int, t1: int, s1: int, plan: _DenseKLPlan) -> torch.Tensor:
+    """The main attention's probabilities of query rows t0..t1-1 over keys 0..s1-1 summed
+    over every TP rank's heads, [B, T, s1], not normalised; zero on rows without any allowed
+    key."""
     logits_BNTS = torch.einsum("tbnd,sbnd->bnts", fp32_at_least(query[t0:t1]),
-                               fp32_at_least(key[:t1]))
+                               fp32_at_least(key[:s1]))
     logits_BNTS = logits_BNTS.mul_(plan.softmax_scale).masked_fill_(forbidden_BTS[:, None],
                                                                     float("-inf"))
     heads_sum_BTS = logits_BNTS.softmax(-1).sum(1)
@@ -202,11 +216,11 @@ def _target_rows(query: torch.Tensor, key: torch.Tensor, forbidden_BTS: torch.Te
     return _sum_over_tp_heads(heads_sum_BTS, plan.tp_group)
 
 
-def _index_logits(q_BSHD: torch.Tensor, k_BSD: torch.Tensor, t0: int, t1: int,
+def _index_logits(q_BSHD: torch.Tensor, k_BSD: torch.Tensor, t0: int, t1: int, s1: int,
                   scale: float) -> torch.Tensor:
-    """scale x q[t, h] . k[s] for queries t0..t1-1 and keys 0..t1-1, [B, T, Hi, t1]."""
+    """scale x q[t, h] . k[s] for query rows t0..t1-1 and keys 0..s1-1, [B, T, Hi, s1]."""
     logits_BTHS = torch.einsum("bthd,bsd->bths", fp32_at_least(q_BSHD[:, t0:t1]),
-                               fp32_at_least(k_BSD[:, :t1]))
+                               fp32_at_least(k_BSD[:, :s1]))
     return logits_BTHS.mul_(scale)
 
 
@@ -228,11 +242,24 @@ def _kl_grad(heads_sum_BTS: torch.Tensor, index_BTS: torch.Tensor) -> torch.Tens
 
 def sparse_indexer_kl(module, x: torch.Tensor, qr: torch.Tensor, topk_BSK: torch.Tensor,
                       valid_BSK: torch.Tensor, probs_BSK: torch.Tensor) -> tuple:
+    """Sparse-stage KL over each query's selected keys from the layer's [S, B, *] inputs
+    (whole sequences): ``selected_indexer_kl`` after projecting the indexer's keys."""
+    x_in, qr_in = _detached_inputs(module, x, qr)
+    shard = context_shard(None, x_in.shape[1], x_in.device)
+    return selected_indexer_kl(module, x_in, qr_in, topk_BSK, valid_BSK, probs_BSK, shard,
+                               module.indexer.sequence_keys(x_in, shard))
+
+
+def selected_indexer_kl(module, x_in: torch.Tensor, qr_in: torch.Tensor,
+                        topk_BSK: torch.Tensor, valid_BSK: torch.Tensor, probs_BSK: torch.Tensor,
+                        shard: ContextShard, keys: tuple[torch.Tensor, torch.Tensor]) -> tuple:
     """Sparse-stage KL over each query's selected keys; ``probs_BSK`` is this rank's
-    head-summed attention over them. The indexer is scored at the selected keys only (O(B S K)
-    memory); no mask is needed there: a valid pick is an allowed key, the rest are dropped."""
+    head-summed attention over them, ``x_in``/``qr_in`` the indexer's detached [B, T, *]
+    inputs of the ``shard``'s rows and ``keys`` their ``DSAIndexer.sequence_keys``. The
+    indexer is scored at the selected keys only (O(B T K) memory); no mask is needed there: a
+    valid pick is an allowed key, the rest are dropped."""
     target_BSK = _sum_over_tp_heads(probs_BSK.clone(), module.tp_group)
     target_BSK = target_BSK.masked_fill(~valid_BSK, 0.0)
-    index_BSK = module.indexer.selected_scores(*_detached_inputs(module, x, qr), topk_BSK)
+    index_BSK = module.indexer.selected_scores(x_in, qr_in, topk_BSK, shard, keys)
     index_BSK = index_BSK.masked_fill(~valid_BSK, float("-inf"))
     return _kl(target_BSK, index_BSK), topk_BSK.shape[0] * topk_BSK.shape[1]

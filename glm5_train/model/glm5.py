@@ -40,6 +40,7 @@ from glm5_train.model.layers import LatentRMSNorm, RMSNorm
 from glm5_train.model.mtp import chunk_hosts_mtp, mtp_block_spec, shifted_targets
 from glm5_train.model.sparse_mla import GLM5MLASelfAttention
 from parallel.chunked_cross_entropy import chunked_vocab_parallel_cross_entropy
+from parallel.context_parallel import context_shard, gather_sequence_no_grad
 from parallel.mla_down_projection import MLADownProjection
 from parallel.recompute import (
     Recompute,
@@ -312,8 +313,15 @@ class GLM5Model(GPTModel):
         assert self.config.calculate_per_token_loss, "MTP losses are summed per token"
         weight = self.config.mtp_loss_scaling_factor / self.mtp_num_steps
         report = []
+        # Step k's target at a position is the label k positions later: under context
+        # parallelism on another rank, so the targets come from the whole sequence's token ids
+        # (gathered, a few bytes per token) and this rank keeps its share.
+        shard = context_shard(self.pg_collection.cp, labels.shape[1], labels.device)
+        whole = [None if t is None else gather_sequence_no_grad(t, shard, dim=1)
+                 for t in (labels, loss_mask, input_ids)]
         for k, hidden in enumerate(steps, start=1):
-            targets, mask = shifted_targets(labels, loss_mask, input_ids, k, self.eod_token_id)
+            targets, mask = (t.index_select(1, shard.positions) if shard.is_split else t
+                             for t in shifted_targets(*whole, k, self.eod_token_id))
             token_loss = self._token_losses(hidden, targets, output_weight,
                                             runtime_gather_output) * mask
             report.append(torch.stack([token_loss.sum().detach().float(), mask.sum()]))

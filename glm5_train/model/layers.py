@@ -84,6 +84,17 @@ def equal_width_attention(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: to
     return out_BNSD[..., :dv]
 
 
+def attention_at_positions(q_BNTD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor,
+                           positions_T: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of queries at global ``positions_T`` (this context-parallel rank's
+    rows) over the whole sequence's keys 0..S-1: a query sees the keys at or before its
+    position. The boolean mask is [T, S] (dense attention under context parallelism only:
+    the sparse stage never builds it)."""
+    keys = torch.arange(k_BNSD.shape[2], device=positions_T.device)
+    allowed_TS = keys[None, :] <= positions_T[:, None]
+    return equal_width_attention(q_BNTD, k_BNSD, v_BNSD, allowed_TS, scale)
+
+
 class MLACoreAttention(MegatronModule):
     """Causal softmax attention for MLA, where keys/queries and values have different widths.
 
@@ -94,16 +105,20 @@ class MLACoreAttention(MegatronModule):
     fused kernels through ``equal_width_attention`` (memory linear in S without a mask).
     """
 
+    # Subclasses that shard sequences over the context-parallel group set True.
+    supports_context_parallel = False
+
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
                  attention_type: str, softmax_scale: float | None = None,
                  k_channels: int | None = None, v_channels: int | None = None,
                  cp_comm_type: str | None = None, pg_collection=None, **_: object) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
+        if config.context_parallel_size != 1 and not self.supports_context_parallel:
             raise ValueError(
                 f"context_parallel_size={config.context_parallel_size}: the local MLA attention "
-                "runs on one context-parallel rank; install Transformer Engine for CP attention "
-                "or set parallel.context_parallel_size=1")
+                "without DSA runs on one context-parallel rank (GLM-5's DSACoreAttention has "
+                "context parallelism); use the DSA core attention or set "
+                "parallel.context_parallel_size=1")
         self.softmax_scale = softmax_scale
         self.v_channels = v_channels
         self.layer_number = layer_number
@@ -111,6 +126,8 @@ class MLACoreAttention(MegatronModule):
         # attention over the heads of every TP rank (glm5_train/model/dsa_loss.py).
         self.tp_group = get_tensor_model_parallel_group_if_none(
             pg_collection.tp if pg_collection is not None else None)
+        # The context-parallel group (None or size 1: every rank holds whole sequences).
+        self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type=None,

@@ -41,7 +41,9 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
+from glm5_train.model import triton_sparse_mla
 from glm5_train.model.picked_rows import RowTable, Scratch, compute_dtype, fp32_at_least
+from parallel.context_parallel import zigzag_positions
 
 # Working-set budget (fp32 elements) of one query chunk's gathered latent keys [B, T, K, D]:
 # 16 MiB (T = 3 rows at GLM-5's K = 2048, D = 576). The gathered keys are read by three
@@ -178,7 +180,12 @@ def _max_over_picks(x: torch.Tensor) -> torch.Tensor:
 def sparse_latent_attention(q_lat: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
                             valid: torch.Tensor, scale: float, value_width: int,
                             need_probs: bool = False, rows: int | None = None):
-    """``SparseLatentAttention`` with the default chunk rows; probs None unless asked for."""
+    """``SparseLatentAttention`` with the default chunk rows; probs None unless asked for.
+    CUDA tensors with triton installed run the fused kernels of ``triton_sparse_mla`` instead
+    (same contract and results; ``rows`` does not apply there)."""
+    if triton_sparse_mla.supports(q_lat):
+        return triton_sparse_mla.sparse_latent_attention(q_lat, kv, idx, valid, scale,
+                                                         value_width, need_probs)
     rows = rows or latent_chunk_rows(q_lat.shape[0], idx.shape[-1], kv.shape[-1])
     out, probs = SparseLatentAttention.apply(q_lat, kv, idx, valid, scale, value_width, rows,
                                              need_probs)
@@ -250,18 +257,34 @@ class GLM5MLASelfAttention(MLASelfAttention):
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
                                     position_ids=None, packed_seq_params=None,
                                     inference_context=None, *, inference_params=None):
-        runs_absorbed = getattr(self.core_attention, "runs_absorbed", None)
+        takes_latent = getattr(self.core_attention, "takes_latent", None)
         plain = (key_value_states is not None or packed_seq_params is not None
                  or inference_context is not None or inference_params is not None)
-        if plain or runs_absorbed is None or not runs_absorbed(self._full_sequence(hidden_states)):
+        if plain or takes_latent is None or not takes_latent(self._full_sequence(hidden_states)):
             return super().get_query_key_value_tensors(
                 hidden_states, key_value_states, position_ids, packed_seq_params,
                 inference_context, inference_params=inference_params)
         return self._absorbed_query_and_latent_key(hidden_states)
 
     def _full_sequence(self, hidden_states: torch.Tensor) -> int:
+        """Tokens of the whole sequence: this rank's, times TP under sequence parallelism,
+        times the context-parallel size."""
         split = self.config.sequence_parallel and _world(self.tp_group) > 1
-        return hidden_states.shape[0] * (_world(self.tp_group) if split else 1)
+        local = hidden_states.shape[0] * (_world(self.tp_group) if split else 1)
+        return local * _world(self.pg_collection.cp)
+
+    def _rotary_of_this_rank(self, hidden_states: torch.Tensor):
+        """RoPE frequencies of this rank's tokens (and YaRN's mscale): the whole sequence's,
+        taken at this context-parallel rank's zigzag positions (``parallel.context_parallel``;
+        megatron-core's own per-rank slice is the same but CUDA-only)."""
+        full = self._full_sequence(hidden_states)
+        rotary = self.rotary_pos_emb(full, packed_seq=True)  # packed_seq: no CP slicing there
+        rotary, mscale = rotary if self.config.rope_type == "yarn" else (rotary, 1.0)
+        cp = self.pg_collection.cp
+        if _world(cp) > 1:
+            positions = zigzag_positions(full, _world(cp), dist.get_rank(cp), rotary.device)
+            rotary = rotary.index_select(0, positions)
+        return rotary, mscale
 
     def _absorbed_query_and_latent_key(self, hidden_states: torch.Tensor):
         """(query [S, B, N, Dn + R], latent key [S, B, 1, C + R], None, q latent, kv latent),
@@ -270,8 +293,7 @@ class GLM5MLASelfAttention(MLASelfAttention):
         if cfg.apply_rope_fusion or cfg.q_lora_rank is None:
             raise ValueError("the absorbed sparse MLA path needs q_lora_rank and unfused RoPE "
                              "(apply_rope_fusion=False); or set dsa.sparse_attention=masked_dense")
-        rotary = self.rotary_pos_emb(self._full_sequence(hidden_states), packed_seq=False)
-        rotary, mscale = rotary if cfg.rope_type == "yarn" else (rotary, 1.0)
+        rotary, mscale = self._rotary_of_this_rank(hidden_states)
         q_compressed, _ = self.linear_q_down_proj(hidden_states)
         kv_combined, _ = self.linear_kv_down_proj(hidden_states)
         if (q_compressed.shape[-1] != cfg.q_lora_rank
