@@ -43,7 +43,7 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
     ``activations``: the model's forward runs inside its saved-tensor meter (and offloader).
     ``cp_group``: every rank of a context-parallel group reads the same whole sequences and
     keeps its zigzag share of them (``parallel.context_parallel``)."""
-    batch = context_parallel_share(to_device(next(data_iterator)), cp_group)
+    batch = context_parallel_share(packed_documents(to_device(next(data_iterator))), cp_group)
     with activations.forward(model) if activations else nullcontext(lambda out: out) as watch:
         output = watch(model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                              labels=batch["labels"], loss_mask=batch["loss_mask"]))
@@ -51,15 +51,52 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
     return output, partial(loss_func, batch["loss_mask"], getattr(inner, "take_mtp_report", None))
 
 
+def packed_documents(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Packed documents as per-token document starts [B, S] in the attention-mask slot
+    (``glm5_train/model/key_masks.py``: linear in S, shardable over context-parallel ranks),
+    from the chat SFT data's ``cu_seqlens`` (megatron's THD convention over the flattened
+    [B * S] tokens) or from megatron's document-causal [B, 1, S, S] mask
+    (``data.reset_attention_mask``)."""
+    bounds = batch.pop("cu_seqlens", None)
+    batch.pop("max_seqlen", None)
+    mask = batch.get("attention_mask")
+    if bounds is not None:
+        batch["attention_mask"] = starts_from_cu_seqlens(bounds, *batch["tokens"].shape)
+    elif mask is not None and mask.dtype == torch.bool:
+        batch["attention_mask"] = starts_from_document_mask(mask)
+    return batch
+
+
+def starts_from_cu_seqlens(bounds: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    """[B, S] document starts from boundaries over the flattened tokens (sample ends among
+    them, so no document spans two samples)."""
+    bounds = bounds.to(torch.long)
+    flat = torch.arange(batch * seq, device=bounds.device)
+    start = bounds[torch.searchsorted(bounds, flat, right=True) - 1]
+    return (start - flat // seq * seq).view(batch, seq)
+
+
+def starts_from_document_mask(mask_B1SS: torch.Tensor) -> torch.Tensor:
+    """[B, S] document starts of megatron's attention mask (True = masked out), which must be
+    document-causal: row t sees exactly the keys from its document start to t."""
+    allowed = ~mask_B1SS[:, 0]
+    starts = allowed.int().argmax(-1)  # first allowed key per row
+    seq = allowed.shape[-1]
+    keys = torch.arange(seq, device=allowed.device)
+    rebuilt = (keys[None, None, :] >= starts[..., None]) & (keys[None, :] <= keys[:, None])
+    if not torch.equal(rebuilt, allowed):
+        raise ValueError("the batch's attention mask is not document-causal (each token sees "
+                         "its own document's earlier tokens): only packed-document masks "
+                         "(data.reset_attention_mask) are supported")
+    return starts.long()
+
+
 def context_parallel_share(batch: dict[str, torch.Tensor], cp_group) -> dict[str, torch.Tensor]:
     """This context-parallel rank's zigzag share of every [B, S] tensor of a micro-batch."""
     size = group_size(cp_group)
     if size == 1:
         return batch
-    if batch.get("attention_mask") is not None:
-        raise NotImplementedError("attention masks (packed documents) under context "
-                                  "parallelism are not supported yet")
-    rank = dist.get_rank(cp_group)
+    rank = dist.get_rank(cp_group)  # document starts [B, S] shard like the tokens
     return {key: shard_sequence(value, 1, size, rank) if isinstance(value, torch.Tensor)
             else value for key, value in batch.items()}
 

@@ -44,6 +44,7 @@ from glm5_train.model.dsa_loss import (
     dense_indexer_kl,
     selected_indexer_kl,
 )
+from glm5_train.model.key_masks import DocumentStarts, KeyMask, allowed_block, key_mask
 from glm5_train.model.layers import MLACoreAttention, attention_at_positions
 from glm5_train.model.picked_rows import RowTable, Scratch, compute_dtype, fp32_at_least
 from glm5_train.model.sparse_mla import absorbed_sparse_attention
@@ -95,7 +96,8 @@ def causal_topk(block_scores, batch: int, seq: int, topk: int,
                 allowed_BSS: torch.Tensor | None = None, query_block: int = 512,
                 key_block: int = INDEXER_KEY_BLOCK, device: torch.device | None = None,
                 positions_T: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``topk`` keys per query under causality (and ``allowed_BSS``), block by block.
+    """Top-``topk`` keys per query under causality (and ``allowed_BSS``: a [B, T, S] bool
+    mask or ``key_masks.DocumentStarts``), block by block.
 
     ``block_scores(t0, t1)`` prepares query rows t0..t1-1 and returns a function of (s0, s1)
     giving their unmasked fp32 scores [B, t1 - t0, s1 - s0] against keys s0..s1-1. Each query
@@ -138,14 +140,17 @@ def _masked_block(against, batch: int, positions_T: torch.Tensor, rows: tuple[in
     blocks wholly past every query's diagonal are not scored."""
     (t0, t1), (s0, s1) = rows, cols
     first, last = int(positions_T[0]), int(positions_T[-1])
-    if s0 > last:
+    unseen = (isinstance(allowed_BSS, DocumentStarts)
+              and allowed_BSS.before_every_row(t0, t1, s1))  # earlier documents only
+    if s0 > last or unseen:
         return torch.full((batch, t1 - t0, s1 - s0), float("-inf"), device=device)
     scores = against(s0, s1)
     if s1 - 1 > first:  # the block reaches past some query's diagonal
         future = torch.arange(s0, s1, device=device)[None, :] > positions_T[:, None]
         scores = scores.masked_fill_(future, float("-inf"))
-    if allowed_BSS is not None:
-        scores = scores.masked_fill_(~allowed_BSS[:, t0:t1, s0:s1], float("-inf"))
+    allowed = allowed_block(allowed_BSS, t0, t1, s0, s1)
+    if allowed is not None:
+        scores = scores.masked_fill_(~allowed, float("-inf"))
     return scores
 
 
@@ -409,10 +414,11 @@ class DSACoreAttention(MLACoreAttention):
                 qr: torch.Tensor | None = None, **_: object) -> torch.Tensor:
         if packed_seq_params is not None:
             raise NotImplementedError("THD packed sequences need Transformer Engine attention")
-        if attention_mask is not None and group_size(self.cp_group) > 1:
-            raise NotImplementedError("an attention mask (packed documents) under context "
-                                      "parallelism is not supported yet: use "
-                                      "parallel.context_parallel_size=1 with such data")
+        if (attention_mask is not None and attention_mask.dtype == torch.bool
+                and group_size(self.cp_group) > 1):
+            raise NotImplementedError("a [B, 1, S, S] attention mask under context parallelism: "
+                                      "packed documents go as document starts "
+                                      "(glm5_train/model/key_masks.py)")
         with_loss = (self.training and self.training_cfg.trains_indexer
                      and (torch.is_grad_enabled() or self.kl_backward_in_forward))
         if self.recompute_core and self.training and torch.is_grad_enabled():
@@ -429,12 +435,19 @@ class DSACoreAttention(MLACoreAttention):
                 record_kl: bool = True) -> torch.Tensor:
         """Selection, attention and the KL's attachment (see ``forward``)."""
         cfg = self.training_cfg
-        allowed_BSS = None if attention_mask is None else ~attention_mask[:, 0]
+        allowed_BSS = key_mask(attention_mask)  # bool [B, T, S], DocumentStarts or None
         shard = context_shard(self.cp_group, query.shape[0], query.device)
+        # --- head-parallel CP hook (parallel.cp_comm=head_parallel): set at start-up by
+        # glm5_train/model/head_parallel_cp.install; queries go to head shards by all-to-all.
+        head_parallel = getattr(self, "head_parallel", None)
+        if head_parallel is not None and shard.is_split:
+            return head_parallel.attend(self, query, key, value, attention_mask, x, qr,
+                                        with_loss, record_kl, shard)
+        # --- end of the head-parallel CP hook
         if cfg.stage == "dense_warmup" or self.indexer.topk >= shard.seq:
             # Warm-up, or every causal key selected (sparse attention is then exactly dense).
             query, key, value = self._dense_inputs(query, key, value, shard)
-            out = self._dense(query, key, value, attention_mask, shard)
+            out = self._dense(query, key, value, allowed_BSS, shard)
             if cfg.stage != "dense_warmup":
                 return out
             if with_loss and self.kl_backward_in_forward:
@@ -481,13 +494,16 @@ class DSACoreAttention(MLACoreAttention):
         key = torch.cat([k_nope, k_pe[:, :, None].expand(-1, -1, w_uk.shape[0], -1)], dim=-1)
         return query, key, torch.einsum("sbc,nvc->sbnv", c, w_uv)
 
-    def _dense(self, query, key, value, attention_mask, shard: ContextShard) -> torch.Tensor:
-        """Dense causal attention of this rank's queries over the whole sequence's keys."""
-        if not shard.is_split:
-            return super().forward(query, key, value, attention_mask)
+    def _dense(self, query, key, value, allowed: KeyMask, shard: ContextShard) -> torch.Tensor:
+        """Dense causal attention of this rank's queries over the whole sequence's keys
+        (packed documents: a [B, 1, T, S] mask, dense paths only)."""
+        if not shard.is_split and allowed is None:
+            return super().forward(query, key, value, None)
         q_BNTD, k_BNSD, v_BNSD = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        extra = allowed_block(allowed, 0, query.shape[0], 0, key.shape[0])
         out_BNTD = attention_at_positions(q_BNTD, k_BNSD, v_BNSD, shard.positions,
-                                          self.softmax_scale)
+                                          self.softmax_scale,
+                                          None if extra is None else extra[:, None])
         return out_BNTD.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
     def _attach(self, out: torch.Tensor, record_kl: bool,

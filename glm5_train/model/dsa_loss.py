@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from glm5_train.model.key_masks import DocumentStarts, KeyMask, allowed_block
 from glm5_train.model.picked_rows import compute_dtype, fp32_at_least
 from parallel.context_parallel import ContextShard, context_shard
 
@@ -154,8 +155,10 @@ class _DenseKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_BSHD, k_BSD, w_BSH, query, key, allowed_BSS, plan: _DenseKLPlan):
-        ctx.save_for_backward(q_BSHD, k_BSD, w_BSH, query, key, allowed_BSS)
-        ctx.plan = plan
+        documents = isinstance(allowed_BSS, DocumentStarts)
+        ctx.save_for_backward(q_BSHD, k_BSD, w_BSH, query, key,
+                              allowed_BSS.start_BT if documents else allowed_BSS)
+        ctx.plan, ctx.documents = plan, documents
         total = torch.zeros((), dtype=compute_dtype(q_BSHD), device=q_BSHD.device)
         for t0, t1, s1 in plan.chunks(q_BSHD.shape[1]):
             forbidden_BTS = _forbidden(allowed_BSS, plan.positions, t0, t1, s1)
@@ -169,6 +172,8 @@ class _DenseKL(torch.autograd.Function):
     def backward(ctx, grad_kl):
         q_BSHD, k_BSD, w_BSH, query, key, allowed_BSS = ctx.saved_tensors
         plan = ctx.plan
+        if ctx.documents:
+            allowed_BSS = DocumentStarts(allowed_BSS)
         dq, dk, dw = (torch.zeros_like(t, dtype=compute_dtype(t)) for t in (q_BSHD, k_BSD, w_BSH))
         for t0, t1, s1 in plan.chunks(q_BSHD.shape[1]):
             forbidden_BTS = _forbidden(allowed_BSS, plan.positions, t0, t1, s1)
@@ -191,14 +196,15 @@ class _DenseKL(torch.autograd.Function):
                 None, None, None, None)
 
 
-def _forbidden(allowed_BSS: torch.Tensor | None, positions: torch.Tensor, t0: int, t1: int,
+def _forbidden(allowed_BSS: KeyMask, positions: torch.Tensor, t0: int, t1: int,
                s1: int) -> torch.Tensor:
     """True at keys 0..s1-1 that query rows t0..t1-1 may not see: [1 or B, T, s1]."""
     future_TS = (torch.arange(s1, device=positions.device)[None, :]
                  > positions[t0:t1, None])
-    if allowed_BSS is None:
+    allowed = allowed_block(allowed_BSS, t0, t1, 0, s1)
+    if allowed is None:
         return future_TS[None]
-    return future_TS[None] | ~allowed_BSS[:, t0:t1, :s1]
+    return future_TS[None] | ~allowed
 
 
 def _target_rows(query: torch.Tensor, key: torch.Tensor, forbidden_BTS: torch.Tensor,

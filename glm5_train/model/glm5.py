@@ -268,7 +268,8 @@ class GLM5Model(GPTModel):
         if with_mtp:
             main, *steps = torch.chunk(hidden_states, 1 + self.mtp_num_steps, dim=0)
             hidden_states = self._attach_mtp_losses(main, steps, input_ids, labels, loss_mask,
-                                                    output_weight, runtime_gather_output)
+                                                    output_weight, runtime_gather_output,
+                                                    attention_mask)
         if labels is None:
             logits, _ = self.output_layer(hidden_states, weight=output_weight,
                                           runtime_gather_output=runtime_gather_output)
@@ -307,7 +308,7 @@ class GLM5Model(GPTModel):
         return torch.cat(outputs, dim=0)
 
     def _attach_mtp_losses(self, main, steps, input_ids, labels, loss_mask, output_weight,
-                           runtime_gather_output):
+                           runtime_gather_output, attention_mask=None):
         """Each step's masked per-token loss sum rides on ``main``'s backward, weighted
         mtp_loss_weight / steps (per-token loss: megatron divides by the global token count)."""
         assert self.config.calculate_per_token_loss, "MTP losses are summed per token"
@@ -317,11 +318,14 @@ class GLM5Model(GPTModel):
         # parallelism on another rank, so the targets come from the whole sequence's token ids
         # (gathered, a few bytes per token) and this rank keeps its share.
         shard = context_shard(self.pg_collection.cp, labels.shape[1], labels.device)
-        whole = [None if t is None else gather_sequence_no_grad(t, shard, dim=1)
-                 for t in (labels, loss_mask, input_ids)]
+        documents = (attention_mask if attention_mask is not None
+                     and attention_mask.dtype != torch.bool else None)  # key_masks' starts
+        labels_, mask_, ids_, starts_ = [None if t is None else gather_sequence_no_grad(
+            t, shard, dim=1) for t in (labels, loss_mask, input_ids, documents)]
         for k, hidden in enumerate(steps, start=1):
             targets, mask = (t.index_select(1, shard.positions) if shard.is_split else t
-                             for t in shifted_targets(*whole, k, self.eod_token_id))
+                             for t in shifted_targets(labels_, mask_, ids_, k,
+                                                      self.eod_token_id, starts_))
             token_loss = self._token_losses(hidden, targets, output_weight,
                                             runtime_gather_output) * mask
             report.append(torch.stack([token_loss.sum().detach().float(), mask.sum()]))

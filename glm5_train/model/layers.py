@@ -85,14 +85,17 @@ def equal_width_attention(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: to
 
 
 def attention_at_positions(q_BNTD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor,
-                           positions_T: torch.Tensor, scale: float) -> torch.Tensor:
+                           positions_T: torch.Tensor, scale: float,
+                           allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of queries at global ``positions_T`` (this context-parallel rank's
     rows) over the whole sequence's keys 0..S-1: a query sees the keys at or before its
-    position. The boolean mask is [T, S] (dense attention under context parallelism only:
-    the sparse stage never builds it)."""
+    position (and ``allowed``, [B or 1, 1, T, S], True = may attend). The boolean mask is
+    [T, S] (dense attention under context parallelism or packed documents only: the sparse
+    stage never builds it)."""
     keys = torch.arange(k_BNSD.shape[2], device=positions_T.device)
     allowed_TS = keys[None, :] <= positions_T[:, None]
-    return equal_width_attention(q_BNTD, k_BNSD, v_BNSD, allowed_TS, scale)
+    mask = allowed_TS if allowed is None else allowed & allowed_TS
+    return equal_width_attention(q_BNTD, k_BNSD, v_BNSD, mask, scale)
 
 
 class MLACoreAttention(MegatronModule):

@@ -45,13 +45,14 @@ def mtp_block_spec(layer_spec: ModuleSpec, norm: type, eh_proj: type,
 
 
 def shifted_targets(labels: torch.Tensor, loss_mask: torch.Tensor | None,
-                    input_ids: torch.Tensor, step: int,
-                    eod_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+                    input_ids: torch.Tensor, step: int, eod_token_id: int | None,
+                    doc_start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Targets and loss mask [B, S] of MTP step ``step`` (1-based).
 
     Position i predicts ``labels[i + step]`` (token i + step + 1). It counts only when that
-    target is inside the sequence, its own loss mask is set, and no end-of-document token lies
-    in ``input_ids[i .. i + step]``: the prediction never crosses a packed document boundary.
+    target is inside the sequence, its own loss mask is set, no end-of-document token lies
+    in ``input_ids[i .. i + step]`` and, given packed documents' starts ``doc_start`` [B, S],
+    position i + step is in i's document: the prediction never crosses a document boundary.
     """
     b, s = labels.shape
     n = max(0, s - step)
@@ -69,5 +70,7 @@ def shifted_targets(labels: torch.Tensor, loss_mask: torch.Tensor | None,
         eods_before = F.pad(torch.cumsum(is_eod, dim=1), (1, 0))
         crossing = eods_before[:, step + 1:step + 1 + n] - eods_before[:, :n]
         keep = keep * (crossing == 0).float()
+    if doc_start is not None:
+        keep = keep * (doc_start[:, step:] == doc_start[:, :n]).float()
     mask[:, :n] = keep
     return targets, mask

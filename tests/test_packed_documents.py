@@ -1,0 +1,152 @@
+"""Packed documents: per-token document starts (glm5_train/model/key_masks.py) instead of a
+[B, 1, S, S] mask, in the DSA indexer's selection, the sparse and dense attention, both KL
+stages and MTP; equal to megatron's document-causal bool mask wherever both exist, and the
+same under context parallelism as in one process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from glm5_train.model.dsa import DSAIndexer, causal_topk
+from glm5_train.model.key_masks import (
+    DocumentStarts,
+    document_starts_from_boundaries,
+    document_starts_from_eod,
+)
+from glm5_train.model.mtp import shifted_targets
+from glm5_train.step import packed_documents
+from tests.parity import FP32, assert_layout_ran, compare, run_job
+from tests.test_sparse_mla import B, C, DN, DV, N, S, _core, _inputs
+
+ENDS = [[3, 9], [5]]  # document ends (exclusive) per sample of S = 13 tokens
+
+
+def _bool_mask(starts_BS: torch.Tensor) -> torch.Tensor:
+    """megatron's document-causal attention mask [B, 1, S, S], True = masked out."""
+    keys = torch.arange(starts_BS.shape[1])
+    allowed = (keys[None, None, :] >= starts_BS[..., None]) & (keys[None, :] <= keys[:, None])
+    return ~allowed[:, None]
+
+
+def test_document_starts_from_boundaries_eod_cu_seqlens_and_bool_masks_agree():
+    starts = document_starts_from_boundaries(ENDS, S)
+    assert starts[0].tolist() == [0] * 3 + [3] * 6 + [9] * 4
+    assert starts[1].tolist() == [0] * 5 + [5] * 8
+    eod = 7
+    tokens = torch.ones(B, S, dtype=torch.long)
+    for b, ends in enumerate(ENDS):
+        for end in ends:
+            tokens[b, end - 1] = eod  # each document ends with its end-of-document token
+    assert torch.equal(document_starts_from_eod(tokens, eod), starts)
+    flat_bounds = torch.tensor([0, 3, 9, 13, 13 + 5, 26], dtype=torch.int32)
+    for batch in ({"tokens": tokens, "cu_seqlens": flat_bounds, "max_seqlen": 6},
+                  {"tokens": tokens, "attention_mask": _bool_mask(starts)}):
+        out = packed_documents(dict(batch))
+        assert torch.equal(out["attention_mask"], starts) and "cu_seqlens" not in out
+    with pytest.raises(ValueError, match="not document-causal"):
+        packed_documents({"tokens": tokens, "attention_mask": torch.zeros(B, 1, S, S,
+                                                                          dtype=torch.bool)})
+
+
+def test_blockwise_topk_with_document_starts_equals_the_bool_mask_path():
+    """Ties and fillers included: the same indices and scores as the [B, S, S] mask."""
+    starts = document_starts_from_boundaries(ENDS, S)
+    allowed = ~_bool_mask(starts)[:, 0]
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 3, (B, S, S), generator=gen).float()  # many ties
+
+    def rows(t0, t1):
+        return lambda s0, s1: scores[:, t0:t1, s0:s1].clone()
+
+    for k, qb, kb in ((4, 5, 3), (6, 13, 13), (2, 1, 4)):
+        want = causal_topk(rows, B, S, k, allowed, qb, kb)
+        got = causal_topk(rows, B, S, k, DocumentStarts(starts), qb, kb)
+        assert all(torch.equal(w, g) for w, g in zip(want, got))
+
+
+@pytest.mark.parametrize("stage", ["sparse", "dense_warmup"])
+def test_core_attention_with_document_starts_equals_the_bool_mask(stage):
+    """DSACoreAttention forward + backward (output, query/latent/weight gradients, the indexer
+    via its KL) with document starts and with megatron's bool mask: equal to fp32
+    round-off; and different from no mask (the documents really were separated)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    leaves, _, _ = _inputs(seed=3, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    x, qr = torch.randn(S, B, 16, generator=gen), torch.randn(S, B, 8, generator=gen)
+    core = _core().train()
+    core.training_cfg.stage, core.kl_backward_in_forward = stage, False
+    starts = document_starts_from_boundaries(ENDS, S)
+    results = []
+    for mask in (starts, _bool_mask(starts), None):
+        for t in [*leaves.values(), *core.indexer.parameters()]:
+            t.grad = None
+        w = leaves["weight"].view(N, DN + DV, C)
+        core.latent_up_weights = lambda: (w[:, :DN], w[:, DN:])
+        key = torch.cat([leaves["latent"], leaves["k_pe"]], dim=-1).unsqueeze(2)
+        if stage == "dense_warmup":  # the dense path gets up-projected keys and values
+            k_nope = torch.einsum("sbc,ndc->sbnd", leaves["latent"], w[:, :DN])
+            value = torch.einsum("sbc,ndc->sbnd", leaves["latent"], w[:, DN:])
+            key = torch.cat([k_nope, leaves["k_pe"][:, :, None].expand(-1, -1, N, -1)], -1)
+            out = core(leaves["query"], key, value, mask, x=x, qr=qr)
+        else:
+            out = core(leaves["query"], key, None, mask, x=x, qr=qr)
+        out.pow(2).sum().backward()
+        grads = {n: t.grad.clone() for n, t in leaves.items() if t.grad is not None}
+        grads.update({n: p.grad.clone() for n, p in core.indexer.named_parameters()})
+        results.append((out.detach(), grads, core.kl_meter.take()))
+    (doc_out, doc_grads, doc_kl), (bool_out, bool_grads, bool_kl), (free_out, _, _) = results
+    assert torch.allclose(doc_out, bool_out, rtol=1e-5, atol=1e-6)
+    assert abs(doc_kl[0] - bool_kl[0]) <= 1e-5 * abs(bool_kl[0]) + 1e-9
+    for name, grad in bool_grads.items():
+        assert torch.allclose(doc_grads[name], grad, rtol=1e-4, atol=1e-6), name
+    assert not torch.allclose(doc_out, free_out, rtol=1e-3)
+
+
+def test_mtp_targets_never_cross_a_document():
+    starts = document_starts_from_boundaries(ENDS, S)
+    labels = torch.arange(B * S).view(B, S)
+    _, mask = shifted_targets(labels, None, labels, 2, None, starts)
+    assert mask[0].tolist() == [1, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 0, 0]
+    assert mask[1].tolist() == [1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0]
+
+
+def _short_documents_corpus(tmp_path) -> str:
+    """A jsonl corpus of short documents (6-40 bytes), so that 64-token sequences pack
+    several documents, tokenized with the byte tokenizer."""
+    import subprocess
+    import sys
+
+    from tests.parity import REPO
+
+    gen = torch.Generator().manual_seed(7)
+    words = ["alpha", "beta", "gamma", "delta", "sparse", "latent", "index", "mtp"]
+    docs = [" ".join(words[i] for i in torch.randint(0, len(words), (int(n),), generator=gen))
+            for n in torch.randint(1, 7, (400,), generator=gen)]
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    prefix = str(tmp_path / "short_docs")
+    subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(source),
+                    "--output-prefix", prefix, "--tokenizer", "byte"], cwd=REPO, check=True,
+                   capture_output=True)
+    return prefix
+
+
+def test_packed_documents_under_context_parallelism_match_one_process(tmp_path):
+    """Sequences of several documents (megatron's document-causal masks turned into document
+    starts), 5 steps: CP2 equals one process; and the documents changed the run (losses
+    differ from the same data without document masks)."""
+    prefix = _short_documents_corpus(tmp_path)
+    data = ["checkpoint.load=null", f"data.paths=[{prefix}]", "data.reset_attention_mask=true"]
+    reference = run_job(1, ["parallel=single", *data], str(tmp_path / "one")).records
+    overrides = ["parallel=single", "parallel.context_parallel_size=2", *data]
+    result = run_job(2, overrides, str(tmp_path / "cp2"))
+    problems = compare(reference, result.records, FP32)
+    assert not problems, "\n".join(problems)
+    assert_layout_ran(result, 2, overrides)
+    unmasked = run_job(1, ["parallel=single", *data[:-1]], str(tmp_path / "free")).records
+    assert all(abs(a["loss"] - b["loss"]) > 1e-4 for a, b in zip(reference[1:], unmasked[1:]))
