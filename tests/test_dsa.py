@@ -84,6 +84,25 @@ def _tied_scores(gen, batch: int, seq: int) -> torch.Tensor:
     return levels[torch.randint(0, 5, (batch, seq, seq), generator=gen)]
 
 
+def test_blockwise_topk_fast_path_and_tied_rows_agree_with_the_full_row():
+    """Distinct scores (the float top-k path) with a few rows whose K-th and (K+1)-th largest
+    in a block are equal (those rows are ranked exactly): the full-row rule either way."""
+    gen = torch.Generator().manual_seed(11)
+    batch, seq, k = 2, 64, 5
+    scores = torch.rand(batch, seq, seq, generator=gen)
+    scores[:, ::7, :] = torch.round(scores[:, ::7, :] * 4) / 4  # heavy ties in every 7th row
+    full = _masked_full_rows(scores, None)
+    indexer = DSAIndexer(_Cfg(), n_heads=2, head_dim=8, topk=k, rope_dim=4, rope_theta=1e4)
+
+    def rows(t0: int, t1: int):
+        return lambda s0, s1: scores[:, t0:t1, s0:s1].clone()
+
+    for query_block, key_block in ((16, 16), (64, 9), (5, 64)):
+        idx, picked = causal_topk(rows, batch, seq, k, None, query_block, key_block)
+        assert torch.equal(idx, indexer.select(full))
+        assert torch.equal(picked, full.topk(k, dim=-1).values)
+
+
 @pytest.mark.parametrize("blocks", [(1, 1), (3, 5), (7, 4), (8, 8), (23, 23), (64, 2)])
 @pytest.mark.parametrize("masked", [False, True])
 def test_blockwise_topk_equals_full_row_selection_ties_included(blocks, masked):

@@ -126,11 +126,30 @@ def causal_topk(block_scores, batch: int, seq: int, topk: int,
             s1 = min(scanned, s0 + key_block)
             scores = _masked_block(against, batch, positions_T[t0:t1], (t0, t1), (s0, s1),
                                    allowed_BSS, device)
-            keys = torch.arange(s0, s1, device=device)
-            merged = torch.cat([best, rank_keys(scores, keys)], dim=-1)
+            merged = torch.cat([best, _block_candidates(scores, s0, k)], dim=-1)
             best = merged.topk(min(k, merged.shape[-1]), dim=-1).values
         index_BTK[:, t0:t1], score_BTK[:, t0:t1] = unrank_keys(best)
     return index_BTK, score_BTK
+
+
+def _block_candidates(scores_BTS: torch.Tensor, s0: int, k: int) -> torch.Tensor:
+    """Ranked keys (``rank_keys``) of each row's top-``k`` in one block of keys s0.., by the
+    selection rule. A float top-k (one partial-selection pass) finds them wherever the k-th
+    largest score is not tied with a score it left out; only the rows where it is (scores
+    equal at the boundary, -inf fillers) rank the whole block, so the int64 ranking touches
+    O(k) values per row instead of the block's width."""
+    width = scores_BTS.shape[-1]
+    keys = torch.arange(s0, s0 + width, device=scores_BTS.device)
+    if width <= k + 1:
+        return rank_keys(scores_BTS, keys)
+    # k + 1 largest, sorted: the (k+1)-th equal to the k-th means the boundary value occurs
+    # outside the k found (the float top-k's choice among ties is unspecified).
+    values, index = scores_BTS.topk(k + 1, dim=-1, sorted=True)
+    tied = values[..., k] == values[..., k - 1]
+    candidates = rank_keys(values[..., :k], index[..., :k] + s0)
+    if bool(tied.any()):
+        candidates[tied] = rank_keys(scores_BTS[tied], keys).topk(k, dim=-1).values
+    return candidates
 
 
 def _masked_block(against, batch: int, positions_T: torch.Tensor, rows: tuple[int, int],
