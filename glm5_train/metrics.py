@@ -59,20 +59,30 @@ def gather_saved_bytes(figures: StepFigures) -> dict[str, list[int]]:
 
 
 class MetricsLogger:
-    """Writes the console progress line and appends to metrics.jsonl (rank 0 only)."""
+    """Writes the console progress line and appends to metrics.jsonl (rank 0 only), and the
+    same scalars to ``<run dir>/tensorboard`` when the ``tensorboard`` package is installed
+    (``pip install -e ".[tensorboard]"``; ``TensorBoardScalars``)."""
 
     def __init__(self, run_dir: str, train_iters: int) -> None:
         self.train_iters = train_iters
         self.is_writer = dist.get_rank() == 0
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.started = time.monotonic()
+        self.tensorboard = (TensorBoardScalars(os.path.join(run_dir, "tensorboard"))
+                            if self.is_writer and tensorboard_installed() else None)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.is_writer:
             return
         with open(self.path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
         print(self._console_line(record), flush=True, file=sys.stdout)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
     def _console_line(self, r: dict[str, Any]) -> str:
         step = r["step"]
@@ -87,3 +97,50 @@ class MetricsLogger:
                 f"grad_norm {r['grad_norm']:.3f} | lr {r['lr']:.3e} | "
                 f"tokens/s {r['tokens_per_s']:.0f} | consumed_tokens {r['consumed_tokens']} | "
                 f"max rank peak {peak_mib:.0f} MiB{comm} | elapsed {elapsed:.0f}s")
+
+
+def tensorboard_installed() -> bool:
+    """Whether to write TensorBoard events: the package is installed and ``GLM5_TENSORBOARD``
+    is not ``0`` (the off switch)."""
+    import importlib.util
+
+    if os.environ.get("GLM5_TENSORBOARD", "1") == "0":
+        return False
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+# metrics.jsonl fields written to TensorBoard as one scalar each; per-rank lists become one
+# scalar per rank (``<name>/rank<i>``) under these names.
+TENSORBOARD_SCALARS = ("loss", "mtp_loss", "mtp_loss_1", "mtp_loss_2", "mtp_loss_3",
+                       "indexer_kl", "grad_norm", "lr", "tokens_per_s", "consumed_tokens")
+TENSORBOARD_PER_RANK = ("mem_peak_bytes", "mem_rss_bytes", "comm_bytes", "saved_bytes_peak",
+                        "offloaded_bytes")
+
+
+class TensorBoardScalars:
+    """metrics.jsonl's scalars as TensorBoard events, step = the record's step. A resumed run
+    redoes the steps after its checkpoint: the writer opens with ``purge_step`` at its first
+    step, so TensorBoard drops the earlier attempt's events from there on (one value per
+    step, as metrics.jsonl keeps). Reads the records only: no effect on training."""
+
+    def __init__(self, log_dir: str) -> None:
+        self.log_dir = log_dir
+        self._writer = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        step = int(record["step"])
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(self.log_dir, purge_step=step)
+        for name in TENSORBOARD_SCALARS:
+            if isinstance(record.get(name), (int, float)):
+                self._writer.add_scalar(f"train/{name}", record[name], step)
+        for name in TENSORBOARD_PER_RANK:
+            for rank, value in enumerate(record.get(name) or []):
+                self._writer.add_scalar(f"ranks/{name}/rank{rank}", value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()

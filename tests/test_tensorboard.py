@@ -1,0 +1,40 @@
+"""TensorBoard scalars (glm5_train/metrics.py): the run directory's event files, read back
+with TensorBoard's own reader, hold exactly metrics.jsonl's values per step, per-rank figures
+included; and writing them changes nothing in the run."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.parity import run_job
+
+pytest.importorskip("tensorboard")
+
+
+def _scalars(log_dir: str) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(log_dir)
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)}
+            for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_events_equal_the_metrics_and_change_nothing(tmp_path, monkeypatch):
+    overrides = ["parallel=single", "train.train_iters=3", "checkpoint.load=null"]
+    result = run_job(1, overrides, str(tmp_path / "with"))
+    scalars = _scalars(os.path.join(tmp_path / "with", "tensorboard"))
+    for record in result.records:
+        step = record["step"]
+        for name in ("loss", "mtp_loss", "indexer_kl", "grad_norm", "lr", "tokens_per_s"):
+            assert scalars[f"train/{name}"][step] == pytest.approx(record[name], rel=1e-6)
+        for rank in range(len(record["mem_peak_bytes"])):
+            for name in ("mem_peak_bytes", "comm_bytes"):
+                got = scalars[f"ranks/{name}/rank{rank}"][step]
+                assert got == pytest.approx(record[name][rank], rel=1e-6)
+    monkeypatch.setenv("GLM5_TENSORBOARD", "0")
+    without = run_job(1, overrides, str(tmp_path / "without"))
+    assert not os.path.exists(tmp_path / "without" / "tensorboard")
+    assert [r["loss"] for r in without.records] == [r["loss"] for r in result.records]
