@@ -42,6 +42,7 @@ from glm5_train.data import (
 from glm5_train.job_config import JobConfig
 from glm5_train.model.config import to_mcore_config
 from glm5_train.model.glm5 import apply_dsa_freezing, build_model_chunks
+from glm5_train.model.head_parallel_cp import install as install_head_parallel_cp
 from glm5_train.model.init_weights import initialize_weights
 from glm5_train.optim import attach_schedule_hooks, build_optimizer, build_scheduler, wrap_ddp
 from glm5_train.pipeline_plan import resolve_pipeline_layout
@@ -142,7 +143,8 @@ def check_data(job: JobConfig) -> None:
             f"model.vocab_size={job.model.vocab_size}: raise model.vocab_size or use a smaller "
             "tokenizer")
     if job.data.paths:
-        check_datasets(list(job.data.paths), job.data.split)
+        check_datasets(list(job.data.paths), job.data.split, job.data.format,
+                       job.train.seq_length, tokenizer)
 
 
 def build_model(job: JobConfig, groups: ProcessGroupCollection,
@@ -162,6 +164,8 @@ def build_model(job: JobConfig, groups: ProcessGroupCollection,
                                 groups=groups,
                                 loss_chunk_tokens=job.activations.loss_chunk_tokens,
                                 recompute=recompute)
+    # parallel.cp_comm=head_parallel: its all-to-all groups, once, on every rank (collective).
+    install_head_parallel_cp(chunks, job.parallel.cp_comm, job.parallel.cp_node_size, groups.cp)
     if where.type != "cpu":
         for chunk in chunks:
             chunk.to(where)

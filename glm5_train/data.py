@@ -4,6 +4,11 @@ Flow: text (jsonl / plain files) -> ``build_indexed_dataset`` -> ``<prefix>.bin/
 IndexedDataset format) -> ``build_train_valid_test_datasets`` (megatron's GPTDataset / blend) ->
 ``build_train_iterator`` (deterministic micro-batches per data-parallel rank).
 
+``data.format=chat_sft`` trains on packed chat data instead (``glm5_train/chat_data.py``, made by
+``tools/prepare_chat_sft.py``): the same iterator over ``ChatSFTDataset`` samples, whose loss
+mask covers the assistant tokens only and whose batches carry the packed documents' boundaries
+(``cu_seqlens``, ``max_seqlen``).
+
 With no dataset paths configured, ``ensure_builtin_corpus`` tokenizes the Python standard library's
 own ``.py`` files, so a run works on any machine without downloads.
 """
@@ -31,11 +36,14 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 
+from glm5_train import chat_data
 from glm5_train.tokenizer import tokenizer_name
 from parallel import mcore_compat
 
 _PREPROCESS_HINT = ("python tools/preprocess_data.py --input <docs.jsonl> --output-prefix {prefix} "
                     "--tokenizer <byte|tokenizer-dir>")
+_CHAT_SFT_HINT = chat_data.PREPARE_HINT
+FORMATS = ("gpt", "chat_sft")  # data.format: megatron's GPTDataset, or packed chat SFT
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 
 
@@ -58,6 +66,7 @@ class DataConfig:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+    format: str = "gpt"
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "DataConfig":
@@ -71,12 +80,43 @@ class DataConfig:
         """Raise ValueError naming the field, the rule and the fix for an impossible config."""
         _check_paths_and_weights(self)
         parse_split(self.split)
+        if self.format not in FORMATS:
+            raise ValueError(f"data.format={self.format!r}: use one of {list(FORMATS)}")
+        if self.format == "chat_sft":
+            _check_chat_sft_config(self)
         if not self.tokenizer:
             raise ValueError("data.tokenizer is empty: use 'byte' or a local HF tokenizer dir")
         if self.builtin_max_files < 1:
             raise ValueError(f"data.builtin_max_files={self.builtin_max_files} must be >= 1")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers={self.num_workers} must be >= 0 (0 = main process)")
+
+
+def _check_chat_sft_config(cfg: DataConfig) -> None:
+    hint = _CHAT_SFT_HINT.format(prefix="<prefix>")
+    if not cfg.paths:
+        raise ValueError("data.format=chat_sft needs data.paths=[<prefix>, ...]: datasets made "
+                         f"by {hint}")
+    if cfg.weights is not None:
+        raise ValueError(f"data.weights={cfg.weights}: chat SFT datasets are concatenated, not "
+                         "blended; set data.weights=null (or pack the files into one dataset)")
+    if not cfg.tokenizer or cfg.tokenizer == "byte":
+        raise ValueError(f"data.format=chat_sft with data.tokenizer={cfg.tokenizer}: set "
+                         "data.tokenizer to the Hugging Face tokenizer directory the dataset was "
+                         "made with")
+    if cfg.eod_mask_loss:
+        raise ValueError("data.eod_mask_loss=true with data.format=chat_sft: the loss mask comes "
+                         "from the dataset (assistant tokens only); set data.eod_mask_loss=false")
+    if cfg.reset_attention_mask:
+        raise ValueError("data.reset_attention_mask=true with data.format=chat_sft: its batches "
+                         "carry the conversations' boundaries (cu_seqlens), which already keep "
+                         "each conversation's attention to itself, without a dense [s, s] mask; "
+                         "set data.reset_attention_mask=false")
+    for prefix in cfg.paths:  # the cheap part of check_datasets, so the hint is the right one
+        if not chat_data.is_chat_sft_dataset(prefix):
+            raise ValueError(f"data.format=chat_sft but {prefix} is not a chat SFT dataset (no "
+                             f"{chat_data.metadata_path(prefix)}); create it with: "
+                             f"{_CHAT_SFT_HINT.format(prefix=prefix)}")
 
 
 def _check_paths_and_weights(cfg: DataConfig) -> None:
@@ -227,13 +267,14 @@ def _write_documents(builder, docs: Iterator[str], tokenizer, append_eod: bool) 
 # Checking indexed datasets
 # --------------------------------------------------------------------------------------------
 
-def check_dataset_prefix(prefix: str) -> None:
+def check_dataset_prefix(prefix: str, hint: str = _PREPROCESS_HINT) -> None:
     """Raise FileNotFoundError / ValueError naming the file and the fix if ``prefix`` is unusable.
 
     Checks that ``<prefix>.bin`` and ``<prefix>.idx`` exist, that the index parses, holds at least
-    one document, and that the ``.bin`` size matches what the index describes.
+    one document, and that the ``.bin`` size matches what the index describes. ``hint``: the
+    command that makes such a dataset (``{prefix}`` filled in).
     """
-    hint = _PREPROCESS_HINT.format(prefix=prefix)
+    hint = hint.format(prefix=prefix)
     for suffix in (".idx", ".bin"):
         if not os.path.isfile(prefix + suffix):
             raise FileNotFoundError(f"dataset file {prefix + suffix} not found; create the "
@@ -281,6 +322,71 @@ def _check_idx_layout(idx_path: str) -> None:
     expected = _IDX_FIXED.size + n_seqs * (4 + 8) + n_docs * 8
     if size < expected:
         raise ValueError(f"index is {size} bytes, its header announces at least {expected}")
+
+
+_SCAN_TOKENS = 1 << 24  # tokens read at a time by check_token_ids
+
+
+def check_token_ids(prefix: str, vocab_size: int, cache_dir: str | None = None) -> None:
+    """Refuse a dataset holding a token id at or past ``vocab_size`` (it would index past the
+    embedding: a crash on the GPU, garbage on a CPU), naming the file, the document and the
+    position of the first such token.
+
+    Reads the ``.bin`` once; the largest id is then cached beside megatron's index cache
+    (``<cache_dir or <dataset dir>/index-cache>/<name>.max_token_id.json``, keyed by the file's
+    size and modification time), so later opens cost a ``stat``. A token type that cannot hold
+    ``vocab_size`` (uint16 under a larger vocabulary) needs no reading at all."""
+    index = IndexedDataset(prefix, multimodal=False, mmap=False).index
+    dtype = numpy.dtype(index.dtype)
+    if numpy.iinfo(dtype).max < vocab_size:
+        return
+    largest = _max_token_id(prefix, dtype, cache_dir)
+    if largest < vocab_size:
+        return
+    document, position, token = _first_token_at_or_past(prefix, dtype, index, vocab_size)
+    raise ValueError(
+        f"dataset {prefix}.bin: document {document} (token {position} of it) holds token id "
+        f"{token}, at or past the vocabulary's {vocab_size} ids (largest id in the file: "
+        f"{largest}): it was made with another tokenizer; re-create it with this one "
+        f"({_PREPROCESS_HINT.format(prefix=prefix)}), or set data.tokenizer to the one it was "
+        "made with")
+
+
+def _max_token_id(prefix: str, dtype: numpy.dtype, cache_dir: str | None) -> int:
+    stat = os.stat(prefix + ".bin")
+    key = {"bin_bytes": stat.st_size, "bin_mtime_ns": stat.st_mtime_ns}
+    cache = os.path.join(cache_dir or os.path.join(os.path.dirname(os.path.abspath(prefix)),
+                                                   "index-cache"),
+                         os.path.basename(prefix) + ".max_token_id.json")
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        with open(cache) as handle:
+            cached = json.load(handle)
+        if {k: cached[k] for k in key} == key:
+            return int(cached["max_token_id"])
+    tokens = numpy.memmap(prefix + ".bin", dtype=dtype, mode="r")
+    largest = max((int(tokens[i:i + _SCAN_TOKENS].max())
+                   for i in range(0, len(tokens), _SCAN_TOKENS)), default=-1)
+    with contextlib.suppress(OSError):  # a read-only dataset directory: no cache, no harm
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        tmp = f"{cache}.tmp{os.getpid()}"
+        with open(tmp, "w") as handle:
+            json.dump({**key, "max_token_id": largest}, handle)
+        os.replace(tmp, cache)
+    return largest
+
+
+def _first_token_at_or_past(prefix: str, dtype: numpy.dtype, index,
+                            vocab_size: int) -> tuple[int, int, int]:
+    """(document, position in it, id) of the file's first token id >= ``vocab_size``."""
+    tokens = numpy.memmap(prefix + ".bin", dtype=dtype, mode="r")
+    for start in range(0, len(tokens), _SCAN_TOKENS):
+        hits = numpy.flatnonzero(tokens[start:start + _SCAN_TOKENS] >= vocab_size)
+        if len(hits):
+            offset = start + int(hits[0])
+            starts = numpy.asarray(index.sequence_pointers) // dtype.itemsize
+            document = int(numpy.searchsorted(starts, offset, side="right")) - 1
+            return document, offset - int(starts[document]), int(tokens[offset])
+    raise AssertionError("a token at or past the vocabulary was counted but not found")
 
 
 # --------------------------------------------------------------------------------------------
@@ -365,24 +471,95 @@ def build_train_valid_test_datasets(cfg: DataConfig, tokenizer, seq_length: int,
     ``num_samples`` is the minimum number of samples per split; each sample is a dict of
     ``tokens``/``labels``/``loss_mask``/``position_ids`` of length ``seq_length`` (labels are
     tokens shifted left by one). Call on every rank: megatron builds index caches on global
-    rank 0 first, then barriers, then the other ranks load them.
+    rank 0 first, then barriers, then the other ranks load them. ``data.format=chat_sft``:
+    ``ChatSFTDataset`` splits instead (no index caches).
     """
 
     cfg.validate()
+    if cfg.format == "chat_sft":
+        return build_chat_sft_datasets(cfg, tokenizer, seq_length, seed, num_samples)
     paths = [ensure_builtin_corpus(cfg, tokenizer)] if not cfg.paths else list(cfg.paths)
-    check_datasets(paths, cfg.split)
+    check_datasets(paths, cfg.split, data_format=cfg.format)
+    for prefix in paths:
+        check_token_ids(prefix, tokenizer.vocab_size, cfg.cache_dir)
     gpt_cfg = _gpt_dataset_config(cfg, tokenizer, paths, seq_length, seed)
     builder = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), lambda: True, gpt_cfg)
     with mcore_compat.single_process_rank_zero():
         return tuple(builder.build())
 
 
-def check_datasets(paths: list[str], split: str) -> None:
+def check_datasets(paths: list[str], split: str, data_format: str | None = None,
+                   seq_length: int | None = None, tokenizer=None) -> list[dict | None]:
     """Every dataset prefix exists, is readable and gives each split with weight > 0 at least
-    one document (checked before any process group exists when the paths are given)."""
+    one document (checked before any process group exists when the paths are given).
+
+    A chat SFT dataset (``tools/prepare_chat_sft.py``) is checked as such: its tokens, its loss
+    mask and their agreement, and its split over packed sequences. Given ``data_format``, every
+    prefix must be of that format; given ``seq_length`` / ``tokenizer``, a chat SFT dataset must
+    have been packed for that length with that tokenizer. Returns each prefix's chat SFT
+    metadata (None for a GPT dataset)."""
+    metadata = []
     for prefix in paths:
+        if chat_data.is_chat_sft_dataset(prefix):
+            metadata.append(_check_chat_sft_dataset(prefix, split, data_format, seq_length,
+                                                    tokenizer))
+            continue
+        if data_format == "chat_sft":
+            raise ValueError(f"data.format=chat_sft but {prefix} is not a chat SFT dataset (no "
+                             f"{chat_data.metadata_path(prefix)}); create it with: "
+                             f"{_CHAT_SFT_HINT.format(prefix=prefix)}")
         check_dataset_prefix(prefix)
         _check_split_nonempty(prefix, split)
+        metadata.append(None)
+    return metadata
+
+
+def _check_chat_sft_dataset(prefix: str, split: str, data_format: str | None,
+                            seq_length: int | None, tokenizer) -> dict:
+    if data_format == "gpt":
+        raise ValueError(f"{prefix} is a chat SFT dataset but data.format=gpt would train on "
+                         "all of its tokens, ignoring its loss mask: use data=chat_sft (or "
+                         "data.format=chat_sft)")
+    check_dataset_prefix(prefix, _CHAT_SFT_HINT)
+    check_dataset_prefix(chat_data.loss_mask_prefix(prefix), _CHAT_SFT_HINT.replace(
+        "{prefix}", prefix))
+    meta = chat_data.check_chat_sft_layout(prefix)
+    for name, bookends in zip(("train", "valid", "test"), split_ranges(meta["sequences"], split)):
+        if bookends is not None and bookends[0] == bookends[1]:
+            raise ValueError(f"data.split={split!r} gives the {name} split 0 of the "
+                             f"{meta['sequences']} packed sequences in {prefix}: add data, or "
+                             "set that split's weight to 0 (e.g. '100,0,0')")
+    if seq_length is not None and tokenizer is not None:
+        chat_data.check_compatible(prefix, meta, seq_length, tokenizer)
+    return meta
+
+
+def split_ranges(count: int, split: str) -> list[tuple[int, int] | None]:
+    """[first, stop) of each of the train / valid / test splits of ``count`` items (None for a
+    split of weight 0), rounded as megatron-core's dataset builder rounds them."""
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    # Same rounding as BlendedMegatronDatasetBuilder._build_megatron_dataset_splits.
+    return [None if bookends is None else (int(round(bookends[0] * float(count))),
+                                           int(round(bookends[1] * float(count))))
+            for bookends in matrix]
+
+
+def build_chat_sft_datasets(cfg: DataConfig, tokenizer, seq_length: int, seed: int,
+                            num_samples: tuple[int, int, int]) -> tuple:
+    """(train, valid, test) ``ChatSFTDataset`` of the chat SFT datasets ``cfg.paths``
+    (concatenated; each split separately; None for a split of weight 0)."""
+    metadata = check_datasets(list(cfg.paths), cfg.split, "chat_sft", seq_length, tokenizer)
+    per_path = [split_ranges(meta["sequences"], cfg.split) for meta in metadata]
+    splits = []
+    for which, samples in enumerate(num_samples):
+        if per_path[0][which] is None:
+            splits.append(None)
+            continue
+        sources = [chat_data.PackSource(prefix, *ranges[which])
+                   for prefix, ranges in zip(cfg.paths, per_path)]
+        splits.append(chat_data.ChatSFTDataset(sources, seq_length, seed, samples,
+                                               metadata[0]["pad"], cfg.reset_position_ids))
+    return tuple(splits)
 
 
 def _gpt_dataset_config(cfg: DataConfig, tokenizer, paths: list[str], seq_length: int, seed: int):
@@ -415,11 +592,8 @@ def _check_split_nonempty(prefix: str, split: str) -> None:
     """
 
     n_docs = len(IndexedDataset(prefix, multimodal=False, mmap=False).index.sequence_lengths)
-    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
-    for name, bookends in zip(("train", "valid", "test"), matrix):
-        # Same rounding as BlendedMegatronDatasetBuilder._build_megatron_dataset_splits.
-        if bookends is not None and (int(round(bookends[1] * float(n_docs)))
-                                     == int(round(bookends[0] * float(n_docs)))):
+    for name, bookends in zip(("train", "valid", "test"), split_ranges(n_docs, split)):
+        if bookends is not None and bookends[0] == bookends[1]:
             raise ValueError(f"data.split={split!r} gives the {name} split 0 of the {n_docs} "
                              f"documents in {prefix}: add data, or set that split's weight to 0 "
                              "(e.g. '100,0,0')")
@@ -474,9 +648,15 @@ _BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask"
 
 def collate_samples(samples: list[dict]) -> dict[str, torch.Tensor]:
     """Stack per-sample tensors: tokens/labels/position_ids int64 [mbs, seq], loss_mask float
-    [mbs, seq], attention_mask bool [mbs, 1, seq, seq] (True = masked out) when present."""
+    [mbs, seq], attention_mask bool [mbs, 1, seq, seq] (True = masked out) when present.
+    Chat SFT samples also give their packed documents' boundaries, laid end to end over the
+    micro-batch: ``cu_seqlens`` int32 [segments + 1] and ``max_seqlen`` (``chat_data``)."""
     keys = [k for k in _BATCH_KEYS if k in samples[0] and samples[0][k] is not None]
-    return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}
+    batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}
+    if "cu_seqlens" in samples[0]:
+        batch.update(chat_data.batch_cu_seqlens([s["cu_seqlens"] for s in samples],
+                                                batch["tokens"].shape[1]))
+    return batch
 
 
 def build_train_iterator(dataset, micro_batch_size: int, global_batch_size: int, dp_rank: int,

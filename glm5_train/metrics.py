@@ -6,6 +6,7 @@ on CUDA the allocator's peak, on CPU the process's resident set (RSS) and its pe
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import resource
@@ -102,8 +103,6 @@ class MetricsLogger:
 def tensorboard_installed() -> bool:
     """Whether to write TensorBoard events: the package is installed and ``GLM5_TENSORBOARD``
     is not ``0`` (the off switch)."""
-    import importlib.util
-
     if os.environ.get("GLM5_TENSORBOARD", "1") == "0":
         return False
     return importlib.util.find_spec("tensorboard") is not None

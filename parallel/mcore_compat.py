@@ -13,7 +13,9 @@ change is a ``Patch`` in ``PATCHES`` below, with its reason and a staleness chec
   and ``tests/test_device.py`` trains a PP x EP x distributed-optimizer x Muon x ZeRO2 step and
   fails for a view that moved nothing (``hits``).
 - ``fix``: a megatron-core bug whenever Transformer Engine is absent (CPU or GPU).
-  Check: the bug is still there (the name is still unbound, the flag still lies).
+  Check: the bug is still there (the name is still unbound, the flag still lies). The
+  distributed optimizer's checkpoint bugs with torch's Adam (``DISTOPT_CHECKPOINT_BUGS``) are
+  avoided rather than patched: ``parallel/distopt_checkpoint.py`` never calls those methods.
 - ``override``: a method of a megatron-core *object* replaced by one of our techniques at run
   time (``override_method``), or an attribute of it swapped (``replace_attribute``). Check: the
   original's signature and source fingerprint are the ones the replacement was written against.
@@ -34,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
 import queue
@@ -48,6 +51,11 @@ from parallel import comm_meter, device
 from parallel.mla_down_projection import MLADownProjection
 
 REDIRECT, TORCH_VIEW, FIX, OVERRIDE, SCOPED = "redirect", "torch_view", "fix", "override", "scoped"
+
+# The megatron-core releases the entries were written against and checked on (``Patch.
+# written_against``; an entry written for another release says so itself). GPU images carry
+# 0.17-0.19 (Python >= 3.12): ``entries_not_written_for`` lists what was never checked there.
+WRITTEN_AGAINST: tuple[str, ...] = ("0.16.1",)
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,7 @@ class Patch:
     signature: str = ""
     binds_missing: bool = False  # fix: upstream forgot to bind the name; we bind it
     on_instances: bool = False  # override: an attribute megatron-core sets per object
+    written_against: tuple[str, ...] = WRITTEN_AGAINST  # megatron-core releases checked on
 
     @property
     def target(self) -> str:
@@ -181,6 +190,49 @@ FIXES_WITHOUT_TE: tuple[Patch, ...] = (
 )
 
 _OPT = f"{_MC}.optimizer"
+_DISTOPT = f"{_OPT}.distrib_optimizer.DistributedOptimizer"
+
+
+def _avoided(attr: str, why: str, fingerprint: str, signature: str, uses: str) -> Patch:
+    return Patch(_DISTOPT, attr, FIX, why, callers=(f"{_DISTOPT}.{attr}",), uses=uses,
+                 fingerprint=fingerprint, signature=signature)
+
+
+# The distributed optimizer's checkpoint path with torch's Adam (no Transformer Engine or
+# Apex: megatron-core's HAVE_APEX_OR_TE is False). Not patched but avoided: the distributed
+# optimizer's state is saved and loaded by parallel/distopt_checkpoint.py, which calls none
+# of these. Checks: the method is the one read (fingerprint) and the bug still in it (uses).
+DISTOPT_CHECKPOINT_BUGS: tuple[Patch, ...] = (
+    _avoided("state_dict", "torch's Adam: asserts that the parameters' states hold exactly one "
+             "step; a fresh optimizer has no state yet, so sharded_state_dict(is_loading=True) "
+             "fails before any load", "fe621ae6a622b587", "(self)",
+             r'steps = list\(set\(\[s\["step"\]\.item\(\) for s in inner_state_dict\["state"\]'
+             r'\.values\(\)\]\)\)\s*assert len\(steps\) == 1'),
+    _avoided("load_state_dict", "torch's Adam: gives every parameter's state the same step "
+             "tensor, which torch's Adam then advances in place once per parameter per step: "
+             "after a resume the bias correction counts n_params steps per step",
+             "15f257b4c4f9a7ef", "(self, state_dict)",
+             r'step = torch\.tensor\(steps\[0\], dtype=torch\.float\)\s*for s in '
+             r'state_dict_state\.values\(\):\s*#[^\n]*\s*s\["step"\] = step'),
+    _avoided("_set_main_param_and_optimizer_states", "copies every state key of the optimizer, "
+             "torch Adam's step included, which the fully_reshardable and model-space loads "
+             "leave out of the tensors: KeyError 'step'; and it lacks no_grad, which the "
+             "dp_reshardable load does not add (in-place copy into a parameter view raises)",
+             "93c254228283b2df", "(self, model_param, tensors)",
+             r'for key in dst_tensors:\s*dst_tensors\[key\]\.copy_\(tensors\[key\]\)'),
+    _avoided("sharded_param_state_fs_model_space", "the default sharding type (model space) "
+             "builds ShardedTensors with flattened_range, which this dist_checkpointing refuses "
+             "(ShardedTensor.flattened_range is not supported)", "561fb1277ddb7492",
+             "(self, model_sharded_state_dict: Dict[str, Any], is_loading: bool = False, "
+             "metadata: Optional[dict] = None)", r"flattened_range=item_slice"),
+    _avoided("get_parameter_state_dp_zero", "not a bug, a limit: every format but model space "
+             "gathers the state through this, whose keys are param / exp_avg / exp_avg_sq only: "
+             "no place for distributed Muon's momentum", "812c52ea4568b0ff",
+             "(self, use_gloo_comm: bool = True, empty_data: bool = False, "
+             "return_on_all_ranks: bool = False)",
+             r'for key in \("param", "exp_avg", "exp_avg_sq"\)'),
+)
+
 OVERRIDES: tuple[Patch, ...] = (
     Patch(f"{_OPT}.distrib_optimizer.DistributedOptimizer", "_copy_model_grads_to_main_grads",
           OVERRIDE, "Pipeline ZeRO2: the optimizer reads its gradient slices from ZeRO2's "
@@ -225,8 +277,9 @@ METER_BINDINGS: tuple[Patch, ...] = tuple(
           "import-time binding of a torch.distributed collective while it measures a step",
           uses=rf"\b{attr}\b") for module, attr in comm_meter.BOUND_NAMES)
 
-PATCHES: tuple[Patch, ...] = (CPU_REDIRECTS + TORCH_VIEWS + FIXES_WITHOUT_TE + OVERRIDES
-                              + SCOPED_PATCHES + METER_BINDINGS)
+PATCHES: tuple[Patch, ...] = (CPU_REDIRECTS + TORCH_VIEWS + FIXES_WITHOUT_TE
+                              + DISTOPT_CHECKPOINT_BUGS + OVERRIDES + SCOPED_PATCHES
+                              + METER_BINDINGS)
 
 
 # ------------------------------------------------------------------------------- staleness
@@ -282,6 +335,27 @@ def stale_reason(patch: Patch) -> str | None:
 
 def stale_reasons(patches: tuple[Patch, ...] = PATCHES) -> list[str]:
     return [reason for p in patches if (reason := stale_reason(p))]
+
+
+def megatron_core_version() -> str:
+    """The installed megatron-core release (its package metadata)."""
+    return importlib.metadata.version("megatron-core")
+
+
+def entries_not_written_for(version: str | None = None,
+                            patches: tuple[Patch, ...] = PATCHES) -> list[Patch]:
+    """The entries never checked on megatron-core ``version`` (default: the installed one)."""
+    version = version or megatron_core_version()
+    return [p for p in patches if version not in p.written_against]
+
+
+def version_report(version: str | None = None) -> list[str]:
+    """One line per entry not written for ``version`` (default: the installed release): its
+    target, the releases it was written against and what its staleness check says here."""
+    version = version or megatron_core_version()
+    return [f"{p.target} ({p.kind}): written against {', '.join(p.written_against)}, "
+            f"megatron-core {version} here: {stale_reason(p) or 'staleness check passes'}"
+            for p in entries_not_written_for(version)]
 
 
 # --------------------------------------------------------------------------------- install

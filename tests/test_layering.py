@@ -35,6 +35,9 @@ LOCAL_IMPORT_REASONS: dict[tuple[str, str], str] = {
     ("glm5_train.model.glm5", "_mtp_spec"):
         "megatron-core's Transformer Engine extension imports transformer_engine (optional); "
         "only reached when TE is installed",
+    ("glm5_train.metrics", "write"):
+        "torch.utils.tensorboard imports the tensorboard package (optional); only reached "
+        "when it is installed",
 }
 
 # tests that import a tools/ module in-process, and why (everything else runs tools as users do,

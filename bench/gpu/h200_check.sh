@@ -11,13 +11,15 @@
 #   train_cuda  torchrun, 1 process, tiny GLM-5, CUDA + NCCL
 #   train_cpu   the same with CUDA_VISIBLE_DEVICES= (CPU + gloo)
 #   compare  per-step loss / grad norm of both runs, max abs diff, tokens/s (d)
-#   dsa      dense vs DSA attention at 4K/8K/16K, GLM-5 heads 64 / indexer 32, fp32 and bf16
+#   dsa      dense vs DSA attention at 4K/8K/16K, GLM-5 heads 64 / indexer 32, bf16
+#            (bench/gpu/h200_perf.py --parts attention; the full measurement at 16K-64K and the
+#            744B-width layer stack's MFU: run bench/gpu/h200_perf.py on its own, ~9 minutes)
 #
 # Output: $OUT/h200.log (everything), $OUT/summary.txt (compact), $OUT/metrics_{cuda,cpu}.jsonl,
 # $OUT/dsa_cuda.json.
 #
 # Environment knobs:
-#   GLM5_CHECK_DEVICE=cpu     no nvidia-smi, no CUDA training run, DSA bench on CPU at toy sizes
+#   GLM5_CHECK_DEVICE=cpu     no nvidia-smi, no CUDA training run, DSA bench's dry run (CPU)
 #                             (a syntax / override check for machines without a GPU)
 #   GLM5_CHECK_INSTALL=0      do not install .whl/ (packages already importable)
 #   GLM5_CHECK_BUDGET_S=330   overall seconds; steps are shortened / skipped to stay inside
@@ -184,16 +186,14 @@ EOF
     # ------------------------------------------------------------------ c. DSA attention
     if wanted dsa; then
         if [[ $MODE != cpu ]]; then
-            run_step dsa 150 python3 bench/gpu/dsa_cuda.py --device cuda --seq 4096 8192 16384 \
-                --heads 64 --index-heads 32 --topk 2048 --dtypes fp32 bf16 --budget-s 90 \
+            run_step dsa 150 python3 bench/gpu/h200_perf.py --parts attention \
+                --seq 4096 8192 16384 --no-sweep --repeats 2 --budget-s 120 \
                 --json "$OUT/dsa_cuda.json"
         else
-            run_step dsa 120 python3 bench/gpu/dsa_cuda.py --device cpu --seq 256 512 \
-                --heads 2 --index-heads 2 --topk 64 --dtypes fp32 --repeats 1 \
-                --json "$OUT/dsa_cuda.json"
+            run_step dsa 120 python3 bench/gpu/h200_perf.py --dry-run --parts attention \
+                --seq 128 --json "$OUT/dsa_cuda.json"
         fi
-        grep -E '^dsa_cuda: (NOTE|SKIP|dtype=)|FAIL' "$WORK/dsa.log" 2>/dev/null \
-            | sed 's/^/dsa: /' >> "$SUMMARY"
+        grep -E '^summary: |FAIL' "$WORK/dsa.log" 2>/dev/null | sed 's/^/dsa: /' >> "$SUMMARY"
     fi
 
     summary "total ${SECONDS}s wall (budget ${BUDGET}s); overall $([[ $FAILED == 0 ]] && echo PASS || echo 'SOME STEPS FAILED')"

@@ -183,7 +183,7 @@ def sparse_latent_attention(q_lat: torch.Tensor, kv: torch.Tensor, idx: torch.Te
     """``SparseLatentAttention`` with the default chunk rows; probs None unless asked for.
     CUDA tensors with triton installed run the fused kernels of ``triton_sparse_mla`` instead
     (same contract and results; ``rows`` does not apply there)."""
-    if triton_sparse_mla.supports(q_lat):
+    if triton_sparse_mla.supports(q_lat, kv):
         return triton_sparse_mla.sparse_latent_attention(q_lat, kv, idx, valid, scale,
                                                          value_width, need_probs)
     rows = rows or latent_chunk_rows(q_lat.shape[0], idx.shape[-1], kv.shape[-1])
