@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from parallel.context_parallel import check_shardable
+from parallel.hierarchical_all_to_all import node_split
 
 
 class ModelShape(Protocol):
@@ -85,6 +86,14 @@ class ParallelConfig:
     # (megatron-core's microbatch_group_size_per_vp_stage; null: PP). Larger groups keep more
     # activations in flight but cut Pipeline ZeRO2's reduce-scatters to one per group.
     microbatch_group_size_per_vp_stage: int | None = None
+    # Context parallelism's exchange (context_parallel_size > 1): "all_gather" (queries stay on
+    # their sequence shard, the latent and indexer keys are all-gathered) or "head_parallel"
+    # (Ulysses: queries go to head shards over the whole sequence by all-to-all, outputs come
+    # back; glm5_train/model/head_parallel_cp.py). head_parallel's all-to-all runs in two levels
+    # with cp_node_size (global ranks per node: inside each node, then across nodes;
+    # parallel/hierarchical_all_to_all.py); null: one flat all-to-all over the CP group.
+    cp_comm: str = "all_gather"
+    cp_node_size: int | None = None
 
     @property
     def model_parallel_size(self) -> int:
@@ -152,6 +161,7 @@ def validate_layout(par: ParallelConfig, model: ModelShape, world_size: int,
     _check_sequence(par, model, seq_length)
     _check_batch(global_batch_size, micro_batch_size, dp)
     _check_interleaving(par, global_batch_size // max(1, micro_batch_size * dp))
+    _check_context_comm(par, model, world_size)
     return dp
 
 
@@ -406,3 +416,48 @@ def _check_interleaving(par: ParallelConfig, num_microbatches: int) -> None:
             f"{name}: the last group would hold {num_microbatches % size} < PP={pp} "
             f"micro-batches ({micro}): make the micro-batches per step a multiple of {size}, "
             f"or leave a remainder >= {pp}{or_group}")
+
+
+CP_COMMS = ("all_gather", "head_parallel")
+
+
+def _check_context_comm(par: ParallelConfig, model: ModelShape, world_size: int) -> None:
+    """parallel.cp_comm / cp_node_size (glm5_train/model/head_parallel_cp.py): the head split
+    and the node split the head-parallel all-to-all needs (checked again on the real groups
+    when they are built, parallel/hierarchical_all_to_all.node_split)."""
+    if par.cp_comm not in CP_COMMS:
+        raise LayoutError(f"parallel.cp_comm={par.cp_comm!r}: use one of {list(CP_COMMS)}")
+    node = par.cp_node_size
+    if node is not None and par.cp_comm != "head_parallel":
+        raise LayoutError(f"parallel.cp_node_size={node} sets the nodes of the head-parallel "
+                          "all-to-all, but parallel.cp_comm='all_gather' has none: set "
+                          "parallel.cp_comm=head_parallel or parallel.cp_node_size=null")
+    if par.cp_comm != "head_parallel":
+        return
+    tp, cp = par.tensor_model_parallel_size, par.context_parallel_size
+    heads = model.num_attention_heads // tp
+    if heads % cp:
+        raise LayoutError(
+            f"parallel.cp_comm=head_parallel splits the {heads} attention heads of each "
+            f"tensor-parallel rank (model.num_attention_heads={model.num_attention_heads} / "
+            f"TP {tp}) over context_parallel_size={cp} ranks: pick a CP size dividing {heads} "
+            "or parallel.cp_comm=all_gather")
+    if node is None:
+        return
+    if node < 1 or world_size % node:
+        raise LayoutError(f"parallel.cp_node_size={node} must be a positive divisor of the "
+                          f"world size {world_size} (global ranks per node, e.g. GPUs per "
+                          "node), or null (one flat all-to-all)")
+    for ranks in context_parallel_rank_lists(tp, cp, world_size):
+        try:
+            node_split(ranks, node)
+        except ValueError as err:
+            raise LayoutError(f"parallel.cp_node_size={node}: {err}") from None
+
+
+def context_parallel_rank_lists(tp: int, cp: int, world_size: int) -> list[list[int]]:
+    """Global ranks of every CP group under megatron-core's default order "tp-cp-ep-dp-pp"
+    (TP innermost, then CP): ranks base + TP x j, j < CP."""
+    block = tp * cp
+    return [[outer * block + t + tp * j for j in range(cp)]
+            for outer in range(world_size // block) for t in range(tp)]

@@ -1,0 +1,348 @@
+"""Head-parallel (Ulysses-style) context parallelism for DSA + MLA: ``parallel.cp_comm=
+head_parallel``.
+
+The all-gather mode (``DSACoreAttention._attend``) keeps each rank's queries on its zigzag
+sequence shard and gathers the keys. Here the queries change hands instead: an all-to-all over
+the CP group of c ranks takes the query [T, B, N, Dn + R] (T = S / c rows, every head) to
+[S, B, N / c, Dn + R] (every row, this rank's N / c heads), attention runs over the whole
+sequence for those heads, and the inverse all-to-all brings the output [S, B, N / c x Dv] back
+to [T, B, N x Dv] (``parallel/hierarchical_all_to_all.py``: flat, or in two levels with
+``parallel.cp_node_size``). Both cross before absorption / after the up-projection, at
+Dn + R and Dv values per head (256 and 256 in GLM-5; the absorbed forms would be 576 and 512).
+
+What is not per head still crosses by all-gather, as in the all-gather mode: MLA's latent key
+(C + R values per token, shared by all heads: MQA) and the indexer key (Di). The indexer
+selects top-k for this rank's own rows (its cost is quadratic: each rank scores its S / c
+rows); the selection [T, B, K] is then all-gathered (int32, -1 marking a pick past the causal
+keys) because every rank now attends for all S rows. For the indexer KL, the attention
+probabilities of the picks, summed over this rank's heads for all S rows, are reduce-scattered
+back to the rows' owners (sum over all heads), where the KL runs as in the all-gather mode.
+Dense attention (the warm-up, or top-k covering the sequence) up-projects the gathered latent
+for this rank's heads only and runs plain causal attention over the rows in natural order; the
+warm-up KL, which needs every head's attention of a row, runs on the sequence shard with the
+whole latent up-projected for every head (detached), as in the all-gather mode.
+
+Bytes per layer and rank (``bench/cp_comm_modes.py`` checks these against the meter): the
+all-gather mode's (c - 1) x T x (C + R + Di) each way, plus the query and output all-to-alls
+((c - 1) / c x T x N x (Dn + R) and x Dv, each way), the selection ((c - 1) x T x K int32) and
+the KL's probabilities ((c - 1) x T x K fp32).
+
+``install`` (start-up, every rank) builds the exchange's process groups once and hands it to
+every ``DSACoreAttention`` of the model chunks; ``DSACoreAttention._attend`` calls
+``HeadParallelCP.attend`` when it is set and the sequence is split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from glm5_train.model.dsa import DSACoreAttention, query_chunk, sparse_attention
+from glm5_train.model.dsa_loss import dense_indexer_kl, selected_indexer_kl
+from glm5_train.model.layers import MLACoreAttention
+from glm5_train.model.sparse_mla import absorbed_sparse_attention
+from parallel.context_parallel import (
+    ContextShard,
+    gather_sequence,
+    gather_sequence_no_grad,
+    group_size,
+    natural_order,
+    zigzag_positions,
+)
+from parallel.hierarchical_all_to_all import (
+    Exchange,
+    build_exchange,
+    heads_to_sequence,
+    level_bytes,
+    sequence_to_heads,
+)
+from parallel.layout import CP_COMMS
+
+
+def install(chunks: list, cp_comm: str, node_size: int | None, cp_group) -> Exchange | None:
+    """With ``cp_comm="head_parallel"`` and a split sequence: build the CP exchange (collective
+    over every rank: call it on all of them, once, before training) and set it on every
+    ``DSACoreAttention`` in ``chunks``. Returns the exchange (None: all-gather mode)."""
+    if cp_comm not in CP_COMMS:
+        raise ValueError(f"parallel.cp_comm={cp_comm!r}: use one of {list(CP_COMMS)}")
+    if cp_comm != "head_parallel" or group_size(cp_group) == 1:
+        return None
+    exchange = build_exchange(cp_group, node_size)
+    mode = HeadParallelCP(exchange)
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, DSACoreAttention):
+                module.head_parallel = mode
+    return mode.exchange
+
+
+@dataclass(frozen=True)
+class HeadParallelCP:
+    """The head-parallel path of one CP group (see the module docstring)."""
+
+    exchange: Exchange
+
+    def attend(self, module: DSACoreAttention, query, key, value, attention_mask, x, qr,
+               with_loss: bool, record_kl: bool, shard: ContextShard) -> torch.Tensor:
+        """``DSACoreAttention._attend`` under head-parallel CP: ``query`` [T, B, N, Dn + R],
+        ``key`` MLA's latent [T, B, 1, C + R] (value None), ``x`` / ``qr`` the indexer's inputs
+        of this rank's rows; returns [T, B, N x Dv]."""
+        _check_inputs(module, value, attention_mask)
+        step = _Step(module, shard, _RowOrder(shard, query.device),
+                     _my_heads(query.shape[2], shard), with_loss, record_kl)
+        q_hp = step.rows.natural(sequence_to_heads(query, self.exchange))  # [S, B, N/c, Dq]
+        latent = gather_sequence(key, shard)  # [S, B, 1, C + R], natural order
+        if module.training_cfg.stage == "dense_warmup" or module.indexer.topk >= shard.seq:
+            out = self._back(step.dense(q_hp, latent), step.rows)
+            if module.training_cfg.stage == "dense_warmup" and with_loss:
+                out = step.warmup_kl(out, query, latent, x, qr)
+            return out
+        # The indexer on this rank's rows, as in the all-gather mode (detached inputs).
+        x_in, qr_in = module._indexer_inputs(x.detach(), qr.detach())
+        with torch.set_grad_enabled(torch.is_grad_enabled() and with_loss):
+            keys = module.indexer.sequence_keys(x_in, shard)
+        with torch.no_grad():
+            topk_BTK, picked_BTK = module.indexer.select_blockwise(
+                x_in, qr_in, None, shard=shard, keys=tuple(k.detach() for k in keys))
+            valid_BTK = picked_BTK > float("-inf")
+        out_hp, probs_BSK = step.sparse(q_hp, latent,
+                                        *gather_selection(topk_BTK, valid_BTK, shard))
+        out = self._back(out_hp, step.rows)
+        if not with_loss:
+            return out
+        probs_BTK = sum_over_context_heads(probs_BSK, shard, step.rows)
+        kl = selected_indexer_kl(module, x_in, qr_in, topk_BTK, valid_BTK, probs_BTK, shard,
+                                 keys)
+        return module._attach(out, record_kl, kl)
+
+    def _back(self, out_SBF: torch.Tensor, rows: _RowOrder) -> torch.Tensor:
+        """[S, B, N / c x Dv] in natural order -> this rank's rows, every head [T, B, N x Dv]."""
+        seq, batch = out_SBF.shape[:2]
+        # One "head" of N / c x Dv values per rank: head group j comes from rank j.
+        out_SB1F = rows.rank_major(out_SBF).view(seq, batch, 1, -1)
+        out_TBcF = heads_to_sequence(out_SB1F, self.exchange)  # [T, B, c, N / c x Dv]
+        return out_TBcF.reshape(seq // self.exchange.size, batch, -1)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One layer application's attention on this rank's heads over the whole sequence."""
+
+    module: DSACoreAttention
+    shard: ContextShard
+    rows: _RowOrder
+    heads: slice  # this rank's heads among the N of its tensor-parallel rank
+    with_loss: bool
+    record_kl: bool
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [N / c, Dn, C] and W_UV [N / c, Dv, C] of this rank's heads (views)."""
+        w_uk, w_uv = self.module.latent_up_weights()
+        return w_uk[self.heads], w_uv[self.heads]
+
+    def dense(self, q_hp: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+        """Causal attention of every row (natural order) for this rank's heads: the gathered
+        latent up-projected for them, then the one-process dense path."""
+        k_hp, v_hp = up_project(latent, *self.weights())
+        return MLACoreAttention.forward(self.module, q_hp, k_hp, v_hp, None)
+
+    def sparse(self, q_hp: torch.Tensor, latent: torch.Tensor, topk_BSK: torch.Tensor,
+               valid_BSK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of every row over its selected keys for this rank's heads: output
+        [S, B, N / c x Dv] and the pick probabilities summed over these heads (with_loss)."""
+        scale = self.module.softmax_scale
+        if self.module.training_cfg.sparse_attention == "absorbed":
+            return absorbed_sparse_attention(q_hp, latent, *self.weights(), topk_BSK,
+                                             valid_BSK, scale, need_probs=self.with_loss)
+        k_hp, v_hp = up_project(latent, *self.weights())  # masked_dense: the reference
+        return sparse_attention(q_hp, k_hp, v_hp, topk_BSK, valid_BSK, scale,
+                                need_probs=self.with_loss)
+
+    def warmup_kl(self, out: torch.Tensor, query: torch.Tensor, latent: torch.Tensor, x,
+                  qr) -> torch.Tensor:
+        """The dense warm-up's KL on this rank's rows (a row's target is every head's
+        attention), every head's keys up-projected from the gathered latent (detached: the KL
+        trains the indexer only), as ``DSACoreAttention._attend`` runs it."""
+        module = self.module
+        w_uk, _ = module.latent_up_weights()
+        key, _ = up_project(latent.detach(), w_uk.detach())
+        if module.kl_backward_in_forward:
+            module._kl_backward_now(query, key, x, qr, None, self.shard)
+            return out
+        kl = dense_indexer_kl(module, query, key, x, qr, None, query_chunk, self.shard)
+        return module._attach(out, self.record_kl, kl)
+
+
+def _check_inputs(module: DSACoreAttention, value, attention_mask) -> None:
+    if value is not None or module.latent_up_weights is None:
+        raise NotImplementedError(
+            "parallel.cp_comm=head_parallel needs MLA's latent key at the core attention "
+            "(GLM5MLASelfAttention); up-projected keys and values run under "
+            "parallel.cp_comm=all_gather")
+    if attention_mask is not None:
+        raise NotImplementedError(
+            "packed documents (an attention mask) under parallel.cp_comm=head_parallel are not "
+            "supported yet: use parallel.cp_comm=all_gather with such data")
+
+
+def _my_heads(heads: int, shard: ContextShard) -> slice:
+    """The heads this rank attends for: head group = CP rank (``sequence_to_heads``)."""
+    if heads % shard.size:
+        raise ValueError(f"{heads} attention heads per tensor-parallel rank cannot be split "
+                         f"over context_parallel_size={shard.size} ranks "
+                         "(parallel.cp_comm=head_parallel)")
+    per_rank = heads // shard.size
+    return slice(shard.rank * per_rank, (shard.rank + 1) * per_rank)
+
+
+class _RowOrder:
+    """Rows of the whole sequence: rank-major (every rank's zigzag rows, rank 0's first: what
+    the all-to-all delivers) <-> natural (global position order: what the gathered keys and
+    the selection use)."""
+
+    def __init__(self, shard: ContextShard, device: torch.device) -> None:
+        self.to_natural = natural_order(shard.seq, shard.size, device)
+        self.to_rank_major = torch.cat([zigzag_positions(shard.seq, shard.size, r, device)
+                                        for r in range(shard.size)])
+
+    def natural(self, rank_major: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return rank_major.index_select(dim, self.to_natural)
+
+    def rank_major(self, natural: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return natural.index_select(dim, self.to_rank_major)
+
+
+def up_project(latent: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor | None = None):
+    """MLA's per-head keys [S, B, n, Dn + R] (k = W_UK c ‖ k_pe) and values [S, B, n, Dv]
+    (W_UV c; None without ``w_uv``) of the gathered latent [S, B, 1, C + R] for the n heads of
+    ``w_uk`` [n, Dn, C] / ``w_uv`` [n, Dv, C]."""
+    c, k_pe = latent.squeeze(2).split([w_uk.shape[-1], latent.shape[-1] - w_uk.shape[-1]],
+                                      dim=-1)
+    k_nope = torch.einsum("sbc,ndc->sbnd", c, w_uk)
+    key = torch.cat([k_nope, k_pe[:, :, None].expand(-1, -1, w_uk.shape[0], -1)], dim=-1)
+    value = None if w_uv is None else torch.einsum("sbc,nvc->sbnv", c, w_uv)
+    return key, value
+
+
+def _index_dtype(seq: int) -> torch.dtype:
+    return torch.int32 if seq < 2 ** 31 else torch.int64
+
+
+def gather_selection(topk_BTK: torch.Tensor, valid_BTK: torch.Tensor,
+                     shard: ContextShard) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's top-k keys [B, S, K] (int64) and validity, natural order, from each rank's
+    own rows: one all-gather of int32 indices, -1 at invalid picks (which get no weight; any
+    in-range index stands in for them)."""
+    coded = torch.where(valid_BTK, topk_BTK, -1).to(_index_dtype(shard.seq))
+    gathered = gather_sequence_no_grad(coded, shard, dim=1)
+    return gathered.clamp_min(0).long(), gathered >= 0
+
+
+def sum_over_context_heads(probs_BSK: torch.Tensor, shard: ContextShard,
+                           rows: _RowOrder) -> torch.Tensor:
+    """This rank's rows [B, T, K] of the pick probabilities summed over every CP rank's heads,
+    from each rank's head sum for all rows [B, S, K] (natural order): one reduce-scatter."""
+    batch, seq, picks = probs_BSK.shape
+    send_SBK = rows.rank_major(probs_BSK, dim=1).transpose(0, 1).contiguous()
+    out_TBK = send_SBK.new_empty(seq // shard.size, batch, picks)
+    dist.reduce_scatter_tensor(out_TBK, send_SBK, group=shard.group)
+    return out_TBK.transpose(0, 1)
+
+
+# ------------------------------------------------------------------ bytes per layer (formula)
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """Per-token widths of what crosses context-parallel ranks in one DSA + MLA layer."""
+
+    heads: int  # N: attention heads of one tensor-parallel rank
+    query: int  # Dn + R: a head's query, as the all-to-all moves it (before absorption)
+    value: int  # Dv: a head's output (after the up-projection)
+    latent: int  # C + R: MLA's latent key, shared by all heads
+    index_key: int  # Di: the indexer's key, shared by its heads
+    topk: int  # K: keys each query selects
+
+    @classmethod
+    def of(cls, model, tp: int = 1) -> AttentionShape:
+        """From a ``GLM5Config`` (HF names)."""
+        return cls(model.num_attention_heads // tp,
+                   model.qk_nope_head_dim + model.qk_rope_head_dim, model.v_head_dim,
+                   model.kv_lora_rank + model.qk_rope_head_dim, model.index_head_dim,
+                   model.index_topk)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One collective a CP rank calls per layer application: ``payload`` bytes handed to it
+    (``parallel/comm_meter.py``'s payload: all_gather's local input, the whole input of
+    all_to_all and reduce_scatter); ``level_bytes`` turns it into bytes sent per level."""
+
+    what: str
+    op: str
+    payload: int
+
+
+def layer_transfers(shape: AttentionShape, seq: int, cp: int, mode: str,
+                    stage: str = "sparse", trains_indexer: bool = True, act_bytes: int = 2,
+                    batch: int = 1) -> list[Transfer]:
+    """The collectives on the CP group (c = ``cp`` ranks, T = seq / c rows each) of one DSA
+    layer application in training, forward and backward, for ``batch`` sequences of ``seq``
+    tokens: ``mode`` "all_gather" (``DSACoreAttention._attend``) or "head_parallel" (this
+    module). ``stage``: "sparse" (trained end to end; selects top-k when K < seq) or
+    "dense_warmup" (the model frozen but the indexer: nothing of the main attention has a
+    backward). ``act_bytes``: bytes per activation value (bf16 2, fp32 4); the selection is
+    int32 and the pick probabilities fp32."""
+    rows = seq // cp * batch
+    trained = stage == "sparse"
+    selects = trained and shape.topk < seq
+    latent = rows * shape.latent * act_bytes
+    out = [Transfer("latent key", "all_gather", latent)]
+    if trained:
+        out.append(Transfer("latent key gradient", "reduce_scatter", cp * latent))
+    index_key = rows * shape.index_key * act_bytes
+    kl = trains_indexer and (selects or stage == "dense_warmup")
+    if selects or stage == "dense_warmup":
+        out.append(Transfer("indexer key", "all_gather", index_key))
+    if kl:
+        out.append(Transfer("indexer key gradient", "reduce_scatter", cp * index_key))
+    if mode != "head_parallel":
+        return out
+    query = rows * shape.heads * shape.query * act_bytes
+    value = rows * shape.heads * shape.value * act_bytes
+    out += [Transfer("query to head shards", "all_to_all", query),
+            Transfer("output to sequence shards", "all_to_all", value)]
+    if trained:
+        out += [Transfer("output gradient to head shards", "all_to_all", value),
+                Transfer("query gradient to sequence shards", "all_to_all", query)]
+    if selects:
+        out.append(Transfer("selection (int32)", "all_gather", rows * shape.topk * 4))
+        if trains_indexer:
+            out.append(Transfer("pick probabilities (fp32)", "reduce_scatter",
+                                cp * rows * shape.topk * 4))
+    return out
+
+
+def meter_bytes(transfers: list[Transfer], cp: int, node_size: int | None) -> dict[str, int]:
+    """What ``parallel/comm_meter.py`` counts for one rank for ``transfers`` ({"<op>:<group
+    size>": bytes}): all-gathers and reduce-scatters on the CP group; the all-to-alls on it too,
+    or on the node (``node_size`` ranks of it per node) and local-index groups when the
+    exchange has two levels (``parallel/hierarchical_all_to_all.build_exchange``)."""
+    per_node = node_size or cp
+    two_level = per_node not in (1, cp)
+    counted: dict[str, int] = {}
+
+    def add(key: str, value: float) -> None:
+        counted[key] = counted.get(key, 0) + round(value)
+
+    for t in transfers:
+        two = two_level and t.op == "all_to_all"
+        levels = level_bytes(t.op, t.payload, cp, per_node, two)
+        if two:
+            add(f"all_to_all:{per_node}", levels["intra"])
+            add(f"all_to_all:{cp // per_node}", levels["inter"])
+        else:
+            add(f"{t.op}:{cp}", levels["intra"] + levels["inter"])
+    return counted
