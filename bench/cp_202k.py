@@ -23,9 +23,14 @@ from job import run_training  # noqa: E402
 
 
 def overrides(seq: int, steps: int) -> list[str]:
+    # Full recompute: without it the tiny model keeps ~115 KB per token for backward
+    # (bench/long_context.py), 5.8 GB per rank at 50,688 tokens: four ranks exceed this
+    # machine's 24 GB. GLM-5's 200K SFT recipes recompute fully as well.
     return ["model=glm5_tiny", f"model.max_position_embeddings={seq}", f"train.seq_length={seq}",
             f"train.train_iters={steps}", "train.warmup_iters=0", "train.global_batch_size=1",
-            "train.micro_batch_size=1", "checkpoint.save=null", "checkpoint.load=null"]
+            "train.micro_batch_size=1", "checkpoint.save=null", "checkpoint.load=null",
+            "activations.recompute_granularity=full", "activations.recompute_method=uniform",
+            "activations.recompute_num_layers=1"]
 
 
 def report(label: str, records: list[dict], seq: int) -> float:
