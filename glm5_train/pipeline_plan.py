@@ -7,11 +7,16 @@ The memory model is closed-form: parameters from ``glm5_train.model.param_count`
 sharded as our model shards them; activations per micro-batch tensor by tensor as our
 implementation saves them for backward (checked against a measured forward in
 ``tests/test_pipeline_plan.py``); and the activations in flight from a replay of megatron-core's
-(interleaved) 1F1B order per rank.
+(interleaved) 1F1B order per rank. Under context parallelism each rank's report also carries the
+bytes it sends per step on its CP group (``RankReport.comm_bytes``; tests/
+test_context_parallel_plan.py checks both against measured runs). ``job_plan`` plans a composed
+job as it would run; ``recompute_working_set_bytes`` is what recompute re-creates for one layer
+on top of a rank's peak.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 from glm5_train.activation_config import ActivationsConfig
@@ -25,6 +30,7 @@ from glm5_train.model.stage_costs import (
     mtp_sets,
     mtp_step_activation_bytes,
     mtp_steps,
+    selective_recompute_savings,
 )
 from parallel.pipeline_layout import (
     NO_MEMORY_LIMIT,
@@ -38,10 +44,12 @@ from parallel.pipeline_layout import (
     parse_layout,
     plan_for,
 )
+from parallel.recompute import Recompute
 
 __all__ = ["NO_MEMORY_LIMIT", "MemoryInputs", "PipelineLayout", "PipelineSchedule", "PlanReport",
-           "balance_layout", "inputs_from_job", "job_pipeline", "layout_from_counts", "mtp_sets",
-           "mtp_steps", "parse_layout", "plan_report", "resolve_pipeline_layout"]
+           "balance_layout", "inputs_from_job", "job_pipeline", "job_plan", "layout_from_counts",
+           "mtp_sets", "mtp_steps", "parse_layout", "plan_report", "recompute_working_set_bytes",
+           "resolve_pipeline_layout"]
 
 
 def plan_report(model_cfg: GLM5Config, layout: PipelineLayout, inputs: MemoryInputs,
@@ -99,10 +107,11 @@ def balance_layout(model_cfg: GLM5Config, pp: int, vpp: int | None, placement: s
                    memory_limit_bytes)
 
 
-def resolve_pipeline_layout(job, dp: int) -> str | None:
+def resolve_pipeline_layout(job, dp: int, **changes) -> str | None:
     """The layout string the job runs with: a given ``parallel.pipeline_model_parallel_layout``
     checked (LayoutError naming the rule), else with MTP and PP > 1 a balanced layout for
-    ``parallel.mtp_placement``, else None (megatron-core's even split)."""
+    ``parallel.mtp_placement``, else None (megatron-core's even split). ``changes``: to
+    ``inputs_from_job`` (a plan for another machine, e.g. fused_attention=True)."""
     par, model = job.parallel, job.model
     pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
     if par.pipeline_model_parallel_layout:
@@ -112,20 +121,47 @@ def resolve_pipeline_layout(job, dp: int) -> str | None:
         return None
     limit = par.stage_memory_limit_gib
     limit_bytes = int(limit * 2**30) if limit is not None else NO_MEMORY_LIMIT
-    return balance_layout(model, pp, vpp, par.mtp_placement, inputs_from_job(job, dp),
+    return balance_layout(model, pp, vpp, par.mtp_placement, inputs_from_job(job, dp, **changes),
                           limit_bytes).to_string()
 
 
-def job_pipeline(job, dp: int) -> PipelineLayout:
+def job_pipeline(job, dp: int, **changes) -> PipelineLayout:
     """The stages the job runs: its resolved layout (given, or balanced for the MTP placement),
     else megatron-core's even split (PP=1: one stage holding everything)."""
     par, model = job.parallel, job.model
     pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
     layers, sets = model.num_hidden_layers, mtp_sets(model)
-    resolved = resolve_pipeline_layout(job, dp)
+    resolved = resolve_pipeline_layout(job, dp, **changes)
     if resolved:
         return parse_layout(resolved, pp, vpp, layers, sets)
     stages = pp * (vpp or 1)
     return layout_from_counts([layers // stages] * stages, pp, vpp,
                               stages - 1 if sets else None, sets)
 
+
+
+def job_plan(job, dp: int, **changes) -> PlanReport:
+    """The plan of the job as it would run: its stages (``job_pipeline``), its memory inputs
+    and its activations settings (offloading included). ``changes`` as in
+    ``resolve_pipeline_layout``."""
+    inputs = inputs_from_job(job, dp, **changes)
+    return plan_report(job.model, job_pipeline(job, dp, **changes), inputs, job.activations)
+
+
+def recompute_working_set_bytes(model_cfg: GLM5Config, inputs: MemoryInputs) -> int:
+    """What recompute re-creates for one layer at a time in backward, on top of the plan's
+    resident bytes: under full recompute a whole layer's saved activations (the largest decoder
+    layer's, or an MTP step's where those are recomputed), under selective recompute the
+    largest layer's recomputed parts; 0 without recompute. Transient workspace inside a layer
+    (one query chunk's gathered keys, one loss chunk's logits) is not counted."""
+    rc = inputs.recompute
+    kinds = sorted({bool(m) for m in model_cfg.moe_layer_pattern})
+    if rc.full:
+        raw = dataclasses.replace(inputs, recompute=Recompute())
+        sizes = [decoder_layer_activation_bytes(model_cfg, moe, raw) for moe in kinds]
+        if rc.mtp_steps_recomputed and mtp_steps(model_cfg):
+            sizes.append(mtp_step_activation_bytes(model_cfg, raw))
+        return max(sizes)
+    if rc.granularity == "selective":
+        return max(selective_recompute_savings(model_cfg, moe, inputs) for moe in kinds)
+    return 0

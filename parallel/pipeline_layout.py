@@ -120,6 +120,27 @@ def _check_mtp(lay: PipelineLayout, fail, mtp_sets: int) -> None:
 
 # ----------------------------------------------------------------------------- stage costs
 
+# Bytes a rank sends, by "<op>:<group>" (op as parallel.comm_meter names it, group a name the
+# cost model chooses, e.g. "all_gather:cp"): sorted pairs, no zero entries, so that equal
+# traffic compares equal and costs stay hashable.
+Comm = tuple[tuple[str, int], ...]
+
+
+def comm_sum(*parts: Comm) -> Comm:
+    total: dict[str, int] = {}
+    for comm in parts:
+        for key, sent in comm:
+            total[key] = total.get(key, 0) + sent
+    return tuple(sorted((key, sent) for key, sent in total.items() if sent))
+
+
+def comm_times(comm: Comm, k: int) -> Comm:
+    return comm_sum(tuple((key, k * sent) for key, sent in comm))
+
+
+def comm_of(comm: Comm, key: str) -> int:
+    return dict(comm).get(key, 0)
+
 
 @dataclass(frozen=True)
 class StageCosts:
@@ -132,6 +153,7 @@ class StageCosts:
     # Held only while one forward of this stage runs, on top of the micro-batches in flight
     # before it (e.g. a graph that forward builds and runs its backward on at once).
     transient_activation_bytes: int = 0
+    comm_bytes_per_microbatch: Comm = ()  # what the cost model counts of the stage's traffic
 
     @cached_property  # read in the balancer's inner loop
     def static_bytes(self) -> int:
@@ -344,6 +366,11 @@ class RankReport:
     static_bytes: int
     peak_activation_bytes: int  # saved bytes resident on the device at the peak
     offloaded_bytes: int = 0  # moved to host (and back) per step by activation offloading
+    comm_bytes: Comm = ()  # sent per step: its stages' traffic x micro-batches
+
+    @property
+    def comm_total(self) -> int:
+        return sum(sent for _, sent in self.comm_bytes)
 
     @property
     def total_bytes(self) -> int:
@@ -387,10 +414,16 @@ def plan_for(model: StageCostModel, layout: PipelineLayout, schedule: PipelineSc
     costs = model.costs(list(layout.layers_per_stage))
     stages = tuple(StageReport(s, layout.rank_of(s), "".join(layout.stages[s]), c)
                    for s, c in enumerate(costs))
-    ranks = tuple(RankReport(r, *schedule.rank_bytes(r, costs)) for r in range(layout.pp))
+    ranks = tuple(RankReport(r, *schedule.rank_bytes(r, costs), comm_bytes=_rank_comm(
+        costs[r::layout.pp], schedule.num_microbatches)) for r in range(layout.pp))
     if offload is not None and offload.micro_batches:
         ranks = tuple(_with_offload(rank, schedule, costs, offload) for rank in ranks)
     return PlanReport(layout, stages, ranks)
+
+
+def _rank_comm(mine: list[StageCosts], num_microbatches: int) -> Comm:
+    """Bytes one rank sends per step: every micro-batch passes through each of its stages."""
+    return comm_times(comm_sum(*(c.comm_bytes_per_microbatch for c in mine)), num_microbatches)
 
 
 def _with_offload(rank: RankReport, schedule: PipelineSchedule, costs: list[StageCosts],
@@ -405,7 +438,7 @@ def _with_offload(rank: RankReport, schedule: PipelineSchedule, costs: list[Stag
                                        units[-1] if units else 0, max(units, default=0)))
     plan = offload_plan(schedule, rank.rank, offload.micro_batches)
     peak, moved = offload_peak(plan, chunks)
-    return RankReport(rank.rank, rank.static_bytes, peak, moved)
+    return RankReport(rank.rank, rank.static_bytes, peak, moved, rank.comm_bytes)
 
 
 def layout_from_counts(counts: list[int], pp: int, vpp: int | None, mtp_stage: int | None,

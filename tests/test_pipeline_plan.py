@@ -411,6 +411,50 @@ def test_indexer_kl_bytes_grow_linearly_in_the_sequence_744b(big):
     assert 0 < at_4k < 4 * 4096 * 32 * 4096 // 4
 
 
+# ------------------------------------------------------------------- context parallelism
+
+
+def test_context_parallel_bytes_per_layer_follow_the_gathers_744b(big):
+    """Per DSA layer application and micro-batch at 202,752 tokens, CP16, bf16: each rank
+    all-gathers its 12,672 tokens' 576-wide latent key and 128-wide indexer key and
+    reduce-scatters the gradients of what trains (measured byte for byte on the tiny model:
+    tests/test_context_parallel_plan.py). A recomputed core attention gathers again; the dense
+    warm-up returns only the indexer key's gradient; a frozen indexer's key gets none."""
+    inputs = dataclasses.replace(BIG_INPUTS, cp=16, dp=1, seq_length=202_752)
+    per_way = 15 * 12_672 * 2
+    latent, index = big.kv_lora_rank + big.qk_rope_head_dim, big.index_head_dim
+    assert (latent, index) == (576, 128)
+
+    def sent(**changes) -> dict[str, int]:
+        return dict(memory.dsa_context_parallel_comm(
+            big, dataclasses.replace(inputs, **changes),
+            2 if changes.get("recompute") else 1))
+
+    both = {"all_gather:cp": per_way * (latent + index), "reduce_scatter:cp": per_way * (latent + index)}
+    assert sent() == both
+    assert sent(recompute=Recompute("selective", modules=("core_attn",))) == {
+        "all_gather:cp": 2 * per_way * (latent + index), "reduce_scatter:cp": per_way * (latent + index)}
+    assert sent(dsa_stage="dense_warmup") == {"all_gather:cp": per_way * (latent + index),
+                                             "reduce_scatter:cp": per_way * index}
+    assert sent(dsa_kl=False) == {"all_gather:cp": per_way * (latent + index),
+                                  "reduce_scatter:cp": per_way * latent}
+    assert memory.dsa_context_parallel_comm(big, dataclasses.replace(inputs, cp=1)) == ()
+
+
+def test_context_parallel_ranks_keep_the_whole_sequence_keys_744b(big):
+    """Each CP rank keeps its own tokens' activations but the whole sequence's latent and
+    indexer keys (the absorbed attention and the indexer KL save the gathered tensors): a
+    layer's bytes at CP16 exceed a 16th of CP1's by about those 202,752 x (576 + 128) bf16
+    values, less their local share."""
+    one = dataclasses.replace(BIG_INPUTS, tp=1, sequence_parallel=False, dp=1, seq_length=202_752)
+    split = dataclasses.replace(one, cp=16)
+    whole = memory.decoder_layer_activation_bytes(big, True, one)
+    sharded = memory.decoder_layer_activation_bytes(big, True, split)
+    gathered = 2 * 202_752 * (576 + 128)
+    extra = sharded - whole // 16
+    assert abs(extra - gathered * 15 / 16) <= 0.01 * gathered, (extra, gathered)
+
+
 # -------------------------------------------------------------------------------------- CLI
 
 
@@ -443,3 +487,38 @@ def test_tool_shows_a_given_layout_next_to_the_other_placement(capsys):
     summaries = SUMMARY.findall(capsys.readouterr().out)
     assert code == 0 and next(s[:2] for s in summaries) == ("split", "Ett|t|tm|L")
     assert [s[0] for s in summaries] == ["split", "with_loss"]
+
+
+FIT_SUMMARY = re.compile(r"^fits_h100=(True|False) fits_h200=(True|False) gpus=(\d+) "
+                         r"max_rank_bytes=(\d+) working_set_bytes=(\d+) "
+                         r"cp_bytes_per_step=(\d+)$", re.MULTILINE)
+
+
+FIT_TOOL = os.path.join(REPO, "tools", "plan_fit.py")
+
+
+def _fit_tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, FIT_TOOL, *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, check=False)
+
+
+def test_fit_tool_reports_memory_traffic_and_each_technique():
+    """tools/plan_fit.py on the tiny model at CP2 x PP2 x VPP2 with full recompute: the
+    summary line, the per-rank CP traffic, the Megatron-Bridge line and one row per technique
+    turned off (or on), each technique's saving counted where the plan uses it."""
+    proc = _fit_tool("model=glm5_tiny", "parallel=pp2_vpp2", "parallel.context_parallel_size=2",
+                     "train.global_batch_size=8", "activations.recompute_granularity=full",
+                     "activations.recompute_method=uniform", "activations.recompute_num_layers=1")
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    fits_h100, fits_h200, gpus, top, working_set, cp_sent = FIT_SUMMARY.findall(out)[-1]
+    assert (fits_h100, fits_h200, int(gpus)) == ("True", "True", 4)
+    assert int(top) > 0 and int(working_set) > 0 and int(cp_sent) > 0
+    assert "608 H100" in out and "context parallelism CP2 -> CP1 (DP2)" in out
+    assert "full recompute -> none" in out and "saved on the largest rank" in out
+    assert out.rstrip().split("\n")[-1].startswith("fits_h100=")
+
+
+def test_fit_tool_reports_a_bad_override_and_exits_2():
+    proc = _fit_tool("model=glm5_tiny", "train.global_batch_size=3", "--dp", "2")
+    assert proc.returncode == 2 and "plan_fit: error" in proc.stderr, proc.stderr

@@ -22,7 +22,10 @@ The memory is a closed-form estimate (see ``glm5_train/pipeline_plan.py``): weig
 optimizer state of each rank's stages, plus the activations its pipeline schedule keeps in flight
 at its peak. The config's memory options count: ``parallel.use_distributed_optimizer`` (state
 sharded), ``parallel.pipeline_zero2`` (gradient slices plus two accumulation buffers per rank),
-``parallel.microbatch_group_size_per_vp_stage`` (the interleaved schedule's group size). The last lines are one summary per plan::
+``parallel.microbatch_group_size_per_vp_stage`` (the interleaved schedule's group size),
+``parallel.context_parallel_size`` (seq_length / CP tokens per rank; the rank table then adds the
+bytes each rank sends per step for context parallelism). ``tools/plan_fit.py`` checks a job
+against H100 / H200 memory and shows what each memory technique saves. The last lines are one summary per plan::
 
     placement=<p> layout=<str> max_rank_bytes=<int> min_rank_bytes=<int> spread_bytes=<int>
 
@@ -156,9 +159,10 @@ def stage_table(plans) -> list[str]:
 
 def rank_table(plans) -> list[str]:
     size, name = unit(plans)
+    sends = any(rank.comm_bytes for plan in plans for rank in plan.ranks)
     head = f"{'rank':>4}" + "".join(
         f" | {p.layout.placement + ' static ' + name:>20} {'peak act ' + name:>12} "
-        f"{'total ' + name:>9}" for p in plans)
+        f"{'total ' + name:>9}" + (f" {'CP sent ' + name:>11}" if sends else "") for p in plans)
     rows = [head, "-" * len(head)]
     for r in range(len(plans[0].ranks)):
         row = f"{r:>4}"
@@ -166,9 +170,14 @@ def rank_table(plans) -> list[str]:
             rank = plan.ranks[r]
             row += (f" | {rank.static_bytes / size:>20.2f} "
                     f"{rank.peak_activation_bytes / size:>12.2f} {rank.total_bytes / size:>9.2f}")
+            row += f" {rank.comm_total / size:>11.2f}" if sends else ""
         rows.append(row)
-    return rows + [("(static: weights + grads + optimizer state; peak act: the most activations "
-                    "its pipeline schedule holds at once)")]
+    note = ("(static: weights + grads + optimizer state; peak act: the most activations its "
+            "pipeline schedule holds at once")
+    if sends:
+        note += ("; CP sent: bytes the rank sends per step for context parallelism, the latent "
+                 "and indexer keys gathered and their gradients reduce-scattered")
+    return rows + [note + ")"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,9 @@ Parameters come from ``glm5_train.model.param_count``'s formula, sharded as our 
 experts over EP x expert-TP); bytes per parameter follow the training precision and optimizer.
 Activations are counted tensor by tensor as our implementation saves them for backward
 (checked against a measured forward in ``tests/test_pipeline_plan.py``). Compute is forward +
-backward FLOPs. ``GLM5StageModel`` gives a whole stage's costs for ``parallel.pipeline_layout``, which places
+backward FLOPs. Communication: the bytes a rank sends per micro-batch for context parallelism
+(``dsa_context_parallel_comm``; checked against the communication meter of measured runs).
+``GLM5StageModel`` gives a whole stage's costs for ``parallel.pipeline_layout``, which places
 them on stages and replays the pipeline schedule to find each rank's peak.
 """
 
@@ -21,7 +23,7 @@ from glm5_train.model.config import GLM5Config
 from glm5_train.model.param_count import layer_terms, top_terms
 from parallel.layout import LayoutError
 from parallel.recompute import Recompute
-from parallel.pipeline_layout import StageCosts
+from parallel.pipeline_layout import Comm, StageCosts, comm_of, comm_sum, comm_times
 
 
 def mtp_steps(cfg: GLM5Config) -> int:
@@ -47,6 +49,9 @@ class MemoryInputs:
     etp: int | None = None  # None: 1 with EP > 1, else TP (parallel.layout.ParallelConfig)
     cp: int = 1
     dp: int = 1
+    # parallel.cp_comm: "all_gather" (modelled: queries local, latent and indexer keys
+    # gathered); "head_parallel" is planned as if it were all_gather, its traffic left out.
+    cp_comm: str = "all_gather"
     sequence_parallel: bool = False
     seq_length: int = 4096
     micro_batch_size: int = 1
@@ -96,6 +101,12 @@ class MemoryInputs:
         return self.micro_batch_size * self.seq
 
     @property
+    def gathered_tokens(self) -> int:
+        """Rows per micro-batch of a tensor all-gathered over the context-parallel group: the
+        whole sequence (parallel.context_parallel.gather_sequence); ``tokens`` without CP."""
+        return self.micro_batch_size * self.seq_length
+
+    @property
     def sp_tokens(self) -> int:  # per micro-batch where sequence parallelism splits over TP
         return self.tokens // self.tp if self.sequence_parallel else self.tokens
 
@@ -116,6 +127,7 @@ def inputs_from_job(job, dp: int | None = None, **changes) -> MemoryInputs:
     inputs = MemoryInputs(
         tp=par.tensor_model_parallel_size, ep=par.expert_model_parallel_size,
         etp=par.expert_tensor_parallel_size, cp=par.context_parallel_size, dp=dp,
+        cp_comm=getattr(par, "cp_comm", "all_gather"),
         sequence_parallel=par.sequence_parallel, seq_length=train.seq_length,
         micro_batch_size=train.micro_batch_size,
         num_microbatches=train.global_batch_size // micro,
@@ -151,8 +163,13 @@ def inputs_from_job(job, dp: int | None = None, **changes) -> MemoryInputs:
 # test_activation_offload.py), as the job's meter counts it: what forward saves, an output-
 # discarding checkpoint's emptied output at 0 bytes until backward refills it; not the tensors
 # a recomputed unit saves again while its backward runs (backward-time saves, transient).
-# Offloading: ``parallel.pipeline_layout.offload_peak`` on these bytes. Not modelled:
-# transient workspace inside a layer's forward or backward, allocator fragmentation.
+# Offloading: ``parallel.pipeline_layout.offload_peak`` on these bytes. Context parallelism
+# (all-gather mode): every per-token term counts a rank's seq_length / CP tokens, except the
+# tensors kept whole-sequence (``MemoryInputs.gathered_tokens``: the gathered latent and
+# indexer keys, the keys and values dense paths up-project from the gathered latent); checked
+# per rank against the job's measured peaks, both DSA stages, PP x VPP, offloading + selective
+# recompute (tests/test_context_parallel_plan.py). Not modelled: transient workspace inside a
+# layer's forward or backward, allocator fragmentation.
 
 
 def rms_norm_bytes(tokens: int, width: int, inp: MemoryInputs) -> int:
@@ -189,9 +206,17 @@ def attention_activation_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
 
 
 def dsa_sparse(cfg: GLM5Config, inp: MemoryInputs) -> bool:
-    """DSACoreAttention falls back to dense causal attention (and no KL) when every key fits;
-    the dense warm-up attends densely whatever the sequence."""
-    return cfg.index_topk < inp.seq and not dense_warmup(inp)
+    """DSACoreAttention falls back to dense causal attention (and no KL) when every key of the
+    whole sequence (all context-parallel ranks' tokens) fits; the dense warm-up attends densely
+    whatever the sequence."""
+    return cfg.index_topk < inp.seq_length and not dense_warmup(inp)
+
+
+def takes_latent(cfg: GLM5Config, inp: MemoryInputs) -> bool:
+    """MLA hands the core attention its latent key [n, C + R] instead of up-projected keys
+    and values (DSACoreAttention.takes_latent): on the absorbed sparse path, and on every path
+    under context parallelism (the latent is what crosses CP ranks)."""
+    return (dsa_sparse(cfg, inp) and inp.absorbed_attention) or inp.cp > 1
 
 
 def dense_warmup(inp: MemoryInputs) -> bool:
@@ -200,33 +225,53 @@ def dense_warmup(inp: MemoryInputs) -> bool:
 
 
 def _core_attention_bytes(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> int:
-    a, n, s = inp.activation_bytes, inp.tokens, inp.seq
+    a, n, keys = inp.activation_bytes, inp.tokens, inp.gathered_tokens
     dqk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-    if not dsa_sparse(cfg, inp):
-        return _dense_attention_bytes(cfg, inp, heads)
-    if inp.absorbed_attention:
+    if dsa_sparse(cfg, inp) and inp.absorbed_attention:
         return _absorbed_attention_bytes(cfg, inp, heads)
+    latent = _cp_latent_up_projection_bytes(cfg, inp)
+    if not dsa_sparse(cfg, inp):
+        return _dense_attention_bytes(cfg, inp, heads) + latent
     if not inp.fused_attention:  # SDPA's math path (CPU, where it computes in fp32): copies
-        # of the scaled q, k^T and v, and the probabilities [b, heads, s, s]
-        return 4 * n * heads * (2 * dqk + dv) + 4 * n * heads * s
+        # of the scaled q, k^T and v, and the probabilities [b, heads, s, S] (k, v: S keys)
+        return 4 * heads * (n * dqk + keys * (dqk + dv)) + 4 * n * heads * inp.seq_length + latent
     # Fused kernels: q, k, v and the output, an fp32 log-sum-exp per head and query, and for
-    # the top-k selection the additive [b, 1, s, s] mask the kernel keeps for backward.
-    return a * n * heads * 2 * (dqk + dv) + 4 * n * heads + a * n * s
+    # the top-k selection the additive [b, 1, s, S] mask the kernel keeps for backward.
+    return (a * heads * (n + keys) * (dqk + dv) + 4 * n * heads + a * n * inp.seq_length
+            + latent)
+
+
+def _cp_latent_up_projection_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
+    """Under context parallelism every path that is not the absorbed one gets MLA's latent
+    key and up-projects the whole sequence's latent itself (DSACoreAttention._dense_inputs):
+    the gathered latent [N, C + R] is kept (the up-projection einsums save views of it), and
+    so are copies of the W_UK / W_UV slices of the up-projection weight (non-contiguous views,
+    copied by einsum's reshape); kv_up never runs, so its input, which
+    ``attention_activation_bytes`` counts, is not kept: subtracted. Nothing without CP."""
+    if inp.cp == 1:
+        return 0
+    a, latent = inp.activation_bytes, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    weights = a * (cfg.num_attention_heads // inp.tp) * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return (a * inp.gathered_tokens * latent + weights * cfg.kv_lora_rank
+            - a * inp.sp_tokens * cfg.kv_lora_rank)
 
 
 def _absorbed_attention_bytes(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> int:
     """The absorbed sparse path (glm5_train.model.sparse_mla, the same on CPU and GPU): the
     query (q_nope's absorption by W_UK keeps it), the absorbed query [n, heads, C + R], the
-    latent key [n, C + R] (full sequence: gathered under SP), the latent output [n, heads, C]
-    (kept once: the kernel and the W_UV up-projection share it), an fp32 log-sum-exp per head
-    and query, and the int64 picks with their bool validity (counted with the indexer KL when
-    it runs: the same tensors). The key/value up-projection never runs, so the kv latent that
-    ``attention_activation_bytes`` counts as kv_up's input is not kept: subtracted here."""
+    latent key of the whole sequence [N, C + R] (gathered under SP, and over the context-
+    parallel group: every CP rank keeps all N = micro-batch x seq_length rows), the latent
+    output [n, heads, C] (kept once: the kernel and the W_UV up-projection share it), an fp32
+    log-sum-exp per head and query, and the int64 picks with their bool validity (counted
+    with the indexer KL when it runs: the same tensors). The key/value up-projection never
+    runs, so the kv latent that ``attention_activation_bytes`` counts as kv_up's input is not
+    kept: subtracted here."""
     a, n, n_sp = inp.activation_bytes, inp.tokens, inp.sp_tokens
     dqk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     width, latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    total = a * n * heads * (dqk + width + latent) + a * n * width + 4 * n * heads
-    picks = 0 if inp.dsa_kl else 9 * n * min(cfg.index_topk, inp.seq)
+    total = (a * n * heads * (dqk + width + latent) + a * inp.gathered_tokens * width
+             + 4 * n * heads)
+    picks = 0 if inp.dsa_kl else 9 * n * min(cfg.index_topk, inp.seq_length)
     return total + picks - a * n_sp * latent
 
 
@@ -234,18 +279,25 @@ def _dense_attention_bytes(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> in
     """MLACoreAttention (glm5_train.model.layers.equal_width_attention): q, k, v zero-padded to
     one width D = max(Dqk, Dv) run SDPA's flash kernel (CPU; CUDA flash or memory-efficient),
     which keeps q, k, v and its D-wide output, and an fp32 log-sum-exp per head and query.
-    A document mask is kept as the additive [b, 1, s, s] mask SDPA converts it to, per layer."""
+    A document mask is kept as the additive [b, 1, s, s] mask SDPA converts it to, per layer.
+    Under context parallelism (layers.attention_at_positions) k and v hold the whole
+    sequence's N rows and the causal mask of this rank's positions is kept as the additive
+    [s, S] one (the latent they come from: ``_cp_latent_up_projection_bytes``)."""
     a, n, s = inp.activation_bytes, inp.tokens, inp.seq
     width = max(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim)
+    if inp.cp > 1:
+        return (2 * a * (n + inp.gathered_tokens) * heads * width + 4 * n * heads
+                + a * s * inp.seq_length)
     total = 4 * a * n * heads * width + 4 * n * heads
     return total + (a * n * s if inp.document_mask else 0)
 
 
 def _indexer_kl_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
     """The indexer's second, differentiable pass for the sparse-stage KL (dsa_loss.py). Its
-    inputs are gathered to the full sequence under SP and it is replicated over TP."""
+    inputs are gathered to the full sequence under SP and it is replicated over TP; its shared
+    key is gathered over the context-parallel group (``gathered_tokens`` rows kept)."""
     a, n, s = inp.activation_bytes, inp.tokens, inp.seq
-    Hi, Di, topk = cfg.index_n_heads, cfg.index_head_dim, min(cfg.index_topk, inp.seq)
+    Hi, Di, topk = cfg.index_n_heads, cfg.index_head_dim, min(cfg.index_topk, inp.seq_length)
     H = cfg.hidden_size
     q_in = cfg.q_lora_rank or H
     if inp.micro_batch_size > 1:  # [s, b] -> [b, s] inputs copy in each linear: qr for wq_b,
@@ -255,9 +307,10 @@ def _indexer_kl_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
     total += a * n * Di + 8 * n  # wk's output and the key LayerNorm's mean and rstd
     total += 2 * a * s * cfg.qk_rope_head_dim  # RoPE cos and sin for indexer q and k
     # Scored at the selected keys only (dsa._SelectedScores): it keeps the RoPE'd q and k in
-    # the activation dtype and the fp32 head weights, and recomputes the gathered keys and
-    # the [b, s, K, Hi] logits in backward; nothing grows with s x s.
-    total += a * n * (Hi * Di + Di) + 4 * n * Hi
+    # the activation dtype (k: the whole sequence's, gathered over CP) and the fp32 head
+    # weights, and recomputes the gathered keys and the [b, s, K, Hi] logits in backward;
+    # nothing grows with s x s.
+    total += a * (n * Hi * Di + inp.gathered_tokens * Di) + 4 * n * Hi
     return total + 18 * n * topk  # top-k ids (int64), valid mask, log-softmax, target, mask
 
 
@@ -310,17 +363,19 @@ def dense_indexer_kl_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
     where [s, b] -> [b, s] is not contiguous), wk's output and the key LayerNorm's fp32 mean
     and rstd, RoPE's cos and sin, and the KL Function's inputs: the indexer's RoPE'd q and k,
     the fp32 head weights, the main attention's query and key, and a document mask's bool
-    [b, s, s] allowed keys."""
+    [b, s, s] allowed keys. Under context parallelism the keys (the indexer's and the main
+    attention's, up-projected from the gathered latent) are the whole sequence's: N rows."""
     a, n, s, H = inp.activation_bytes, inp.tokens, inp.seq, cfg.hidden_size
+    keys = inp.gathered_tokens
     Hi, Di, q_in = cfg.index_n_heads, cfg.index_head_dim, cfg.q_lora_rank
     if inp.micro_batch_size > 1:
         total = a * n * ((q_in or H) + 2 * H)
     else:  # without a q latent, qr is x itself
         total = a * n * (q_in + H)
     total += a * n * Di + 8 * n + 2 * a * s * cfg.qk_rope_head_dim
-    total += a * n * (Hi * Di + Di) + 4 * n * Hi
+    total += a * (n * Hi * Di + keys * Di) + 4 * n * Hi
     dqk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    total += 2 * a * n * (cfg.num_attention_heads // inp.tp) * dqk
+    total += a * (n + keys) * (cfg.num_attention_heads // inp.tp) * dqk
     return total + (n * s if inp.document_mask else 0)
 
 
@@ -352,11 +407,14 @@ def selective_recompute_savings(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -
         # for every micro-batch (not per micro-batch: left out); q, k, v are freed after the
         # core attention, which frees what it keeps of them as they are (not its own copies).
         saved += 4 * a * inp.seq * cfg.qk_rope_head_dim
+        if inp.cp > 1:  # a context-parallel rank's frequencies are taken at its positions,
+            # a new fp32 [s, R] tensor per layer call, kept as the checkpoint's input
+            saved -= 4 * inp.seq * cfg.qk_rope_head_dim
         # With core_attn too its checkpoint keeps all of q, k, v as inputs: all are freed.
         saved += (_up_projection_output_bytes(cfg, inp) if rc.selects("core_attn")
                   else _up_projection_outputs_kept_by_core(cfg, inp))
-        if dsa_sparse(cfg, inp) and inp.absorbed_attention:
-            # The absorbed path runs no kv_up, so without recompute nothing keeps the normed
+        if takes_latent(cfg, inp):
+            # The latent path runs no kv_up, so without recompute nothing keeps the normed
             # kv latent; the checkpoint keeps it as its input.
             saved -= inp.activation_bytes * inp.sp_tokens * cfg.kv_lora_rank
         # Its rope-key input holds a storage: counted already only where the kv latent
@@ -372,8 +430,8 @@ def selective_recompute_savings(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -
         if dsa_sparse(cfg, inp) and inp.dsa_kl:
             saved += _indexer_kl_bytes(cfg, inp)
         saved -= _up_projection_output_bytes(cfg, inp)
-        if dsa_sparse(cfg, inp) and inp.absorbed_attention:
-            # The absorbed core's bytes net out the kv latent nothing keeps there (see
+        if takes_latent(cfg, inp):
+            # The latent path's core bytes net out the kv latent nothing keeps there (see
             # _absorbed_attention_bytes): a layer property, not a saved tensor of the core.
             saved += inp.activation_bytes * inp.sp_tokens * cfg.kv_lora_rank
     return saved
@@ -405,6 +463,8 @@ def checkpoint_leaf_bytes(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> int:
     if rc.selects("mla_up_proj"):
         q_latent = cfg.q_lora_rank or cfg.hidden_size  # without q_lora: the normed input
         kept += a * n_sp * (q_latent + cfg.kv_lora_rank) + _rope_key_input_bytes(cfg, inp)
+        if inp.cp > 1:  # and this context-parallel rank's RoPE frequencies (fp32 [s, R])
+            kept += 4 * inp.seq * cfg.qk_rope_head_dim
     if rc.selects("moe_act") and moe:
         F = cfg.moe_intermediate_size
         routed = cfg.num_experts_per_tok * (n_sp * inp.expert_tp if inp.sequence_parallel else n)
@@ -415,11 +475,11 @@ def checkpoint_leaf_bytes(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> int:
 
 
 def _up_projection_output_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
-    """MLA's q, k, v as handed to the core attention (absorbed sparse path: the query and the
-    latent key [n, C + R], no value)."""
+    """MLA's q, k, v as handed to the core attention (the latent path: the query and this
+    rank's latent key [n, C + R], no value)."""
     a, n, heads = inp.activation_bytes, inp.tokens, cfg.num_attention_heads // inp.tp
     q_or_k = n * heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
-    if dsa_sparse(cfg, inp) and inp.absorbed_attention:
+    if takes_latent(cfg, inp):
         return a * (q_or_k + n * (cfg.kv_lora_rank + cfg.qk_rope_head_dim))
     return a * (2 * q_or_k + n * heads * cfg.v_head_dim)
 
@@ -428,13 +488,20 @@ def _up_projection_outputs_kept_by_core(cfg: GLM5Config, inp: MemoryInputs) -> i
     """Bytes of MLA's q, k, v (the up projections' outputs) that the core attention saves as
     they are, views included: SDPA's fused kernels keep all three; its CPU math path (DSA
     sparse, unequal widths) copies q and k but keeps v; the dense path pads the narrower side
-    to one width (a copy) and keeps the other side's tensors."""
+    to one width (a copy) and keeps the other side's tensors. Under context parallelism the
+    core keeps the gathered latent and its own up-projections, never this rank's latent key:
+    of the up projections' outputs only the query, where the kernel keeps it as it is."""
     a, n, heads = inp.activation_bytes, inp.tokens, cfg.num_attention_heads // inp.tp
     q_or_k, v = n * heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), n * heads * cfg.v_head_dim
-    if dsa_sparse(cfg, inp) and inp.absorbed_attention:  # the query and the latent key
+    dqk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    absorbed = dsa_sparse(cfg, inp) and inp.absorbed_attention
+    if inp.cp > 1:
+        keeps_query = absorbed or (dqk >= dv if not dsa_sparse(cfg, inp)
+                                   else inp.fused_attention)
+        return a * q_or_k if keeps_query else 0
+    if absorbed:  # the query and the latent key
         return a * (q_or_k + n * (cfg.kv_lora_rank + cfg.qk_rope_head_dim))
     if not dsa_sparse(cfg, inp):
-        dqk, dv = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
         return a * ((2 * q_or_k if dqk >= dv else 0) + (v if dv >= dqk else 0))
     return a * (2 * q_or_k + v) if inp.fused_attention else a * v
 
@@ -455,7 +522,8 @@ def chunk_layers_part(cfg: GLM5Config, layer: dict[bool, Part], moe_flags: list[
     units = rc.units(len(moe_flags)) - (1 if input_counted else 0)
     dropped = sum(p.activation_bytes for p in redone)
     return part + Part(activation_bytes=units * recompute_unit_input_bytes(cfg, inp) - dropped,
-                       flops=sum(p.flops for p in redone) // 3)
+                       flops=sum(p.flops for p in redone) // 3,
+                       comm=comm_sum(*(recomputed_forward_comm(p.comm) for p in redone)))
 
 
 def loss_head_activation_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
@@ -492,6 +560,64 @@ def mtp_step_activation_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
             + decoder_layer_activation_bytes(cfg, True, inp))
 
 
+# ------------------------------------------------------------ context-parallel communication
+# Bytes each rank sends per micro-batch on the context-parallel group, by parallel.comm_meter's
+# rules (an all-gather of a local [n, w] tensor over c ranks sends (c - 1) x n x w values, the
+# reduce-scatter of its gradient the same), as glm5_train/model/dsa.py gathers: per DSA layer
+# application (decoder layer or MTP step) each rank gathers its n tokens' latent key (C + R
+# values: the normed kv latent and the RoPE key) and the indexer's key (Di values), queries
+# stay local, and the backward reduce-scatters the gradients of what trains. Checked against
+# the meter's counts of the CP layouts' runs (tests/test_context_parallel_plan.py).
+
+CP_GATHER, CP_SCATTER, WORLD_SEND = "all_gather:cp", "reduce_scatter:cp", "send:world"
+
+
+def dsa_context_parallel_comm(cfg: GLM5Config, inp: MemoryInputs, forwards: int = 1) -> Comm:
+    """One DSA layer application of one micro-batch; ``forwards``: 2 when recompute runs its
+    core attention again in backward (the gathers repeat, the reduce-scatters do not: the
+    first forward kept no graph). Sparse stage: latent and indexer keys gathered, the latent's
+    gradient returned, the indexer key's when the KL trains it. Dense warm-up: the forward
+    runs without autograd, so only the indexer key's gradient (its KL's own backward) goes
+    back. Dense fallback (every key selected): the latent alone, no indexer. The head-parallel
+    mode's all-to-alls are not modelled (nothing counted)."""
+    if inp.cp == 1 or inp.cp_comm != "all_gather":
+        return ()
+    latent, index = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.index_head_dim
+    trained_index = index if inp.dsa_kl else 0
+    if dense_warmup(inp):
+        gathered, scattered = latent + index, trained_index
+    elif dsa_sparse(cfg, inp):
+        gathered, scattered = latent + index, latent + trained_index
+    else:
+        gathered = scattered = latent
+    values = (inp.cp - 1) * inp.tokens * inp.activation_bytes
+    return comm_sum(((CP_GATHER, forwards * values * gathered), (CP_SCATTER, values * scattered)))
+
+
+def recomputed_forward_comm(comm: Comm) -> Comm:
+    """What a recomputed forward sends again: its gathers."""
+    return ((CP_GATHER, comm_of(comm, CP_GATHER)),) if comm_of(comm, CP_GATHER) else ()
+
+
+def mtp_targets_comm(inp: MemoryInputs) -> Comm:
+    """The loss stage's MTP targets come from the whole sequence's labels (int64), loss mask
+    (fp32) and token ids (int64), gathered once per micro-batch (glm5.GLM5Model)."""
+    if inp.cp == 1:
+        return ()
+    return ((CP_GATHER, (inp.cp - 1) * inp.tokens * (8 + 4 + 8)),)
+
+
+def mtp_roll_comm(inp: MemoryInputs) -> Comm:
+    """One MTP step's rolls of the token ids and positions (int64) by megatron-core's CP
+    roll_tensor: each rank sends one boundary element per sequence to each neighbour it has
+    (the first and last CP ranks one, the others two; the most is counted), p2p on the default
+    group."""
+    if inp.cp == 1:
+        return ()
+    neighbours = 1 if inp.cp == 2 else 2
+    return ((WORLD_SEND, 2 * neighbours * 8 * inp.micro_batch_size),)
+
+
 # ------------------------------------------------------------- parameters, compute, stages
 
 # Components split over TP ranks; the rest of a layer (down projections, norms, indexer,
@@ -503,23 +629,26 @@ TP_SPLIT = frozenset({"q_up", "kv_up", "o_proj", "dense_mlp", "shared_expert"})
 class Part:
     """One piece of a stage per rank: dense and expert parameters (they shard over different
     data-parallel groups), activation bytes and flops (forward + backward) per micro-batch,
-    and transient bytes (held only while one of its pieces runs: a stage's is its largest)."""
+    transient bytes (held only while one of its pieces runs: a stage's is its largest), and
+    the bytes it sends per micro-batch that the model counts (``dsa_context_parallel_comm``)."""
 
     dense_params: int = 0
     expert_params: int = 0
     activation_bytes: int = 0
     flops: int = 0
     transient_bytes: int = 0
+    comm: Comm = ()
 
     def __add__(self, other: Part) -> Part:
         return Part(self.dense_params + other.dense_params,
                     self.expert_params + other.expert_params,
                     self.activation_bytes + other.activation_bytes, self.flops + other.flops,
-                    max(self.transient_bytes, other.transient_bytes))
+                    max(self.transient_bytes, other.transient_bytes),
+                    comm_sum(self.comm, other.comm))
 
     def times(self, k: int) -> Part:
         return Part(k * self.dense_params, k * self.expert_params, k * self.activation_bytes,
-                    k * self.flops, self.transient_bytes if k else 0)
+                    k * self.flops, self.transient_bytes if k else 0, comm_times(self.comm, k))
 
 
 def _attention_flops(cfg: GLM5Config, inp: MemoryInputs) -> int:
@@ -556,8 +685,9 @@ def layer_part(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> Part:
             active += term.count
     flops = (6 * active * inp.tokens // inp.tp + _attention_flops(cfg, inp)
              + selective_recompute_flops(cfg, inp))
+    forwards = 2 if inp.recompute.selects("core_attn") else 1  # its checkpoint gathers again
     return Part(dense, expert, decoder_layer_activation_bytes(cfg, moe, inp), flops,
-                local_kl_transient_bytes(cfg, inp))
+                local_kl_transient_bytes(cfg, inp), dsa_context_parallel_comm(cfg, inp, forwards))
 
 
 def local_kl_transient_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
@@ -599,10 +729,12 @@ def mtp_part(cfg: GLM5Config, inp: MemoryInputs) -> Part:
     params = Part(dense_params=layer.dense_params + eh_proj + 3 * H,
                   expert_params=layer.expert_params).times(sets)
     flops = layer.flops + 6 * 2 * H * H * inp.tokens // inp.tp
+    comm = comm_sum(layer.comm, mtp_roll_comm(inp))
     if inp.recompute.mtp_steps_recomputed:  # each step's forward once more in backward
         flops += flops // 3
+        comm = comm_sum(comm, recomputed_forward_comm(layer.comm))
     return params + Part(activation_bytes=mtp_step_activation_bytes(cfg, inp), flops=flops,
-                         transient_bytes=layer.transient_bytes).times(steps)
+                         transient_bytes=layer.transient_bytes, comm=comm).times(steps)
 
 
 def head_part(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> Part:
@@ -611,7 +743,8 @@ def head_part(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> Part:
     gemms = 4 if inp.loss_chunk_tokens > 0 else 3
     flops = 2 * gemms * cfg.vocab_size * cfg.hidden_size * inp.tokens // inp.tp
     return vocab_part(cfg, inp, "output_head") + Part(
-        activation_bytes=loss_head_activation_bytes(cfg, inp), flops=flops).times(heads)
+        activation_bytes=loss_head_activation_bytes(cfg, inp), flops=flops).times(heads) + Part(
+        comm=mtp_targets_comm(inp) if heads > 1 else ())
 
 
 def stage_costs(part: Part, inp: MemoryInputs) -> StageCosts:
@@ -621,7 +754,8 @@ def stage_costs(part: Part, inp: MemoryInputs) -> StageCosts:
     states = sharded if inp.distributed_optimizer else d + e
     return StageCosts(inp.weight_bytes * (d + e), inp.grad_bytes * grads,
                       inp.optimizer_bytes * states, part.activation_bytes, part.flops,
-                      inp.grad_bytes * (d + e) if inp.shard_grads else 0, part.transient_bytes)
+                      inp.grad_bytes * (d + e) if inp.shard_grads else 0, part.transient_bytes,
+                      part.comm)
 
 
 class GLM5StageModel:

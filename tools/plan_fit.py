@@ -1,0 +1,236 @@
+"""Does a GLM-5 job fit its GPUs, and what does each memory technique save? The planner's answer.
+
+Example (the 744B SFT at 202,752 tokens on 256 H100)::
+
+    python tools/plan_fit.py +experiment=glm5_sft_202k
+    python tools/plan_fit.py +experiment=glm5_sft_202k parallel.context_parallel_size=8 --dp 1
+
+The job is composed as the training job composes it (any Hydra override works) and planned for
+GPUs (SDPA's fused kernels) by ``glm5_train.pipeline_plan``: per rank the weights, gradients and
+optimizer state of its stages, the activations its pipeline schedule keeps in flight at its peak
+(context parallelism: every rank holds seq_length / CP tokens, and the whole sequence's gathered
+latent and indexer keys where the attention keeps them), plus the working set that recompute
+re-creates for one layer in backward; and the bytes each rank sends per step on its
+context-parallel group (the latent and indexer keys gathered, their gradients reduce-scattered;
+checked byte for byte against measured runs in tests/test_context_parallel_plan.py).
+
+It prints the per-rank table, the largest rank against an 80 GB H100 and a 141 GB H200 (counted
+as 80e9 and 141e9 bytes, below the devices' 85.5e9 and 150.8e9: the difference is left to the
+CUDA context, communication buffers, allocator fragmentation and the transient workspace the
+planner does not count), the GPUs the layout needs beside Megatron-Bridge's 608-H100 GLM-5.2
+200K SFT recipe, and the plan again with each memory technique turned off (or, for those the
+plan does not use, on) in turn: what each one saves on the largest rank. The last line::
+
+    fits_h100=<bool> fits_h200=<bool> gpus=<int> max_rank_bytes=<int> working_set_bytes=<int> cp_bytes_per_step=<int>
+
+Exit status 0; 2 for a bad command line or config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import warnings
+
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from glm5_train.job_config import compose_job
+from glm5_train.pipeline_plan import (
+    PlanReport,
+    inputs_from_job,
+    job_plan,
+    recompute_working_set_bytes,
+)
+
+# Runnable as a script from anywhere: make the repo root importable.
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
+
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+warnings.filterwarnings("ignore", message="Apex is not installed")
+
+GB, GIB = 10**9, 2**30
+DEVICES = (("H100 80 GB", 80 * GB), ("H200 141 GB", 141 * GB))
+BRIDGE = ("Megatron-Bridge GLM-5.2 200K SFT: 608 H100 (TP1 PP19 CP32 EP32, full recompute), "
+          "peak 81,005 MiB, 36.6 s per step, 39.6 TFLOP/s per GPU")
+BRIDGE_GPUS = 608
+# GPU plans run SDPA's fused kernels (what the planner prices for attention on CUDA).
+ON_GPU = {"fused_attention": True}
+SELECTIVE_ALL = ["activations.recompute_granularity=selective",
+                 "activations.recompute_method=null", "activations.recompute_num_layers=null",
+                 "activations.recompute_modules=[core_attn,mla_up_proj,moe_act]"]
+NO_RECOMPUTE = ["activations.recompute_granularity=null", "activations.recompute_method=null",
+                "activations.recompute_num_layers=null", "activations.recompute_modules=[]"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """The plan with one technique changed: ``removes`` names a technique the plan uses that
+    this variant turns off (its extra bytes are what that technique saves), else None."""
+
+    label: str
+    overrides: list[str]
+    dp: int
+    removes: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """One plan's figures: the largest rank (static + in-flight activations), the working set
+    recompute adds on it, its context-parallel bytes per step, the GPUs it takes."""
+
+    label: str
+    max_rank_bytes: int
+    working_set_bytes: int
+    cp_bytes: int
+    gpus: int
+    report: PlanReport
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.max_rank_bytes + self.working_set_bytes
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=glm5_sft_202k")
+    p.add_argument("--dp", type=int, default=None,
+                   help="data-parallel size (default: parallel.data_parallel_size, else 1)")
+    return p.parse_intermixed_args(argv)
+
+
+def plan_fit(overrides: list[str], dp: int | None, label: str = "plan") -> Fit:
+    job = compose_job(overrides)
+    dp = dp or job.parallel.data_parallel_size or 1
+    inputs = inputs_from_job(job, dp, **ON_GPU)
+    report = job_plan(job, dp, **ON_GPU)
+    worst = max(report.ranks, key=lambda rank: rank.total_bytes)
+    cp_sent = max(rank.comm_total for rank in report.ranks)  # all of it context parallelism's
+    gpus = job.parallel.world_size_needed(dp)
+    return Fit(label, worst.total_bytes, recompute_working_set_bytes(job.model, inputs),
+               cp_sent, gpus, report)
+
+
+def variants(job, dp: int) -> list[Variant]:
+    """Each technique the plan uses turned off, and those it does not use turned on (or the
+    alternative to what it uses); the same GPUs and global batch throughout."""
+    par, act = job.parallel, job.activations
+    cp = par.context_parallel_size
+    out = []
+    if cp > 1:
+        out.append(Variant(f"context parallelism CP{cp} -> CP1 (DP{dp * cp})",
+                           ["parallel.context_parallel_size=1"], dp * cp, "context parallelism"))
+    if act.recompute_granularity == "full":
+        out += [Variant("full recompute -> none", NO_RECOMPUTE, dp, "full recompute"),
+                Variant("full recompute -> selective (core_attn, mla_up_proj, moe_act)",
+                        SELECTIVE_ALL, dp),
+                Variant("  ... + offloading every forward (none with full recompute: refused)",
+                        [*SELECTIVE_ALL, f"activations.offload_micro_batches={1 << 20}"], dp)]
+    elif act.offload_micro_batches:
+        out.append(Variant("activation offloading -> off", [
+            "activations.offload_micro_batches=0", "activations.offload_layers=null"], dp,
+            "activation offloading"))
+    if act.loss_chunk_tokens:
+        out.append(Variant(f"chunked loss ({act.loss_chunk_tokens} tokens) -> whole-sequence "
+                           "logits", ["activations.loss_chunk_tokens=0"], dp, "chunked loss"))
+    if par.use_distributed_optimizer:
+        out.append(Variant("distributed optimizer -> off", [
+            "parallel.use_distributed_optimizer=false", "parallel.pipeline_zero2=false"], dp,
+            "distributed optimizer"))
+        if par.pipeline_zero2:
+            out.append(Variant("Pipeline ZeRO2 -> off", ["parallel.pipeline_zero2=false"], dp,
+                               "Pipeline ZeRO2"))
+        else:
+            out.append(Variant("Pipeline ZeRO2 off -> on", ["parallel.pipeline_zero2=true"], dp))
+    if par.pipeline_model_parallel_size > 1 and not par.pipeline_model_parallel_layout:
+        other = "with_loss" if par.mtp_placement == "split" else "split"
+        out.append(Variant(f"MTP placement {par.mtp_placement} -> {other}",
+                           [f"parallel.mtp_placement={other}"], dp))
+    return out
+
+
+def rank_lines(fit: Fit) -> list[str]:
+    head = (f"{'rank':>4} {'static GiB':>11} {'peak act GiB':>13} {'total GiB':>10} "
+            f"{'CP sent GB/step':>16}")
+    rows = [head, "-" * len(head)]
+    for rank in fit.report.ranks:
+        rows.append(f"{rank.rank:>4} {rank.static_bytes / GIB:>11.2f} "
+                    f"{rank.peak_activation_bytes / GIB:>13.2f} {rank.total_bytes / GIB:>10.2f} "
+                    f"{rank.comm_total / GB:>16.1f}")
+    return rows
+
+
+def device_lines(fit: Fit) -> list[str]:
+    lines = []
+    for name, capacity in DEVICES:
+        verdict = "fits" if fit.peak_bytes <= capacity else "does NOT fit"
+        lines.append(f"{name}: {verdict} ({fit.peak_bytes / GB:.1f} of {capacity / GB:.0f} GB, "
+                     f"{(capacity - fit.peak_bytes) / GB:+.1f} GB to spare), {fit.gpus} GPUs")
+    return lines
+
+
+def technique_lines(base: Fit, tried: list[tuple[Variant, Fit]]) -> list[str]:
+    """Each variant's largest rank against the plan's, and each used technique's share of what
+    the used techniques save together (each turned off alone)."""
+    h100 = DEVICES[0][1]
+    head = f"{'technique':<72} {'largest rank + ws GB':>21} {'change GB':>10} {'H100':>5}"
+    plan = (f"{'the plan':<72} {base.peak_bytes / GB:>21.1f} {'':>10} "
+            f"{'fits' if base.peak_bytes <= h100 else 'no':>5}")
+    rows = [head, "-" * len(head), plan]
+    savings = {}
+    for variant, fit in tried:
+        change = fit.peak_bytes - base.peak_bytes
+        rows.append(f"{variant.label:<72} {fit.peak_bytes / GB:>21.1f} {change / GB:>+10.1f} "
+                    f"{'fits' if fit.peak_bytes <= h100 else 'no':>5}")
+        if variant.removes and change > 0:
+            savings[variant.removes] = change
+    total = sum(savings.values())
+    if total:
+        shares = ", ".join(f"{name} {saved / GB:.1f} GB ({saved / total:.0%})"
+                           for name, saved in sorted(savings.items(), key=lambda kv: -kv[1]))
+        rows.append(f"saved on the largest rank by each technique the plan uses (turned off "
+                    f"alone; sum {total / GB:.1f} GB): {shares}")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        job = compose_job(args.overrides)
+        dp = args.dp or job.parallel.data_parallel_size or 1
+        base = plan_fit(args.overrides, dp)
+        tried = [(v, plan_fit([*args.overrides, *v.overrides], v.dp, v.label))
+                 for v in variants(job, dp)]
+    except (HydraException, OmegaConfBaseException, ValueError) as err:  # all a user can fix
+        print(f"plan_fit: error: {err}", file=sys.stderr)
+        return 2
+    par, inputs = job.parallel, inputs_from_job(job, dp, **ON_GPU)
+    lines = [
+        (f"GLM-5 plan: model={job.model.name}, TP{par.tensor_model_parallel_size} "
+         f"PP{par.pipeline_model_parallel_size} VPP{par.virtual_pipeline_model_parallel_size or '-'} "
+         f"CP{par.context_parallel_size} EP{par.expert_model_parallel_size} DP{dp} = {base.gpus} "
+         f"GPUs; {job.train.global_batch_size} x {job.train.seq_length} tokens per step "
+         f"({inputs.seq} per CP rank), {inputs.num_microbatches} micro-batches per rank"),
+        f"layout: {base.report.layout.to_string()}", "", *rank_lines(base), "",
+        (f"largest rank {base.max_rank_bytes / GIB:.1f} GiB + recompute working set "
+         f"{base.working_set_bytes / GIB:.1f} GiB = {base.peak_bytes / GB:.1f} GB; "
+         f"context-parallel traffic {base.cp_bytes / GB:.1f} GB sent per rank and step"),
+        *device_lines(base), "",
+        BRIDGE,
+        (f"this plan: {base.gpus} GPUs, {BRIDGE_GPUS / base.gpus:.1f}x fewer"
+         if base.gpus < BRIDGE_GPUS else f"this plan: {base.gpus} GPUs"), "",
+        *technique_lines(base, tried), "",
+        (f"fits_h100={base.peak_bytes <= DEVICES[0][1]} fits_h200={base.peak_bytes <= DEVICES[1][1]} "
+         f"gpus={base.gpus} max_rank_bytes={base.max_rank_bytes} "
+         f"working_set_bytes={base.working_set_bytes} cp_bytes_per_step={base.cp_bytes}"),
+    ]
+    print("\n".join(lines), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
