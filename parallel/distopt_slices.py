@@ -34,6 +34,21 @@ def main_param_pairs(sub: DistributedOptimizer) -> Iterator[tuple[torch.nn.Param
             yield from zip(model_group, main_group)
 
 
+def slice_bounds(bucket, dp: int) -> list[tuple[int, int]]:
+    """The [start, end) buffer range of each DP rank's slice of ``bucket`` (megatron's rule:
+    the padded bucket cut into dp equal contiguous parts)."""
+    size = bucket.grad_data.numel() // dp
+    return [(bucket.offset + r * size, bucket.offset + (r + 1) * size) for r in range(dp)]
+
+
+def pieces_in_slices(start: int, end: int,
+                     bounds: list[tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    """DP rank -> the part of buffer range [start, end) (one parameter) inside its slice, for
+    the ranks whose slice holds some of it (``bounds``: ``slice_bounds`` of its bucket)."""
+    return {rank: (max(start, lo), min(end, hi)) for rank, (lo, hi) in enumerate(bounds)
+            if min(end, hi) > max(start, lo)}
+
+
 def slice_range(sub: DistributedOptimizer, model_param: torch.nn.Parameter) -> range:
     """The elements of ``model_param``'s grad-buffer range that this rank's slice holds, as
     offsets in the buffer ("gbuf_world" in megatron-core's range map)."""

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 
 from parallel import mcore_compat
-from parallel.distopt_slices import main_param_pairs
+from parallel.distopt_slices import main_param_pairs, pieces_in_slices, slice_bounds
 from parallel.muon import MatrixLayout, MuonAdamW, MuonConfig, orthogonal_update
 
 
@@ -70,13 +70,6 @@ class BucketPlan:
         return sum(hi - lo for lo, hi in self.segments[rank])
 
 
-def slice_bounds(bucket, dp: int) -> list[tuple[int, int]]:
-    """The [start, end) buffer range of each DP rank's slice of ``bucket`` (megatron's rule:
-    the padded bucket cut into dp equal contiguous parts)."""
-    size = bucket.grad_data.numel() // dp
-    return [(bucket.offset + r * size, bucket.offset + (r + 1) * size) for r in range(dp)]
-
-
 def newton_schulz_cost(shape: tuple[int, int], layout: MatrixLayout) -> float:
     """Multiply-adds of one Newton-Schulz iteration ~ m * n * min(m, n), per orthogonalised
     block (Muon Split: per head; TP-sharded: the whole gathered matrix)."""
@@ -101,9 +94,7 @@ def matrix_slots(buffers: list, layouts: dict[int, MatrixLayout], dp: int) -> li
             layout = layouts.get(id(param))
             if layout is None or not layout.muon:
                 continue
-            pieces = {r: (max(start, lo), min(end, hi))
-                      for r, (lo, hi) in enumerate(bounds[bucket_index])
-                      if min(end, hi) > max(start, lo)}
+            pieces = pieces_in_slices(start, end, bounds[bucket_index])
             slots.append(MatrixSlot(param, layout, buffer_index, bucket_index, start, end, pieces,
                                     newton_schulz_cost(tuple(param.shape), layout)))
     return slots
@@ -201,6 +192,24 @@ class DistributedMuon(MuonAdamW):
             if slot.param.dtype != torch.float32:  # the fp32 master lives with the owner
                 state["master"] = slot.param.detach().float().clone()
         return state
+
+    # ---- checkpoint ----------------------------------------------------------------------------
+
+    def saver_of(self, slot: MatrixSlot) -> int:
+        """The DP rank that writes this matrix's state into a checkpoint: its owner (in the
+        naive reference every rank holds every matrix's state; DP rank 0 writes it)."""
+        return slot.owner if self.zero_redundant else 0
+
+    def holds(self, slot: MatrixSlot) -> bool:
+        """Whether this rank keeps the matrix's momentum (and fp32 master)."""
+        return slot.owner == self.rank
+
+    def matrix_state_of(self, slot: MatrixSlot) -> dict[str, torch.Tensor]:
+        """The state this rank keeps for a matrix it holds: ``momentum_buffer`` and, for
+        bf16/fp16 parameters, the fp32 ``master`` (allocated if it has not stepped yet)."""
+        if not self.holds(slot):
+            raise ValueError(f"rank {self.rank} does not hold the state of {slot.layout.name}")
+        return self._matrix_state(slot)
 
     # ---- step --------------------------------------------------------------------------------
 
