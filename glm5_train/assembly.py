@@ -37,6 +37,7 @@ from glm5_train.data import (
     build_train_iterator,
     build_train_valid_test_datasets,
     check_datasets,
+    check_token_ids,
     ensure_builtin_corpus,
 )
 from glm5_train.job_config import JobConfig
@@ -145,6 +146,9 @@ def check_data(job: JobConfig) -> None:
     if job.data.paths:
         check_datasets(list(job.data.paths), job.data.split, job.data.format,
                        job.train.seq_length, tokenizer)
+        if job.data.format == "gpt":  # chat SFT data is checked against its metadata
+            for prefix in job.data.paths:
+                check_token_ids(prefix, tokenizer.vocab_size, job.data.cache_dir)
 
 
 def build_model(job: JobConfig, groups: ProcessGroupCollection,

@@ -2,19 +2,21 @@
 
 Layout of ``checkpoint.save``::
 
-    <save>/iter_0000010/          one distributed checkpoint per saved step
+    <save>/iter_0000010/          one distributed checkpoint per saved step (+ its manifest)
     <save>/latest_iteration.txt   the newest complete one, written last
 
-A checkpoint is written under ``iter_*.partial`` and renamed when every rank has finished, so a
-run that dies while saving never replaces or corrupts the previous checkpoint. Model chunks are
+A checkpoint is written under ``iter_*.partial``, fsynced by every rank and committed by rank 0
+(``glm5_train.checkpoint_store``: manifest, rename, ``latest`` last, then the old ones beyond
+``checkpoint.keep_last`` removed), so a run killed at any instant of a save keeps the previous
+checkpoint loadable; a torn one is detected at load and the previous one used. Model chunks are
 stored under global tensor keys, so a checkpoint loads into any TP/PP/VPP/EP layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
+import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,17 +24,30 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from glm5_train import checkpoint_store
+from glm5_train.checkpoint_store import LATEST
 from glm5_train.model.config import TRAINING_FIELDS, GLM5Config
-from parallel import mcore_compat
+from parallel import distopt_checkpoint, mcore_compat
+from parallel.muon import MuonAdamW
 
-LATEST = "latest_iteration.txt"
+AUTO = "auto"  # checkpoint.load: resume from checkpoint.save's newest complete checkpoint
+
+
+class NoCheckpointError(FileNotFoundError):
+    """No complete checkpoint where one is required (raised on every rank alike)."""
 
 
 @dataclass
 class CheckpointConfig:
     save: str | None = None
-    save_interval: int | None = None
-    load: str | None = None
+    save_interval: int | None = None  # steps; the last step is always saved
+    # Also save once this many minutes have passed since the last save (or the start); rank 0's
+    # clock decides, all ranks agree at a step boundary. null: by steps only.
+    save_interval_minutes: float | None = 60.0
+    # "auto": the newest complete checkpoint under ``save`` (none there: start at step 0);
+    # a directory: its newest complete checkpoint (an error if none); null: start at step 0.
+    load: str | None = AUTO
+    keep_last: int | None = 2  # complete checkpoints kept in ``save``; null: all
     # false: take weights, step count, data position and LR schedule but start the optimizer
     # state fresh (needed when the optimizer's structure changed, e.g. EP=1 <-> EP>1).
     load_optimizer: bool = True
@@ -48,15 +63,12 @@ class TrainState:
 
 
 def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
+    return checkpoint_store.iteration_dir(root, iteration)
 
 
 def latest_iteration(root: str) -> int | None:
-    path = os.path.join(root, LATEST)
-    if not os.path.exists(path):
-        return None
-    with open(path) as handle:
-        return int(handle.read().strip())
+    """The iteration ``latest_iteration.txt`` names (None: none), not yet verified."""
+    return checkpoint_store.read_latest(root)[0]
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -76,12 +88,30 @@ def _sharded_state(chunks, optimizer, scheduler, state: TrainState, model_cfg: G
         return {**sharded, "weights_only": True}
     sharded["scheduler"] = scheduler.state_dict()
     if optimizer is not None:
-        # The optimizer maps its params to sharded tensors by walking the nested model dict.
-        sharded["optimizer"] = optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading,
-            metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+        sharded["optimizer"] = _optimizer_sharded(optimizer, model_sd, is_loading)
         sharded["optimizer_parts"] = _optimizer_parts(optimizer)
+        sharded["optimizer_kind"] = optimizer_kind(optimizer)
     return sharded
+
+
+def _optimizer_sharded(optimizer, model_sd: dict, is_loading: bool) -> dict:
+    """The optimizer's state, mapped to the model's sharded tensors (by walking the nested
+    model dict). The distributed optimizer (ZeRO-1, distributed Muon, Pipeline ZeRO2): ours,
+    in model space (``parallel/distopt_checkpoint.py``; megatron-core's own does not resume
+    with torch's Adam and has no place for distributed Muon's state). Plain DDP (AdamW or Muon
+    inside megatron-core's wrappers): megatron-core's."""
+    if distopt_checkpoint.is_distributed(optimizer):
+        return distopt_checkpoint.sharded_state(optimizer, model_sd, is_loading)
+    return optimizer.sharded_state_dict(
+        model_sd, is_loading=is_loading,
+        metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+
+
+def optimizer_kind(optimizer) -> dict[str, Any]:
+    """What the optimizer state is the state of; a checkpoint's must match to be restored."""
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    return {"muon": any(isinstance(getattr(s, "optimizer", None), MuonAdamW) for s in subs),
+            "distributed": distopt_checkpoint.is_distributed(optimizer)}
 
 
 def _optimizer_parts(optimizer) -> int:
@@ -91,63 +121,135 @@ def _optimizer_parts(optimizer) -> int:
 
 
 def save_checkpoint(root: str, chunks, optimizer, scheduler, state: TrainState,
-                    model_cfg: GLM5Config) -> str:
-    """Write a complete checkpoint for ``state.iteration``; returns its directory.
+                    model_cfg: GLM5Config, keep_last: int | None = 2) -> str:
+    """Write a complete checkpoint for ``state.iteration`` durably; returns its directory.
+    Collective: every rank calls it. ``keep_last``: complete checkpoints kept (None: all).
 
     With ``optimizer=None`` only the weights are written (a starting point, such as an HF
     import): loading it starts training at step 0 with a fresh optimizer."""
-    final = iteration_dir(root, state.iteration)
-    partial = final + ".partial"
-    if dist.get_rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
+    rank = dist.get_rank()
+    staging = checkpoint_store.staging_dir(root, state.iteration)
+    if rank == 0:
+        checkpoint_store.prepare_staging(root, state.iteration)
     dist.barrier()
     sharded = _sharded_state(chunks, optimizer, scheduler, state, model_cfg, is_loading=False)
     mcore_compat.in_process_checkpoint_results_queue()
-    dist_checkpointing.save(sharded, partial)
+    dist_checkpointing.save(sharded, staging)
+    # Each rank syncs what it wrote: on a shared file system only the writer's client can
+    # flush its data.
+    checkpoint_store.fsync_tree(staging, lambda name: _written_by(name, rank))
     dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
-        _write_atomic(os.path.join(root, LATEST), f"{state.iteration}\n")
-    dist.barrier()
-    return final
+    failure = [None]
+    if rank == 0:
+        try:
+            checkpoint_store.commit(root, state.iteration, keep_last)
+        except OSError as err:  # every rank must stop, not wait on rank 0 forever
+            failure = [f"committing checkpoint {staging} failed: {err}"]
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise OSError(failure[0])
+    return iteration_dir(root, state.iteration)
 
 
-def _write_atomic(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
+# megatron-core's torch_dist writer: rank r writes "__<r>_<i>.distcp"; rank 0 (its coordinator)
+# writes everything else (.metadata, common.pt, metadata.json).
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def _written_by(name: str, rank: int) -> bool:
+    match = _RANK_FILE.match(name)
+    return int(match.group(1)) == rank if match else rank == 0
+
+
+def choose_checkpoint(root: str, required: bool = True) -> str | None:
+    """The directory of the newest complete checkpoint under ``root``, the same on every rank
+    (rank 0 looks, verifies and says why it passed over newer ones; the others get its answer).
+    None when ``root`` holds no checkpoint at all and ``required`` is false."""
+    answer = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        answer = [_choose_on_this_rank(root, required)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(answer, src=0)
+    path, error = answer[0]
+    if error is not None:
+        raise NoCheckpointError(error)
+    return path
+
+
+def _choose_on_this_rank(root: str, required: bool) -> tuple[str | None, str | None]:
+    """(directory or None, error or None); prints the choice and the notes behind it."""
+    choice = checkpoint_store.choose(root)
+    if choice.path is not None:
+        note = f" ({choice.describe()})" if choice.notes else ""
+        print(f"checkpoint: loading {choice.path}{note}", file=sys.stderr, flush=True)
+        return choice.path, None
+    if choice.present:
+        return None, (f"{root} holds no complete checkpoint ({choice.describe()}): point "
+                      "checkpoint.load at another directory, or set checkpoint.load=null to "
+                      "start at step 0")
+    if required:
+        return None, (f"checkpoint.load={root!r} holds no {LATEST} and no checkpoint: point it "
+                      "at a directory written by checkpoint.save, or set checkpoint.load=null "
+                      "to start from scratch")
+    print(f"checkpoint: no checkpoint in {root} yet: starting at step 0", file=sys.stderr,
+          flush=True)
+    return None, None
 
 
 def load_checkpoint(root: str, chunks, optimizer, scheduler, model_cfg: GLM5Config,
-                    load_optimizer: bool = True) -> TrainState:
-    """Load the newest complete checkpoint under ``root`` into this layout."""
-    iteration = latest_iteration(root)
-    if iteration is None:
-        raise FileNotFoundError(
-            f"checkpoint.load={root!r} holds no {LATEST}: point it at a directory written by "
-            "checkpoint.save, or drop checkpoint.load to start from scratch")
-    path = iteration_dir(root, iteration)
+                    load_optimizer: bool = True, required: bool = True) -> TrainState | None:
+    """Load the newest complete checkpoint under ``root`` into this layout (a torn newest one
+    is passed over). ``required=False``: None when ``root`` holds no checkpoint at all."""
+    path = choose_checkpoint(root, required)
+    if path is None:
+        return None
     check_model_config(path, model_cfg)
-    if is_weights_only(path):
-        optimizer = scheduler = None
-    elif not load_optimizer:
-        optimizer = None
-    elif optimizer is not None:
-        _check_optimizer_parts(path, optimizer)
-    sharded = _sharded_state(chunks, optimizer, scheduler, TrainState(), model_cfg,
-                             is_loading=True)
+    weights_only = is_weights_only(path)
+    restores_optimizer = optimizer is not None and load_optimizer and not weights_only
+    if weights_only:
+        scheduler = None
+    if restores_optimizer:
+        _check_optimizer_matches(path, optimizer)
+    sharded = _sharded_state(chunks, optimizer if restores_optimizer else None, scheduler,
+                             TrainState(), model_cfg, is_loading=True)
     loaded = dist_checkpointing.load(sharded, path)
     for i, chunk in enumerate(chunks):
         _unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"])
+    if restores_optimizer:
+        _load_optimizer(optimizer, loaded["optimizer"])
+    elif optimizer is not None:
+        # A fresh optimizer state on the loaded weights: bf16 models' fp32 masters were copied
+        # from the initial weights when the optimizer was built; they must follow the load.
+        optimizer.reload_model_params()
     if scheduler is None:
         return TrainState()
-    if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["scheduler"])
     return TrainState(**loaded["train_state"])
+
+
+def _load_optimizer(optimizer, state: dict) -> None:
+    if distopt_checkpoint.is_distributed(optimizer):
+        distopt_checkpoint.load_state(optimizer, state)
+    else:
+        optimizer.load_state_dict(state)
+
+
+def _check_optimizer_matches(path: str, optimizer) -> None:
+    """The checkpoint's optimizer state is of this run's kind (and, for megatron-core's plain
+    DDP state, of its optimizer parts)."""
+    saved = dist_checkpointing.load_common_state_dict(path).get("optimizer_kind")
+    ours = optimizer_kind(optimizer)
+    if saved is not None and saved != ours:
+        def describe(kind: dict) -> str:
+            return (f"train.optimizer={'muon' if kind['muon'] else 'adamw'} "
+                    f"parallel.use_distributed_optimizer={str(kind['distributed']).lower()}")
+        raise ValueError(
+            f"checkpoint {path} holds the optimizer state of {describe(saved)}, this run uses "
+            f"{describe(ours)}: resume with {describe(saved)}, or set "
+            "checkpoint.load_optimizer=false to take the weights, step and schedule with a "
+            "fresh optimizer state")
+    if not ours["distributed"]:  # the distributed optimizer's state does not depend on them
+        _check_optimizer_parts(path, optimizer)
 
 
 def _check_optimizer_parts(path: str, optimizer) -> None:

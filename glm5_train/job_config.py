@@ -7,7 +7,6 @@ refusing unknown keys (a typo such as ``train.train_iter`` must not be silently 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +22,7 @@ from glm5_train.checkpoint import CheckpointConfig
 from glm5_train.data import DataConfig
 from glm5_train.model.config import GLM5Config
 from glm5_train.model.dsa_loss import DSATrainingConfig
-from glm5_train.run_dir import register_resolvers
+from glm5_train.run_dir import register_resolvers, run_id
 from parallel.layout import ParallelConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -79,6 +78,12 @@ class TrainConfig:
     # (``param_grad_norms``: {global tensor name: norm}, the same names in every layout; see
     # parallel/grad_norms.py). For parity checks and debugging: one all_gather_object per step.
     log_param_grad_norms: bool = False
+    # A step whose loss or gradients are not finite (reported with step, rank, first parameter
+    # and samples): "stop" the job, or "skip" its update (the batch counts as consumed) up to
+    # nonfinite_max_consecutive steps in a row and nonfinite_max_total in the run.
+    nonfinite: str = "stop"
+    nonfinite_max_consecutive: int = 3
+    nonfinite_max_total: int = 20
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -100,6 +105,7 @@ class TrainConfig:
         if self.warmup_iters < 0 or self.warmup_iters > self.train_iters:
             raise ValueError(f"train.warmup_iters={self.warmup_iters} must lie in "
                              f"[0, train.train_iters={self.train_iters}]")
+        _check_nonfinite(self)
 
 
 @dataclass
@@ -141,15 +147,16 @@ class JobConfig:
             self.model.mtp_num_steps if self.model.mtp_sets else 0, self.dsa.stage)
         self.activations.check_offload_for(self.model.num_hidden_layers, self.model.mtp_sets)
         _check_checkpoint(self.checkpoint)
-        if (self.train.optimizer == "muon" and self.parallel.use_distributed_optimizer
-                and (self.checkpoint.save or self.checkpoint.load)):
-            raise ValueError(
-                "train.optimizer=muon with parallel.use_distributed_optimizer=true and "
-                "checkpoint.save/load: distributed Muon keeps each matrix's momentum on its owner "
-                "rank, which megatron-core's distributed-optimizer checkpoint format cannot hold "
-                "(not implemented yet). Set parallel.use_distributed_optimizer=false (Muon "
-                "checkpoints then work), or checkpoint.save=null and checkpoint.load=null")
-        _check_distributed_optimizer_checkpoint(self.parallel, self.checkpoint)
+
+
+def _check_nonfinite(t: TrainConfig) -> None:
+    if t.nonfinite not in ("skip", "stop"):
+        raise ValueError(f"train.nonfinite={t.nonfinite!r}: use 'stop' (end the job at a "
+                         "non-finite step) or 'skip' (drop its update, within the caps)")
+    for name in ("nonfinite_max_consecutive", "nonfinite_max_total"):
+        if getattr(t, name) < 1:
+            raise ValueError(f"train.{name}={getattr(t, name)} must be >= 1 (use "
+                             "train.nonfinite=stop to allow no skipped step)")
 
 
 def _check_adam(t: TrainConfig) -> None:
@@ -180,31 +187,40 @@ def _check_checkpoint(ckpt: CheckpointConfig) -> None:
     if ckpt.save_interval is not None and not ckpt.save:
         raise ValueError("checkpoint.save_interval is set but checkpoint.save is not: give "
                          "checkpoint.save=<directory>")
-
-
-def fused_adam_available() -> bool:
-    return any(importlib.util.find_spec(m) is not None for m in ("transformer_engine", "apex"))
-
-
-def _check_distributed_optimizer_checkpoint(par: ParallelConfig, ckpt: CheckpointConfig) -> None:
-    # megatron-core 0.16.1's distributed-optimizer checkpoint path with torch's Adam (no TE or
-    # Apex fused Adam) cannot be restored exactly: a resumed run diverges from the uninterrupted
-    # one after the first step. Refuse rather than write checkpoints that do not resume.
-    if par.use_distributed_optimizer and (ckpt.save or ckpt.load) and not fused_adam_available():
-        raise ValueError(
-            "parallel.use_distributed_optimizer=true with checkpoint.save/load needs Transformer "
-            "Engine or Apex (fused Adam); with torch's Adam megatron-core 0.16.1 does not resume "
-            "it exactly. Set parallel.use_distributed_optimizer=false, or checkpoint.save=null "
-            "and checkpoint.load=null")
+    if ckpt.save_interval_minutes is not None and not ckpt.save_interval_minutes > 0:
+        raise ValueError(f"checkpoint.save_interval_minutes={ckpt.save_interval_minutes} must "
+                         "be > 0, or null to save by steps only")
+    if ckpt.keep_last is not None and ckpt.keep_last < 1:
+        raise ValueError(f"checkpoint.keep_last={ckpt.keep_last} must be >= 1 (the checkpoint "
+                         "just written is always kept), or null to keep every checkpoint")
+    if ckpt.load is not None and (not isinstance(ckpt.load, str) or not ckpt.load.strip()):
+        raise ValueError(f"checkpoint.load={ckpt.load!r}: use 'auto' (resume from "
+                         "checkpoint.save), a checkpoint directory, or null (start at step 0)")
 
 
 def compose_job(overrides: list[str]):
-    """The JobConfig the training job would build from these Hydra overrides (saving off:
-    ``checkpoint.save`` interpolates Hydra's run directory, unset outside a Hydra run)."""
+    """The JobConfig the training job would build from these Hydra overrides. The default
+    ``checkpoint.save`` interpolates Hydra's run directory, unset outside a Hydra run: it
+    becomes ``<hydra.run.dir>/checkpoints`` (the given run directory, else ``outputs/<run id>``
+    with this process's run id), so the job is validated as it will save."""
     register_resolvers()
+    default_save = [] if _override_value(overrides, "checkpoint.save") is not None else [
+        "checkpoint.save=" + os.path.join(_override_value(overrides, "hydra.run.dir")
+                                          or os.path.join("outputs", run_id()), "checkpoints")]
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-        tree = compose("config", overrides=[*overrides, "checkpoint.save=null"])
+        tree = compose("config", overrides=[*overrides, *default_save])
     return JobConfig.from_hydra(tree)
+
+
+def _override_value(overrides: list[str], key: str) -> str | None:
+    """The value the last Hydra override of ``key`` gives it (``key=v``, ``+key=v``,
+    ``++key=v``), None if none does."""
+    found = None
+    for override in overrides:
+        name, sep, value = override.partition("=")
+        if sep and name.lstrip("+") == key:
+            found = value
+    return found
 
 
 def compose_model_config(overrides: list[str]) -> GLM5Config:

@@ -1,18 +1,25 @@
 """The training job: ``torchrun --nproc-per-node N -m glm5_train.train model=glm5_tiny ...``.
 
 ``glm5_train.assembly.assemble`` builds the run (its docstring gives the order and why); this
-module loads a checkpoint if asked, trains with megatron-core's pipeline schedules, logs one
-record per step and saves.
+module resumes from a checkpoint (``checkpoint.load``: ``auto`` = the newest complete one in
+``checkpoint.save``), trains with megatron-core's pipeline schedules, logs one record per step
+and saves. At each step boundary, after the backward and before the update, one all-reduce
+makes every rank agree on what the step needs: a non-finite loss or gradient anywhere
+(``glm5_train.bad_steps``: reported, then skipped or the job stopped), a stop signal on any rank
+(``glm5_train.preemption``: save after this step and exit 0), a save due by the clock
+(``checkpoint.save_interval_minutes``, rank 0's).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from typing import NoReturn
 
 import hydra
@@ -22,18 +29,116 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 
 from glm5_train.assembly import Runtime, assemble, iterators, validate_job
-from glm5_train.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from glm5_train.bad_steps import (
+    BatchPosition,
+    ExpertBiasSnapshot,
+    GradientWatch,
+    NonFinitePolicy,
+    NonFiniteStepError,
+    bad_loss_micro_batches,
+    gather_report,
+    nonfinite_loss_count,
+)
+from glm5_train.checkpoint import (
+    AUTO,
+    NoCheckpointError,
+    TrainState,
+    load_checkpoint,
+    save_checkpoint,
+)
 from glm5_train.job_config import CONFIG_ERRORS, JobConfig, one_line
 from glm5_train.metrics import MetricsLogger, gather_memory, gather_saved_bytes
 from glm5_train.model.glm5 import indexer_kl
+from glm5_train.preemption import StopRequest, forked_children_die_with_this_process, signal_name
 from glm5_train.run_dir import register_resolvers
 from glm5_train.step import global_loss, global_mtp_losses, run_step
 from parallel.comm_meter import CommMeter, buffer_bytes, gather_fields
 from parallel.device import comm_device
 
 
-def train_step(rt: Runtime, iterators: list) -> tuple[float, list]:
-    """One optimizer step over a global batch: (grad norm, last-stage loss reports)."""
+@dataclass
+class StepOutcome:
+    """What one training step did, as every rank agrees."""
+
+    stats: dict  # step_statistics: the global losses (and indexer KL)
+    grad_norm: float  # nan for a step whose update was not applied
+    nonfinite_report: str | None = None  # set: the update was not applied (glm5_train.bad_steps)
+    stop_signal: int = 0  # a stop signal some rank received (its number), 0: none
+    save_due: bool = False  # checkpoint.save_interval_minutes has passed (rank 0's clock)
+
+
+class StepBoundary:
+    """The one all-reduce (MAX) per step that makes every rank agree, after the backward and
+    before the update, on: non-finite values anywhere, a stop signal on any rank, a save due by
+    rank 0's clock. It is bookkeeping, like the metrics' gathers: the comm meter leaves it out."""
+
+    def __init__(self, rt: Runtime, stop: StopRequest, save_every_s: float | None) -> None:
+        self.rt, self.stop, self.save_every_s = rt, stop, save_every_s
+        self.watch = GradientWatch(rt.chunks, rt.optimizer, rt.zero2, rt.param_grad_norms)
+        self.expert_bias = ExpertBiasSnapshot(rt.chunks)
+        self.last_save = time.monotonic()
+
+    def before_step(self) -> None:
+        self.expert_bias.take()
+
+    def agree(self, reports: list, stats: dict, step_index: int) -> StepOutcome:
+        """``step_index``: the step's global batch (0 for the first step of the run)."""
+        due = (self.save_every_s is not None and dist.get_rank() == 0
+               and time.monotonic() - self.last_save >= self.save_every_s)
+        bad = (self.watch.count_bad().to(comm_device(), torch.float64)
+               + nonfinite_loss_count(reports))
+        votes = torch.stack([bad.reshape(()), *torch.tensor(
+            [float(self.stop.received), float(due)], dtype=torch.float64,
+            device=comm_device())])
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+        any_bad, stop_signal, save_due = votes.tolist()
+        outcome = StepOutcome(stats, math.nan, stop_signal=int(stop_signal),
+                              save_due=bool(save_due))
+        if any_bad > 0:
+            outcome.nonfinite_report = self._report(reports, stats, step_index)
+            self.expert_bias.restore()
+        return outcome
+
+    def _report(self, reports: list, stats: dict, step_index: int) -> str:
+        t, rt = self.rt.job.train, self.rt
+        batch = BatchPosition(step_index, t.global_batch_size, t.micro_batch_size, rt.dp_rank,
+                              rt.dp_size)
+        found = self.watch.findings(dist.get_rank())
+        found.bad_loss_samples = [s for micro in bad_loss_micro_batches(reports)
+                                  for s in batch.micro_batch_samples(micro)]
+        return gather_report(found, step_index + 1, stats["loss"], batch)
+
+    def saved(self) -> None:
+        self.last_save = time.monotonic()
+
+
+def train_step(rt: Runtime, iterators: list, meter: CommMeter | None = None,
+               boundary: StepBoundary | None = None, step_index: int = 0) -> StepOutcome:
+    """One optimizer step over a global batch. ``meter``: counts the step's collectives (not
+    the boundary's); ``boundary``: checks the step before its update (None: no checks)."""
+    meter = meter or CommMeter()
+    if boundary is not None:
+        boundary.before_step()
+    with meter.measure():
+        reports = _forward_backward(rt, iterators)
+        stats = step_statistics(rt, reports)
+    if rt.param_grad_norms is not None:  # the reduced gradients the step clips and applies
+        rt.param_grad_norms.measure()
+    outcome = (boundary.agree(reports, stats, step_index) if boundary is not None
+               else StepOutcome(stats, math.nan))
+    if outcome.nonfinite_report is not None:
+        return outcome  # no update, no schedule step, the expert biases put back
+    with meter.measure():
+        ok, grad_norm, _ = rt.optimizer.step()
+    if not ok:
+        raise FloatingPointError("optimizer step skipped: non-finite gradients")
+    rt.scheduler.step(increment=1)
+    outcome.grad_norm = float(grad_norm)
+    return outcome
+
+
+def _forward_backward(rt: Runtime, iterators: list) -> list:
+    """The pipeline schedule over one global batch; returns the last stage's loss reports."""
     t = rt.job.train
     for chunk in rt.chunks:
         chunk.zero_grad_buffer()
@@ -47,50 +152,130 @@ def train_step(rt: Runtime, iterators: list) -> tuple[float, list]:
                        rt.groups, activations=rt.activations)
     if rt.activations is not None:  # this step's saved-for-backward figures
         rt.activations.end_step()
-    if rt.param_grad_norms is not None:  # the reduced gradients the step clips and applies
-        rt.param_grad_norms.measure()
-    ok, grad_norm, _ = rt.optimizer.step()
-    if not ok:
-        raise FloatingPointError("optimizer step skipped: non-finite gradients")
-    rt.scheduler.step(increment=1)
-    return float(grad_norm), reports
+    return reports
 
 
 def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
     """Run the whole job in this (already torchrun-launched) process; returns step records.
     ``validated``: ``validate_job`` has just run (the Hydra entry point runs it first, to report
     a config error in one line)."""
+    forked_children_die_with_this_process()  # no checkpoint writer outlives a killed rank
     rt = assemble(job, validated)
-    state = TrainState()
-    if job.checkpoint.load:
-        state = load_checkpoint(job.checkpoint.load, rt.chunks, rt.optimizer, rt.scheduler,
-                                job.model, job.checkpoint.load_optimizer)
+    state = resume(job, rt)
+    forget_steps_after(run_dir, state.iteration)
     logger = MetricsLogger(run_dir, job.train.train_iters)
     data = iterators(rt, state.consumed_samples)
+    t, ckpt = job.train, job.checkpoint
+    policy = NonFinitePolicy(t.nonfinite, t.nonfinite_max_consecutive, t.nonfinite_max_total)
+    minutes = ckpt.save_interval_minutes if ckpt.save else None
     records = []
-    while state.iteration < job.train.train_iters:
-        started = time.perf_counter()
-        meter = CommMeter()  # this step's collectives on this rank (the loss's included)
-        with meter.measure():
-            grad_norm, reports = train_step(rt, data)
+    with StopRequest() as stop:
+        boundary = StepBoundary(rt, stop, minutes * 60.0 if minutes else None)
+        while state.iteration < t.train_iters:
+            started = time.perf_counter()
+            meter = CommMeter()  # this step's collectives on this rank (the loss's included)
+            outcome = train_step(rt, data, meter, boundary, step_index=state.iteration)
             elapsed = time.perf_counter() - started
-            stats = step_statistics(rt, reports)
-        state.iteration += 1
-        state.consumed_samples += job.train.global_batch_size
-        batch_tokens = job.train.global_batch_size * job.train.seq_length
-        state.consumed_tokens += batch_tokens
-        record = _record(rt, state, stats, grad_norm, batch_tokens / elapsed)
-        if state.iteration % job.train.log_interval == 0 or state.iteration == 1:
-            record["mem_rss_bytes"], record["mem_peak_bytes"] = gather_memory()
-            record.update(gather_fields(meter, buffer_bytes(rt.chunks, rt.optimizer, rt.zero2)))
-            if rt.activations is not None:
-                record.update(gather_saved_bytes(rt.activations.figures))
-            logger.log(record)
-        records.append(record)
-        if _should_save(job, state.iteration):
-            save_checkpoint(job.checkpoint.save, rt.chunks, rt.optimizer, rt.scheduler, state,
-                            job.model)
+            state.iteration += 1
+            state.consumed_samples += t.global_batch_size
+            batch_tokens = t.global_batch_size * t.seq_length
+            state.consumed_tokens += batch_tokens
+            record = _record(rt, state, outcome.stats, outcome.grad_norm, batch_tokens / elapsed)
+            stop_error = _judge(policy, outcome, record)
+            if state.iteration % t.log_interval == 0 or state.iteration == 1 or stop_error:
+                _log(rt, logger, record, meter)
+            records.append(record)
+            if stop_error is not None:
+                raise stop_error
+            if _save_then_stop(job, rt, state, outcome, boundary):
+                break
     return records
+
+
+def _log(rt: Runtime, logger: MetricsLogger, record: dict, meter: CommMeter) -> None:
+    """Add the per-rank figures (memory, communication, saved bytes) and log the record."""
+    record["mem_rss_bytes"], record["mem_peak_bytes"] = gather_memory()
+    record.update(gather_fields(meter, buffer_bytes(rt.chunks, rt.optimizer, rt.zero2)))
+    if rt.activations is not None:
+        record.update(gather_saved_bytes(rt.activations.figures))
+    logger.log(record)
+
+
+def _save_then_stop(job: JobConfig, rt: Runtime, state: TrainState, outcome: StepOutcome,
+                    boundary: StepBoundary) -> bool:
+    """Save when the step interval, the clock or a stop signal asks for it; True: stop now
+    (a stop signal before the last step)."""
+    ckpt, saved = job.checkpoint, None
+    if _should_save(job, state.iteration) or (ckpt.save and (outcome.save_due
+                                                              or outcome.stop_signal)):
+        saved = save_checkpoint(ckpt.save, rt.chunks, rt.optimizer, rt.scheduler, state,
+                                job.model, ckpt.keep_last)
+        boundary.saved()
+    if outcome.stop_signal and state.iteration < job.train.train_iters:
+        _say_stopped(outcome.stop_signal, state.iteration, saved)
+        return True
+    return False
+
+
+def _judge(policy: NonFinitePolicy, outcome: StepOutcome, record: dict) -> BaseException | None:
+    """Count a non-finite step against the policy; None: go on (skipped steps are marked in
+    their record and reported on the console), else the error that stops the job."""
+    if outcome.nonfinite_report is None:
+        policy.good_step()
+        return None
+    error = policy.bad_step(outcome.nonfinite_report)
+    if error is None:
+        record["skipped"] = True
+        if dist.get_rank() == 0:
+            print(f"glm5_train: skipped the update of {outcome.nonfinite_report}",
+                  file=sys.stderr, flush=True)
+    return error
+
+
+def _say_stopped(signal_number: int, step: int, saved: str | None) -> None:
+    """The line a scheduler's log shows for a stop on a signal (rank 0)."""
+    if dist.get_rank() != 0:
+        return
+    where = f"checkpoint {saved}" if saved else "no checkpoint (checkpoint.save is null)"
+    print(f"glm5_train: stopped by {signal_name(signal_number)} after step {step}; {where}",
+          flush=True)
+
+
+def resume(job: JobConfig, rt: Runtime) -> TrainState:
+    """The state to start from: ``checkpoint.load`` (``auto``: the newest complete checkpoint
+    in ``checkpoint.save``, none there: step 0; a directory: its newest, which must exist)."""
+    ckpt = job.checkpoint
+    root = ckpt.save if ckpt.load == AUTO else ckpt.load
+    if not root:
+        return TrainState()
+    loaded = load_checkpoint(root, rt.chunks, rt.optimizer, rt.scheduler, job.model,
+                             ckpt.load_optimizer, required=ckpt.load != AUTO)
+    return loaded or TrainState()
+
+
+def forget_steps_after(run_dir: str, iteration: int) -> None:
+    """A run resumed in the run directory of an earlier attempt (a restart, a requeued job)
+    redoes the steps after its checkpoint: their earlier records go from metrics.jsonl, so it
+    holds each step once (rank 0; rewritten atomically; a line torn by a kill is dropped)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if dist.get_rank() != 0 or not os.path.exists(path):
+        return
+    with open(path) as handle:
+        lines = [line for line in handle if line.strip()]
+    kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= iteration]
+    if len(kept) == len(lines):
+        return
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as handle:
+        handle.writelines(line if line.endswith("\n") else line + "\n" for line in kept)
+    os.replace(tmp, path)
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def step_statistics(rt: Runtime, reports: list) -> dict:
@@ -146,6 +331,7 @@ def quiet_megatron() -> None:
 
 
 CONFIG_ERROR_STATUS = 2  # as launch.local's (and argparse's) usage errors
+NONFINITE_STATUS = 3  # stopped at a non-finite step (train.nonfinite)
 # How long ranks other than 0 wait, after a config error, for the launcher to stop them.
 PEER_EXIT_WAIT_S = 60.0
 
@@ -166,7 +352,12 @@ def main() -> None:
         except CONFIG_ERRORS as err:
             exit_on_config_error(err)
         run_dir = HydraConfig.get().runtime.output_dir
-        train(job, run_dir, validated=True)
+        try:
+            train(job, run_dir, validated=True)
+        except NoCheckpointError as err:  # every rank raises it (rank 0's choice, broadcast)
+            exit_on_agreed_error(err, CONFIG_ERROR_STATUS)
+        except NonFiniteStepError as err:  # every rank raises it (the step's agreed verdict)
+            exit_on_agreed_error(err, NONFINITE_STATUS)
         # Only on success: after a failure the other ranks may never reach a barrier, and
         # torchrun tears the job down anyway.
         _shutdown()
@@ -195,6 +386,19 @@ def exit_on_config_error(err: BaseException) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(CONFIG_ERROR_STATUS)
+
+
+def exit_on_agreed_error(err: BaseException, status: int) -> NoReturn:
+    """An error every rank raised at the same point: rank 0 prints ``glm5_train: error:
+    <message>`` (and leaves it for torchrun's summary), every rank exits with ``status`` at
+    once (no peer waits on another: they all stop here)."""
+    if dist.is_initialized() and dist.get_rank() == 0:
+        message = one_line(err)
+        _record_for_torchrun(message)
+        print(f"glm5_train: error: {message}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _record_for_torchrun(message: str) -> None:

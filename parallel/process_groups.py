@@ -36,7 +36,8 @@ def init_distributed(par: ParallelConfig, seed: int) -> None:
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group(backend=backend, rank=rank, world_size=world)
+        dist.init_process_group(backend=backend, store=_attempt_store(rank, world), rank=rank,
+                                world_size=world)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=par.tensor_model_parallel_size,
         pipeline_model_parallel_size=par.pipeline_model_parallel_size,
@@ -47,6 +48,16 @@ def init_distributed(par: ParallelConfig, seed: int) -> None:
         get_embedding_ranks=first_stage_only,
     )
     model_parallel_cuda_manual_seed(seed)
+
+
+def _attempt_store(rank: int, world: int) -> dist.Store:
+    """torchrun's rendezvous store with its keys prefixed by the restart attempt. A worker
+    group restarted by ``torchrun --max-restarts`` creates its groups under the same names, on
+    the same store (the agent keeps it), as the attempt before; a rank reaching a group before
+    its peer has re-published its address there would read the dead worker's address (gloo:
+    "connection refused", the restart fails)."""
+    store, _, _ = next(dist.rendezvous(f"env://?rank={rank}&world_size={world}"))
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def first_stage_only(pp_ranks: list[int], *_) -> list[int]:
