@@ -380,12 +380,8 @@ def exit_on_config_error(err: BaseException) -> NoReturn:
     if int(os.environ.get("RANK", "0")) != 0:
         time.sleep(PEER_EXIT_WAIT_S)  # normally ended by torchrun's SIGTERM
     else:
-        message = one_line(err)
-        _record_for_torchrun(message)
-        print(f"glm5_train: error: {message}", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(CONFIG_ERROR_STATUS)
+        _print_error(err)
+    _flush_and_exit(CONFIG_ERROR_STATUS)
 
 
 def exit_on_agreed_error(err: BaseException, status: int) -> NoReturn:
@@ -393,9 +389,18 @@ def exit_on_agreed_error(err: BaseException, status: int) -> NoReturn:
     <message>`` (and leaves it for torchrun's summary), every rank exits with ``status`` at
     once (no peer waits on another: they all stop here)."""
     if dist.is_initialized() and dist.get_rank() == 0:
-        message = one_line(err)
-        _record_for_torchrun(message)
-        print(f"glm5_train: error: {message}", file=sys.stderr)
+        _print_error(err)
+    _flush_and_exit(status)
+
+
+def _print_error(err: BaseException) -> None:
+    """The one ``glm5_train: error: <message>`` line, also left for torchrun's summary."""
+    message = one_line(err)
+    _record_for_torchrun(message)
+    print(f"glm5_train: error: {message}", file=sys.stderr)
+
+
+def _flush_and_exit(status: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)

@@ -43,7 +43,7 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from glm5_train.model import triton_sparse_mla
 from glm5_train.model.picked_rows import RowTable, Scratch, compute_dtype, fp32_at_least
-from parallel.context_parallel import zigzag_positions
+from parallel.context_parallel import group_size, zigzag_positions
 
 # Working-set budget (fp32 elements) of one query chunk's gathered latent keys [B, T, K, D]:
 # 16 MiB (T = 3 rows at GLM-5's K = 2048, D = 576). The gathered keys are read by three
@@ -269,9 +269,9 @@ class GLM5MLASelfAttention(MLASelfAttention):
     def _full_sequence(self, hidden_states: torch.Tensor) -> int:
         """Tokens of the whole sequence: this rank's, times TP under sequence parallelism,
         times the context-parallel size."""
-        split = self.config.sequence_parallel and _world(self.tp_group) > 1
-        local = hidden_states.shape[0] * (_world(self.tp_group) if split else 1)
-        return local * _world(self.pg_collection.cp)
+        split = self.config.sequence_parallel and group_size(self.tp_group) > 1
+        local = hidden_states.shape[0] * (group_size(self.tp_group) if split else 1)
+        return local * group_size(self.pg_collection.cp)
 
     def _rotary_of_this_rank(self, hidden_states: torch.Tensor):
         """RoPE frequencies of this rank's tokens (and YaRN's mscale): the whole sequence's,
@@ -281,8 +281,8 @@ class GLM5MLASelfAttention(MLASelfAttention):
         rotary = self.rotary_pos_emb(full, packed_seq=True)  # packed_seq: no CP slicing there
         rotary, mscale = rotary if self.config.rope_type == "yarn" else (rotary, 1.0)
         cp = self.pg_collection.cp
-        if _world(cp) > 1:
-            positions = zigzag_positions(full, _world(cp), dist.get_rank(cp), rotary.device)
+        if group_size(cp) > 1:
+            positions = zigzag_positions(full, group_size(cp), dist.get_rank(cp), rotary.device)
             rotary = rotary.index_select(0, positions)
         return rotary, mscale
 
@@ -303,7 +303,7 @@ class GLM5MLASelfAttention(MLASelfAttention):
                              "dsa.sparse_attention=masked_dense")
         kv_compressed, k_pos_emb = torch.split(
             kv_combined, [cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim], dim=-1)
-        if _world(self.tp_group) > 1 and cfg.sequence_parallel:
+        if group_size(self.tp_group) > 1 and cfg.sequence_parallel:
             k_pos_emb = gather_from_sequence_parallel_region(k_pos_emb, group=self.tp_group)
         q_compressed = self.q_layernorm(q_compressed)
         kv_compressed = self._latent_norm(kv_compressed)
@@ -353,13 +353,9 @@ class GLM5MLASelfAttention(MLASelfAttention):
         """The latent every TP rank's heads read, with the column-parallel up-projection's
         semantics: under SP all-gathered (backward reduce-scatter), else copied (backward
         all-reduce of the heads' gradients)."""
-        if _world(self.tp_group) == 1:
+        if group_size(self.tp_group) == 1:
             return kv_compressed
         if self.config.sequence_parallel:
             return gather_from_sequence_parallel_region(kv_compressed, group=self.tp_group)
         shared = copy_to_tensor_model_parallel_region(kv_compressed, group=self.tp_group)
         return _ContiguousGrad.apply(shared)
-
-
-def _world(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
