@@ -40,6 +40,7 @@ from glm5_train.data import (
     check_token_ids,
     ensure_builtin_corpus,
 )
+from glm5_train.flexible_batches import FlexibleBatches
 from glm5_train.job_config import JobConfig
 from glm5_train.model.config import to_mcore_config
 from glm5_train.model.glm5 import apply_dsa_freezing, build_model_chunks
@@ -53,6 +54,7 @@ from parallel.activation_offload import ActivationTracker
 from parallel.device import comm_device
 from parallel.distributed_muon import install_distributed_muon
 from parallel.embedding_tie import EmbeddingTie
+from parallel.flexible_cp import FlexiblePlan, GroupPool, Workload
 from parallel.grad_norms import ParamGradNorms
 from parallel.layout import validate_layout
 from parallel.muon import MuonConfig, install_on_fp32_optimizer, matrix_layouts
@@ -74,6 +76,9 @@ class Runtime:
     param_grad_norms: ParamGradNorms | None = None  # train.log_param_grad_norms
     # saved-for-backward bytes per step (always) and activation offloading (when configured)
     activations: ActivationTracker | None = None
+    # parallel.cp_groups=flexible: the CP groups every global batch is planned over
+    cp_pool: GroupPool | None = None
+    last_plan: FlexiblePlan | None = None  # the plan of the latest step's global batch
 
     @property
     def dp_rank(self) -> int:
@@ -114,8 +119,10 @@ def assemble(job: JobConfig, validated: bool = False) -> Runtime:
     norms = ParamGradNorms(chunks, optimizer, zero2) if job.train.log_param_grad_norms else None
     # After DDP: its buffers hold the parameters the meter must leave out.
     activations = build_activation_tracker(job, chunks, groups, num_microbatches(job, groups))
+    pool = (GroupPool(groups.dp, job.parallel.flexible_cp_max_size, groups.cp)
+            if job.parallel.cp_groups == "flexible" else None)  # collective: every rank
     return Runtime(job, config, groups, chunks, optimizer, scheduler, dataset, zero2, norms,
-                   activations)
+                   activations, pool)
 
 
 def validate_job(job: JobConfig) -> int:
@@ -203,14 +210,29 @@ def build_dataset(job: JobConfig, tokenizer):
     return train
 
 
+def flexible_workload(job: JobConfig) -> Workload:
+    par = job.parallel
+    return Workload(par.flexible_cp_cost_pair, par.flexible_cp_cost_selected,
+                    par.flexible_cp_cost_token, job.model.index_topk)
+
+
 def num_microbatches(job: JobConfig, groups: ProcessGroupCollection) -> int:
     """Micro-batches per step on each data-parallel rank."""
     return job.train.global_batch_size // (job.train.micro_batch_size * groups.dp.size())
 
 
-def iterators(rt: Runtime, consumed_samples: int) -> list:
-    """One aligned iterator per model chunk: each chunk reads the same micro-batch sequence."""
+def iterators(rt: Runtime, consumed_samples: int) -> list | FlexibleBatches:
+    """One aligned iterator per model chunk: each chunk reads the same micro-batch sequence.
+    Flexible CP groups: the global batches, planned one at a time (``FlexibleBatches``)."""
     t = rt.job.train
+    if rt.cp_pool is not None:
+        par = rt.job.parallel
+        interleaved = (par.virtual_pipeline_model_parallel_size or 1) > 1
+        return FlexibleBatches(rt.dataset, rt.cp_pool, t.global_batch_size,
+                               par.flexible_cp_max_size, flexible_workload(rt.job),
+                               len(rt.chunks), consumed_samples,
+                               slot_multiple=par.pipeline_model_parallel_size if interleaved
+                               else 1, plan_ranks=par.flexible_cp_plan_ranks)
     make = partial(build_train_iterator, rt.dataset, t.micro_batch_size, t.global_batch_size,
                    rt.dp_rank, rt.dp_size, consumed_samples, num_workers=rt.job.data.num_workers)
     return [make() for _ in rt.chunks]

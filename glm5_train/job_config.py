@@ -119,7 +119,7 @@ class JobConfig:
     activations: ActivationsConfig = field(default_factory=ActivationsConfig)
 
     @classmethod
-    def from_hydra(cls, tree: Any) -> "JobConfig":
+    def from_hydra(cls, tree: Any) -> JobConfig:
         plain = OmegaConf.to_container(tree, resolve=True)
         plain.pop("hydra", None)
         job = cls(
@@ -147,6 +147,27 @@ class JobConfig:
             self.model.mtp_num_steps if self.model.mtp_sets else 0, self.dsa.stage)
         self.activations.check_offload_for(self.model.num_hidden_layers, self.model.mtp_sets)
         _check_checkpoint(self.checkpoint)
+        _check_flexible_cp(self)
+
+
+def _check_flexible_cp(job: JobConfig) -> None:
+    """parallel.cp_groups=flexible plans chat SFT conversations one global batch at a time
+    (glm5_train/flexible_batches.py): what that rules out."""
+    if job.parallel.cp_groups != "flexible":
+        return
+    if job.data.format != "chat_sft":
+        raise ValueError(f"parallel.cp_groups=flexible with data.format={job.data.format}: "
+                         "flexible CP groups are sized to each chat SFT conversation; use "
+                         "data=chat_sft or parallel.cp_groups=fixed")
+    if job.train.micro_batch_size != 1:
+        raise ValueError(f"parallel.cp_groups=flexible with train.micro_batch_size="
+                         f"{job.train.micro_batch_size}: a micro-batch is one packed bin per "
+                         "rank; set train.micro_batch_size=1")
+    if job.activations.offload_micro_batches:
+        raise ValueError("parallel.cp_groups=flexible with activations.offload_micro_batches="
+                         f"{job.activations.offload_micro_batches}: offloading plans a fixed "
+                         "micro-batch count, flexible groups vary it per batch; set "
+                         "activations.offload_micro_batches=0")
 
 
 def _check_nonfinite(t: TrainConfig) -> None:

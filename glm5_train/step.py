@@ -8,9 +8,10 @@ and micro-batches (a per-micro-batch mean would weigh micro-batches with fewer l
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import nullcontext
 from functools import partial
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ from megatron.core.utils import unwrap_model
 from parallel.activation_offload import ActivationTracker
 from parallel.context_parallel import group_size, shard_sequence
 from parallel.device import comm_device
+from parallel.flexible_cp import in_group_for_backward, switch_context_group
 
 
 def loss_func(loss_mask: torch.Tensor, take_mtp_report, output_tensor: torch.Tensor):
@@ -42,11 +44,20 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
     come from the data loader on the CPU and move to this rank's device here (a no-op on CPU).
     ``activations``: the model's forward runs inside its saved-tensor meter (and offloader).
     ``cp_group``: every rank of a context-parallel group reads the same whole sequences and
-    keeps its zigzag share of them (``parallel.context_parallel``)."""
-    batch = context_parallel_share(packed_documents(to_device(next(data_iterator))), cp_group)
+    keeps its zigzag share of them (``parallel.context_parallel``). A micro-batch that brings
+    its own ``cp_group`` (flexible CP groups, ``glm5_train/flexible_batches.py``) runs on that
+    group: the model is pointed at it for this forward and again when its backward starts."""
+    batch = packed_documents(to_device(next(data_iterator)))
+    flexible = "cp_group" in batch
+    if flexible:
+        cp_group = batch.pop("cp_group")
+        switch_context_group(model, cp_group)
+    batch = context_parallel_share(batch, cp_group)
     with activations.forward(model) if activations else nullcontext(lambda out: out) as watch:
         output = watch(model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                              labels=batch["labels"], loss_mask=batch["loss_mask"]))
+    if flexible:
+        output = in_group_for_backward(output, model, cp_group)
     inner = unwrap_model(model)
     return output, partial(loss_func, batch["loss_mask"], getattr(inner, "take_mtp_report", None))
 

@@ -46,8 +46,9 @@ from glm5_train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from glm5_train.flexible_batches import FlexibleBatches, plan_record
 from glm5_train.job_config import CONFIG_ERRORS, JobConfig, one_line
-from glm5_train.metrics import MetricsLogger, gather_memory, gather_saved_bytes
+from glm5_train.metrics import MetricsLogger, gather_memory, gather_per_rank, gather_saved_bytes
 from glm5_train.model.glm5 import indexer_kl
 from glm5_train.preemption import StopRequest, forked_children_die_with_this_process, signal_name
 from glm5_train.run_dir import register_resolvers
@@ -146,9 +147,15 @@ def _forward_backward(rt: Runtime, iterators: list) -> list:
         rt.zero2.begin_step()
     rt.optimizer.zero_grad()
     num_micro = t.global_batch_size // (t.micro_batch_size * rt.dp_size)
+    seq_length = t.seq_length
+    if isinstance(iterators, FlexibleBatches):  # this global batch's plan, its micro-batches
+        planned = iterators.next_step()
+        iterators, num_micro = planned.iterators, planned.num_microbatches
+        seq_length = t.seq_length // rt.job.parallel.flexible_cp_max_size
+        rt.last_plan = planned.plan
     if rt.activations is not None:
         rt.activations.begin_step()
-    reports = run_step(rt.chunks, iterators, num_micro, t.seq_length, t.micro_batch_size,
+    reports = run_step(rt.chunks, iterators, num_micro, seq_length, t.micro_batch_size,
                        rt.groups, activations=rt.activations)
     if rt.activations is not None:  # this step's saved-for-backward figures
         rt.activations.end_step()
@@ -172,10 +179,11 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
     with StopRequest() as stop:
         boundary = StepBoundary(rt, stop, minutes * 60.0 if minutes else None)
         while state.iteration < t.train_iters:
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             meter = CommMeter()  # this step's collectives on this rank (the loss's included)
             outcome = train_step(rt, data, meter, boundary, step_index=state.iteration)
             elapsed = time.perf_counter() - started
+            cpu_ms = int(1000 * (time.process_time() - cpu_started))
             state.iteration += 1
             state.consumed_samples += t.global_batch_size
             batch_tokens = t.global_batch_size * t.seq_length
@@ -183,7 +191,7 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
             record = _record(rt, state, outcome.stats, outcome.grad_norm, batch_tokens / elapsed)
             stop_error = _judge(policy, outcome, record)
             if state.iteration % t.log_interval == 0 or state.iteration == 1 or stop_error:
-                _log(rt, logger, record, meter)
+                _log(rt, logger, record, meter, cpu_ms)
             records.append(record)
             if stop_error is not None:
                 raise stop_error
@@ -192,9 +200,14 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
     return records
 
 
-def _log(rt: Runtime, logger: MetricsLogger, record: dict, meter: CommMeter) -> None:
-    """Add the per-rank figures (memory, communication, saved bytes) and log the record."""
+def _log(rt: Runtime, logger: MetricsLogger, record: dict, meter: CommMeter,
+         cpu_ms: int) -> None:
+    """Add the per-rank figures (memory, communication, saved bytes, the step's CPU time: the
+    work each rank did, which on an oversubscribed machine wall time cannot show) and log."""
     record["mem_rss_bytes"], record["mem_peak_bytes"] = gather_memory()
+    record["step_cpu_ms"] = [r[0] for r in gather_per_rank([cpu_ms])]
+    if rt.last_plan is not None:
+        record["flexible_cp"] = plan_record(rt.last_plan)
     record.update(gather_fields(meter, buffer_bytes(rt.chunks, rt.optimizer, rt.zero2)))
     if rt.activations is not None:
         record.update(gather_saved_bytes(rt.activations.figures))

@@ -94,6 +94,22 @@ class ParallelConfig:
     # parallel/hierarchical_all_to_all.py); null: one flat all-to-all over the CP group.
     cp_comm: str = "all_gather"
     cp_node_size: int | None = None
+    # Context-parallel groups (parallel/flexible_cp.py): "fixed" (every sequence over
+    # context_parallel_size ranks) or "flexible" (per global batch, the data-parallel ranks form
+    # CP groups of 1 .. flexible_cp_max_size ranks, powers of two, sized to each chat SFT
+    # conversation and filled by the workload model below; context_parallel_size stays 1).
+    cp_groups: str = "fixed"
+    flexible_cp_max_size: int = 1
+    # The workload model: seconds per causal token pair of a document (the DSA indexer), per
+    # selected key (sparse attention and its KL), per token (the rest). Measured with
+    # tools/calibrate_cp_workload.py; the defaults are glm5_tiny's on a 2-core CPU.
+    flexible_cp_cost_pair: float = 1.0e-9
+    flexible_cp_cost_selected: float = 1.0e-8
+    flexible_cp_cost_token: float = 1.0e-5
+    # Replay: plan each global batch as for this many data-parallel ranks and run every bin of
+    # the plan whole on this one process (null: plan for the run's own ranks). Reproduces a
+    # larger run's micro-batches in one process, e.g. to check its numerics.
+    flexible_cp_plan_ranks: int | None = None
 
     @property
     def model_parallel_size(self) -> int:
@@ -159,9 +175,11 @@ def validate_layout(par: ParallelConfig, model: ModelShape, world_size: int,
     _check_experts(par, model, dp)
     _check_dispatcher(par)
     _check_sequence(par, model, seq_length)
-    _check_batch(global_batch_size, micro_batch_size, dp)
-    _check_interleaving(par, global_batch_size // max(1, micro_batch_size * dp))
+    if par.cp_groups != "flexible":  # flexible: the plan sets the micro-batches per step
+        _check_batch(global_batch_size, micro_batch_size, dp)
+        _check_interleaving(par, global_batch_size // max(1, micro_batch_size * dp))
     _check_context_comm(par, model, world_size)
+    _check_context_groups(par, dp, seq_length)
     return dp
 
 
@@ -419,6 +437,56 @@ def _check_interleaving(par: ParallelConfig, num_microbatches: int) -> None:
 
 
 CP_COMMS = ("all_gather", "head_parallel")
+
+
+CP_GROUPS = ("fixed", "flexible")
+
+
+def _check_context_groups(par: ParallelConfig, dp: int, seq_length: int) -> None:
+    """parallel.cp_groups=flexible (parallel/flexible_cp.py): groups of power-of-two sizes cut
+    from the data-parallel ranks, each rank holding seq_length / flexible_cp_max_size tokens
+    per micro-batch."""
+    largest = par.flexible_cp_max_size
+    if par.cp_groups not in CP_GROUPS:
+        raise LayoutError(f"parallel.cp_groups={par.cp_groups!r}: use one of {list(CP_GROUPS)}")
+    if par.cp_groups == "fixed":
+        if largest != 1:
+            raise LayoutError(f"parallel.flexible_cp_max_size={largest} sizes flexible CP "
+                              "groups, but parallel.cp_groups='fixed': set "
+                              "parallel.cp_groups=flexible or parallel.flexible_cp_max_size=1")
+        return
+    fix = "launch the ranks as data parallel (the groups are cut from them)"
+    if par.context_parallel_size != 1:
+        raise LayoutError(f"parallel.cp_groups=flexible with context_parallel_size="
+                          f"{par.context_parallel_size}: flexible groups replace the fixed one; "
+                          f"set context_parallel_size=1 and {fix}")
+    if par.cp_comm != "all_gather":
+        raise LayoutError(f"parallel.cp_groups=flexible runs the all_gather exchange only: set "
+                          f"parallel.cp_comm=all_gather (not {par.cp_comm!r})")
+    for name, value in (("flexible_cp_max_size", largest), ("data-parallel size", dp)):
+        if value < 1 or value & (value - 1):
+            raise LayoutError(f"parallel.cp_groups=flexible needs a power-of-two {name}, got "
+                              f"{value}: groups are aligned power-of-two blocks of the data-"
+                              "parallel ranks")
+    if par.pipeline_model_parallel_size > 1 and largest > dp:
+        raise LayoutError(f"parallel.flexible_cp_max_size={largest} > the data-parallel size "
+                          f"{dp} under pipeline parallelism (every rank's micro-batches must "
+                          f"hold the same tokens): lower it to <= {dp} or {fix}")
+    split = par.tensor_model_parallel_size if par.sequence_parallel else 1
+    unit = 2 * largest * split
+    if seq_length % unit:
+        raise LayoutError(f"train.seq_length={seq_length} is not divisible by 2 x "
+                          f"parallel.flexible_cp_max_size{' x TP' if split > 1 else ''} = {unit}"
+                          ": each rank holds seq_length / flexible_cp_max_size tokens, zigzag-"
+                          "sharded in 2 chunks per rank; pick a multiple of it")
+    replay = par.flexible_cp_plan_ranks
+    if replay is not None and (world_size_one := dp * par.model_parallel_size) != 1:
+        raise LayoutError(f"parallel.flexible_cp_plan_ranks={replay} replays a plan on one "
+                          f"process, but the layout has {world_size_one}: set it to null")
+    for name in ("flexible_cp_cost_pair", "flexible_cp_cost_selected", "flexible_cp_cost_token"):
+        if getattr(par, name) < 0:
+            raise LayoutError(f"parallel.{name}={getattr(par, name)} must be >= 0 (measure it "
+                              "with tools/calibrate_cp_workload.py)")
 
 
 def _check_context_comm(par: ParallelConfig, model: ModelShape, world_size: int) -> None:

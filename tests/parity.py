@@ -21,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -112,6 +113,21 @@ def MTP_KEYS(rtol: float, record: dict) -> list[tuple[str, float]]:
 class JobResult:
     records: list[dict]
     log: str
+
+
+# One-process reference runs of this test session, by their overrides (several test modules
+# compare against the same reference: it runs once).
+_ONE_PROCESS_RUNS: dict[tuple[str, ...], JobResult] = {}
+
+
+def one_process(overrides: list[str]) -> JobResult:
+    """``run_job(1, overrides)``, run once per test session for the same overrides (in any
+    order; ``checkpoint.load=null`` is the default's behaviour here: the harness saves none)."""
+    key = tuple(sorted(o for o in overrides if o != "checkpoint.load=null"))
+    if key not in _ONE_PROCESS_RUNS:
+        run_dir = tempfile.mkdtemp(prefix="glm5_reference_")
+        _ONE_PROCESS_RUNS[key] = run_job(1, list(key), run_dir)
+    return _ONE_PROCESS_RUNS[key]
 
 
 def run_job(nprocs: int, overrides: list[str], run_dir: str, timeout: int = 600) -> JobResult:

@@ -21,7 +21,7 @@ from parallel.context_parallel import (
     shard_sequence,
     zigzag_positions,
 )
-from tests.parity import FP32, assert_layout_ran, compare, run_job
+from tests.parity import FP32, assert_layout_ran, compare, one_process, run_job
 
 # 64 tokens (the parity runs' length), tiny GLM-5: index_topk 32 < 64, so the sparse stage
 # selects; latent 32 + RoPE 16 = 48 values and indexer keys of 32 per token cross CP ranks.
@@ -42,9 +42,8 @@ def test_zigzag_shards_cover_the_sequence_once_and_balance_causal_work():
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    return {name: run_job(1, ["parallel=single", *stage],
-                          str(tmp_path_factory.mktemp(f"ref_{name}"))).records
+def references():
+    return {name: one_process(["parallel=single", *stage]).records
             for name, stage in (("sparse", SPARSE), ("warmup", WARMUP))}
 
 
@@ -64,8 +63,8 @@ def test_context_parallel_matches_one_process(tmp_path, references, name, nprocs
     result = run_job(nprocs, overrides, str(tmp_path))
     reference = references["warmup" if "warmup" in name else "sparse"]
     if "pp2" in name:  # 8 sequences per step there (PP2 x VPP2 needs >= 4 micro-batches)
-        reference = run_job(1, ["parallel=single", "train.global_batch_size=8", *SPARSE],
-                            str(tmp_path / "ref8")).records
+        reference = one_process(["parallel=single", "train.global_batch_size=8",
+                                 *SPARSE]).records
     problems = compare(reference, result.records, FP32)
     assert not problems, "\n".join(problems)
     assert_layout_ran(result, nprocs, overrides)

@@ -48,6 +48,7 @@ from tests.parity import (
     expected_group_sizes,
     layout_of,
     memory_problems,
+    one_process,
     pipeline_log_problems,
     run_job,
 )
@@ -204,9 +205,8 @@ LAYOUTS = [
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    return {name: run_job(1, ["parallel=single", *stage],
-                          str(tmp_path_factory.mktemp(f"ref_{name}"))).records
+def references():
+    return {name: one_process(["parallel=single", *stage]).records
             for name, stage in (("sparse", SPARSE), ("warmup", WARMUP))}
 
 

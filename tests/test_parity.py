@@ -12,7 +12,7 @@ import torch
 
 from glm5_train.job_config import compose_job
 from glm5_train.optim import build_scheduler
-from tests.parity import BASE_OVERRIDES, assert_layout_ran, compare, run_job
+from tests.parity import BASE_OVERRIDES, assert_layout_ran, compare, one_process, run_job
 
 DISTRIBUTED = "parallel.use_distributed_optimizer=true"
 
@@ -53,9 +53,9 @@ IMPOSTORS = {
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory):
+def reference():
     overrides = ["parallel=single"]
-    result = run_job(1, overrides, str(tmp_path_factory.mktemp("ref")))
+    result = one_process(overrides)
     assert_layout_ran(result, 1, overrides)
     return result.records
 
@@ -94,9 +94,8 @@ def test_first_update_uses_the_full_learning_rate():
 
 
 @pytest.fixture(scope="session")
-def warmup_reference(tmp_path_factory):
-    return run_job(1, ["parallel=single", "dsa=dense_warmup"],
-                   str(tmp_path_factory.mktemp("warmup_ref"))).records
+def warmup_reference():
+    return one_process(["parallel=single", "dsa=dense_warmup"]).records
 
 
 def test_dsa_dense_warmup_matches_single_process(warmup_reference, tmp_path):

@@ -10,7 +10,6 @@ are checked against a measured forward in tests/test_pipeline_plan.py
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -18,7 +17,7 @@ from glm5_train.job_config import compose_job
 from glm5_train.model.config import to_mcore_config
 from parallel.layout import ParallelSizes
 from parallel.recompute import Recompute
-from tests.parity import FP32, Tolerances, assert_layout_ran, compare, run_job
+from tests.parity import FP32, Tolerances, assert_layout_ran, compare, one_process, run_job
 
 FULL = ["activations.recompute_granularity=full", "activations.recompute_method=uniform",
         "activations.recompute_num_layers=1"]
@@ -101,8 +100,8 @@ def tiny_model():
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return run_job(1, ["parallel=single"], str(tmp_path_factory.mktemp("ref"))).records
+def reference():
+    return one_process(["parallel=single"]).records
 
 
 def _saved_bytes(records: list[dict]) -> list[int]:

@@ -1,0 +1,124 @@
+"""Flexible vs fixed context-parallel groups on a long-tailed batch of chat conversations: the
+tiny GLM-5 (DSA sparse stage with its KL, MTP 3 steps) on 4 ranks.
+
+    python bench/flexible_cp.py [--rank-tokens 4096] [--short 40] [--steps 2] [--no-calibrate]
+
+Length distribution (``tools/synthetic_chat.py --long-tail``), scaled to what this CPU trains in
+minutes, in the same proportions as GLM-5's SFT mix (most conversations under 8K tokens, a few
+at 64K-202K of a 202,752-token window): ``--short`` conversations log-uniform in [128, L / 4]
+tokens and three long ones at about 0.4, 0.7 and 1.0 x the window, for a window of 4 x L
+tokens (L = ``--rank-tokens``, 16,384 at the default). One global batch = every conversation.
+
+- fixed: megatron-style CP4 (DP1): the conversations packed into 4L-token sequences
+  (``tools/prepare_chat_sft.py``), each sequence over all 4 ranks (zigzag);
+- flexible: ``parallel.cp_groups=flexible`` with groups of up to 4, the workload model measured
+  first on this machine (``tools/calibrate_cp_workload.py``; ``--no-calibrate``: the config's
+  defaults).
+
+Prints per mode the step time (wall clock), each rank's CPU seconds in the step (its measured
+work: on 2 cores 4 ranks share the CPU, so wall time is the sum of the work, and the busiest
+rank's CPU time is what a cluster's step would wait for), the measured imbalance (busiest /
+mean CPU), and for flexible the plan's modelled imbalance. Last line:
+``ours=<flexible step s> baseline=<fixed CP step s> ratio=<ours/baseline>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from job import REPO, run_training
+
+sys.path.insert(0, os.path.join(REPO, "tools"))
+from calibrate_cp_workload import calibrate
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+TOKENIZER = os.path.join(REPO, "tests", "data", "glm_tiny_tokenizer")
+
+
+def make_dataset(workdir: str, window: int, short: int, seed: int) -> tuple[str, int]:
+    """The long-tailed chat dataset packed at ``window`` tokens; (prefix, packed sequences)."""
+    source, prefix = os.path.join(workdir, "chats.jsonl"), os.path.join(workdir, "sft")
+    longs = ",".join(str(int(window * f) - 64) for f in (0.4, 0.7, 1.0))
+    for tool in (["tools/synthetic_chat.py", "--output", source, "--tokenizer", TOKENIZER,
+                  "--long-tail", str(short), "--short-max", str(window // 16), "--long", longs,
+                  "--seed", str(seed)],
+                 ["tools/prepare_chat_sft.py", "--input", source, "--output-prefix", prefix,
+                  "--tokenizer", TOKENIZER, "--seq-length", str(window), "--overlong",
+                  "truncate"]):
+        out = subprocess.run([sys.executable, *tool], cwd=REPO, check=True, capture_output=True,
+                             text=True).stdout
+        print(out.strip().splitlines()[-1], flush=True)
+    index = IndexedDataset(prefix).index
+    lengths = sorted((int(n) for n in index.sequence_lengths), reverse=True)
+    print(f"conversation lengths (tokens): longest {lengths[:3]}, median "
+          f"{lengths[len(lengths) // 2]}, {len(lengths)} in all, {sum(lengths)} tokens")
+    return prefix, len(index.document_indices) - 1
+
+
+def common(prefix: str, window: int, packs: int, steps: int) -> list[str]:
+    return ["model=glm5_tiny", f"model.max_position_embeddings={window}", "parallel=single",
+            "data=chat_sft", f"data.paths=[{prefix}]", f"data.tokenizer={TOKENIZER}",
+            "data.reset_position_ids=true", f"train.seq_length={window}",
+            f"train.train_iters={steps}", "train.warmup_iters=0",
+            f"train.global_batch_size={packs}", "train.micro_batch_size=1",
+            "checkpoint.save=null", "checkpoint.load=null"]
+
+
+def report(label: str, records: list[dict], packs: int, window: int) -> float:
+    last = records[-1]
+    step_s = packs * window / last["tokens_per_s"]
+    cpu = [ms / 1000 for ms in last["step_cpu_ms"]]
+    mean = sum(cpu) / len(cpu)
+    line = (f"{label}: step {step_s:.1f} s wall, CPU per rank [{', '.join(f'{c:.1f}' for c in cpu)}]"
+            f" s, measured imbalance (busiest / mean CPU) {max(cpu) / mean:.3f}, loss "
+            f"{last['loss']:.4f}, peak RSS per rank max {max(last['mem_peak_bytes']) / 2**30:.2f}"
+            " GiB")
+    plan = last.get("flexible_cp")
+    if plan:
+        line += (f"; plan: {plan['micro_batches']} micro-batches, groups per slot "
+                 f"{plan['group_sizes']}, modelled imbalance {plan['work_imbalance']:.3f}, "
+                 f"padding {plan['padding_tokens']} tokens")
+    print(line, flush=True)
+    return step_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank-tokens", type=int, default=4096)
+    parser.add_argument("--short", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-calibrate", action="store_true")
+    args = parser.parse_args()
+    window = 4 * args.rank_tokens
+    with tempfile.TemporaryDirectory() as workdir:
+        prefix, packs = make_dataset(workdir, window, args.short, args.seed)
+        costs = []
+        if not args.no_calibrate:
+            lengths = [args.rank_tokens // 4, args.rank_tokens // 2, args.rank_tokens,
+                       2 * args.rank_tokens]
+            w = calibrate(lengths, ["model=glm5_tiny",
+                                    f"model.max_position_embeddings={window}"], 2)
+            costs = [f"parallel.flexible_cp_cost_pair={w.pair:.4e}",
+                     f"parallel.flexible_cp_cost_selected={w.selected:.4e}",
+                     f"parallel.flexible_cp_cost_token={w.token:.4e}"]
+        base = common(prefix, window, packs, args.steps)
+        fixed = run_training(4, [*base, "parallel.context_parallel_size=4"],
+                             os.path.join(workdir, "fixed"), "fixed CP4")
+        baseline = report(f"fixed CP4 ({packs} packed sequences of {window})", fixed, packs,
+                          window)
+        flexible = run_training(4, [*base, "parallel.cp_groups=flexible",
+                                    "parallel.flexible_cp_max_size=4", *costs],
+                                os.path.join(workdir, "flexible"), "flexible")
+        ours = report("flexible groups of 1-4", flexible, packs, window)
+    print(f"ours={ours:.3f} baseline={baseline:.3f} ratio={ours / baseline:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""The micro-batches of a run with flexible context-parallel groups
+(``parallel.cp_groups=flexible``, planning in ``parallel/flexible_cp.py``).
+
+A global batch is the conversations of ``train.global_batch_size`` consecutive samples of the
+chat SFT dataset (the packs it was written with, at ``train.seq_length``: the longest sequence
+the run trains). Every rank reads all of them (lengths decide the plan; the same on every rank
+and on a resumed run, which starts from its consumed samples), plans the batch over its
+data-parallel ranks, and builds its own micro-batch of each slot: its bin's conversations packed
+into units x L tokens (L = seq_length / parallel.flexible_cp_max_size), padding at the end, the
+bin's CP group attached (``cp_group``); ``glm5_train.step.forward_step`` keeps this rank's zigzag
+share and points the model at that group for the micro-batch's forward and backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy
+import torch
+
+from glm5_train.chat_data import ChatSFTDataset, batch_cu_seqlens, build_sample
+from parallel.flexible_cp import FlexiblePlan, GroupPool, Workload, plan_batch
+
+
+@dataclass(frozen=True)
+class Conversation:
+    tokens: numpy.ndarray
+    mask: numpy.ndarray
+
+
+@dataclass
+class FlexibleStep:
+    """One global batch as this rank runs it: one iterator per model chunk over its
+    micro-batches (the same list for every chunk), their number, and the plan."""
+
+    iterators: list
+    num_microbatches: int
+    plan: FlexiblePlan
+
+
+class FlexibleBatches:
+    """Global batches, planned and cut into this rank's micro-batches, from ``consumed``."""
+
+    def __init__(self, dataset: ChatSFTDataset, pool: GroupPool, global_batch: int,
+                 max_units: int, workload: Workload, num_chunks: int, consumed: int,
+                 slot_multiple: int = 1, plan_ranks: int | None = None) -> None:
+        self.dataset, self.pool, self.global_batch = dataset, pool, global_batch
+        self.max_units, self.workload, self.num_chunks = max_units, workload, num_chunks
+        self.rank_tokens = dataset.seq_length // max_units
+        self.consumed = consumed
+        self.slot_multiple = slot_multiple  # the interleaved schedule's micro-batch multiple
+        # Replay (parallel.flexible_cp_plan_ranks, one process): plan as for that many ranks
+        # and run every bin of the plan whole, here.
+        self.plan_ranks = plan_ranks or len(pool.ranks)
+        if self.plan_ranks != len(pool.ranks) and len(pool.ranks) != 1:
+            raise ValueError(f"parallel.flexible_cp_plan_ranks={plan_ranks} replays a plan on "
+                             f"one process, but this run has {len(pool.ranks)} data-parallel "
+                             "ranks: set it to null")
+
+    def next_step(self) -> FlexibleStep:
+        conversations = self._conversations(self.consumed)
+        self.consumed += self.global_batch
+        plan = plan_batch([len(c.tokens) for c in conversations], self.plan_ranks,
+                          self.rank_tokens, self.max_units, self.workload)
+        if self.plan_ranks == len(self.pool.ranks):
+            cells = [plan.slots[slot][self.pool.index] for slot in range(plan.num_microbatches)]
+            micro = [self._bin_batch(plan, c.bin, conversations) for c in cells]
+        else:  # replay: each bin once, whole, in slot order
+            bins = sorted(range(len(plan.bins)), key=lambda i: (plan.bins[i].slot,
+                                                                 plan.bins[i].first))
+            micro = [self._bin_batch(plan, i, conversations, whole=True) for i in bins]
+        while len(micro) % self.slot_multiple:
+            micro.append(self._padding_micro_batch(self.rank_tokens))
+        return FlexibleStep([iter(micro) for _ in range(self.num_chunks)], len(micro), plan)
+
+    def _conversations(self, first: int) -> list[Conversation]:
+        out = []
+        for index in range(first, first + self.global_batch):
+            tokens, mask, lengths = self.dataset.sequence(index % len(self.dataset))
+            ends = numpy.cumsum(lengths)
+            for begin, end in zip(numpy.concatenate([[0], ends[:-1]]), ends):
+                out.append(Conversation(tokens[begin:end], mask[begin:end]))
+        return out
+
+    def _bin_batch(self, plan: FlexiblePlan, index: int, conversations: list[Conversation],
+                   whole: bool = False) -> dict:
+        """Bin ``index`` of the plan, with its group (``whole``: on this rank alone)."""
+        b = plan.bins[index]
+        width = 1 if whole else min(b.units, plan.ranks)
+        capacity = b.units * self.rank_tokens
+        docs = [conversations[d] for d in b.documents]
+        if docs:
+            sample = build_sample(numpy.concatenate([c.tokens for c in docs]),
+                                  numpy.concatenate([c.mask for c in docs]),
+                                  numpy.array([len(c.tokens) for c in docs]), capacity,
+                                  self.dataset.pad, self.dataset.reset_position_ids)
+            batch = _collate(sample, capacity)
+        else:
+            batch = self._padding_micro_batch(capacity)
+        batch["cp_group"] = self.pool.group(b.first, width)
+        return batch
+
+    def _padding_micro_batch(self, capacity: int) -> dict:
+        """A micro-batch of padding only (loss mask 0) for a cell no conversation reached."""
+        pad = torch.full((1, capacity), self.dataset.pad, dtype=torch.long)
+        return {"tokens": pad, "labels": pad.clone(),
+                "loss_mask": torch.zeros(1, capacity),
+                "position_ids": torch.arange(capacity).unsqueeze(0),
+                **batch_cu_seqlens([torch.tensor([0, capacity], dtype=torch.int32)], capacity),
+                "cp_group": self.pool.single}
+
+
+def _collate(sample: dict, capacity: int) -> dict:
+    cu = sample.pop("cu_seqlens")
+    batch = {key: value.unsqueeze(0) for key, value in sample.items()}
+    batch.update(batch_cu_seqlens([cu], capacity))
+    return batch
+
+
+def plan_record(plan: FlexiblePlan) -> dict:
+    """metrics.jsonl's account of a step's plan: micro-batches, the CP group of every cell
+    (slot by slot, sizes in data-parallel rank order), modelled work imbalance, padding."""
+    return {"micro_batches": plan.num_microbatches,
+            "group_sizes": [[min(plan.bins[c.bin].units, plan.ranks) for c in slot]
+                            for slot in plan.slots],
+            "work_imbalance": plan.imbalance(),
+            "modelled_rank_work": list(plan.rank_work),
+            "padding_tokens": plan.padding_tokens()}

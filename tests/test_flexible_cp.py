@@ -1,0 +1,187 @@
+"""Flexible context-parallel groups (parallel/flexible_cp.py, glm5_train/flexible_batches.py):
+the planner's guarantees, the config's refusals, and parity: four data-parallel ranks forming
+a group of 4 for a long conversation and groups of 2, 1, 1 for shorter ones give the same
+losses and per-parameter gradients as one process running the same micro-batches whole."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from glm5_train.job_config import compose_job
+from parallel.flexible_cp import PlanError, Workload, fit_workload, plan_batch, units_needed
+from parallel.layout import LayoutError, validate_layout
+from tests.parity import FP32, compare, run_job
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKENIZER = os.path.join(REPO, "tests", "data", "glm_tiny_tokenizer")
+WORK = Workload(pair=1e-9, selected=1e-8, token=1e-5, topk=32)
+
+
+def _check_plan(plan, lengths, rank_tokens):
+    """Every document once; bins within capacity; each slot covers every rank exactly once
+    with aligned power-of-two groups."""
+    placed = sorted(d for b in plan.bins for d in b.documents)
+    assert placed == list(range(len(lengths)))
+    for b in plan.bins:
+        assert b.used == sum(lengths[d] for d in b.documents) <= b.units * rank_tokens
+        width = min(b.units, plan.ranks)
+        assert b.units & (b.units - 1) == 0 and b.first % width == 0
+    for slot, cells in enumerate(plan.slots):
+        assert len(cells) == plan.ranks
+        for rank, cell in enumerate(cells):
+            b = plan.bins[cell.bin]
+            assert b.slot == slot and b.first + cell.member == rank
+
+
+def test_plan_places_every_document_once_in_aligned_groups():
+    rng = random.Random(0)
+    for trial in range(40):
+        ranks = rng.choice([1, 2, 4, 8])
+        lengths = [int(rng.expovariate(1 / 300)) + 1 for _ in range(rng.randint(1, 30))]
+        lengths = [min(n, 4 * 256) for n in lengths]
+        plan = plan_batch(lengths, ranks, 256, 4, WORK)
+        _check_plan(plan, lengths, 256)
+        assert plan == plan_batch(lengths, ranks, 256, 4, WORK)  # deterministic
+
+
+def test_long_and_short_conversations_get_groups_of_4_then_2_1_1():
+    lengths = [420, 230, 100, 90, 60, 50]
+    plan = plan_batch(lengths, 4, 128, 4, WORK)
+    sizes = [[min(plan.bins[c.bin].units, 4) for c in slot] for slot in plan.slots]
+    assert sizes == [[4, 4, 4, 4], [2, 2, 1, 1]]
+    assert [units_needed(n, 128) for n in lengths] == [4, 2, 1, 1, 1, 1]
+
+
+def test_workload_aware_placement_beats_dealing_samples_to_fixed_groups():
+    """A long-tailed batch on 8 ranks: the busiest rank's modelled work over the mean, flexible
+    groups vs whole 4-rank bins dealt in order to 2 fixed CP4 groups (megatron's split)."""
+    rng = random.Random(1)
+    lengths = [int(rng.uniform(64, 1024)) for _ in range(60)] + [8000, 7000]
+    plan = plan_batch(lengths, 8, 2048, 4, WORK)
+    _check_plan(plan, lengths, 2048)
+    fixed = [0.0, 0.0]
+    for i, n in enumerate(lengths):  # each fixed group takes half the batch, as it comes
+        fixed[i * 2 // len(lengths)] += WORK.document(n)
+    assert plan.imbalance() < 1.05 < max(fixed) / (sum(fixed) / 2)
+
+
+def test_workload_fit_recovers_the_coefficients_of_measured_times():
+    lengths = [512, 1024, 2048, 4096, 8192]
+    truth = Workload(pair=3e-10, selected=2e-9, token=4e-6, topk=32)
+    seconds = [truth.document(n) + 0.25 for n in lengths]
+    got, constant = fit_workload(lengths, seconds, 32)
+    # Past the top-k, selected keys are linear in n: that term folds into token and constant.
+    assert got.pair == pytest.approx(truth.pair, rel=1e-6) and got.selected == 0
+    assert got.token == pytest.approx(truth.token + truth.selected * 32, rel=1e-6)
+    for n, s in zip(lengths, seconds):
+        assert got.document(n) + constant == pytest.approx(s, rel=1e-9)
+    short = [8, 16, 24, 512, 2048]  # lengths on both sides of the top-k separate all terms
+    got, constant = fit_workload(short, [truth.document(n) + 0.25 for n in short], 32)
+    for name in ("pair", "selected", "token"):
+        assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=1e-5), name
+
+
+def test_a_conversation_longer_than_the_largest_group_is_refused():
+    with pytest.raises(PlanError, match="exceeds the largest CP group's 4 x 128"):
+        plan_batch([600], 4, 128, 4, WORK)
+
+
+@pytest.mark.parametrize("overrides,world,message", [
+    (["parallel.context_parallel_size=2"], 4, "set context_parallel_size=1"),
+    (["parallel.flexible_cp_max_size=3"], 4, "power-of-two flexible_cp_max_size"),
+    (["parallel.pipeline_model_parallel_size=2", "parallel.flexible_cp_max_size=4"], 4,
+     "under pipeline parallelism"),
+    (["train.seq_length=500"], 4, "not divisible by 2 x parallel.flexible_cp_max_size = 8"),
+    (["parallel.cp_comm=head_parallel"], 4, "runs the all_gather exchange only"),
+    (["parallel.flexible_cp_plan_ranks=4"], 4, "replays a plan on one process"),
+])
+def test_bad_flexible_layouts_are_refused(chat_prefix, overrides, world, message):
+    job = compose_job(["model=glm5_tiny", *_data(chat_prefix), *overrides])
+    with pytest.raises(LayoutError, match=message):
+        validate_layout(job.parallel, job.model, world, 2, 1, job.train.seq_length)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["data=stdlib"], "flexible CP groups are sized to each chat SFT conversation"),
+    (["train.micro_batch_size=2", "train.global_batch_size=4"], "set train.micro_batch_size=1"),
+])
+def test_flexible_groups_need_chat_data_and_single_micro_batches(chat_prefix, overrides,
+                                                                 message):
+    with pytest.raises(ValueError, match=message):
+        compose_job(["model=glm5_tiny", *_data(chat_prefix), *overrides])
+
+
+# Conversation lengths (tokens) of the parity data, packed into two 512-token sequences (one
+# global batch: L = 128 per rank at groups of up to 4): the ~400-token one needs a group of 4,
+# the ~230-token one a group of 2; the plan is [4, 4, 4, 4] then [2, 2, 1, 1].
+LENGTHS = "420,230,100,70,40,30,25,20"
+
+
+@pytest.fixture(scope="module")
+def chat_prefix(tmp_path_factory):
+    where = tmp_path_factory.mktemp("flexible_cp")
+    source, prefix = str(where / "chats.jsonl"), str(where / "sft")
+    for tool in (["tools/synthetic_chat.py", "--output", source, "--tokenizer", TOKENIZER,
+                  "--lengths", LENGTHS],
+                 ["tools/prepare_chat_sft.py", "--input", source, "--output-prefix", prefix,
+                  "--tokenizer", TOKENIZER, "--seq-length", "512"]):
+        subprocess.run([sys.executable, *tool], cwd=REPO, check=True, capture_output=True)
+    return prefix
+
+
+def _data(prefix, largest=4):
+    return ["parallel=single", "data=chat_sft", f"data.paths=[{prefix}]",
+            f"data.tokenizer={TOKENIZER}", "data.reset_position_ids=true",
+            "train.seq_length=512", "parallel.cp_groups=flexible",
+            f"parallel.flexible_cp_max_size={largest}", "train.train_iters=3",
+            "train.warmup_iters=0", "train.global_batch_size=2"]
+
+
+# (name, largest group, extra overrides, the slots' group sizes the plan must form)
+LAYOUTS = [
+    ("dp4", 4, [], {(4, 4, 4, 4), (2, 2, 1, 1)}),
+    # PP2 x DP2 (MTP split placement): groups of 2 over the two pipelines, stage by stage
+    ("pp2_dp2", 2, ["parallel.pipeline_model_parallel_size=2"], {(2, 2), (1, 1)}),
+]
+
+
+@pytest.mark.parametrize("name,largest,extra,slots", LAYOUTS, ids=[n for n, *_ in LAYOUTS])
+def test_flexible_groups_match_one_process_running_the_same_micro_batches(
+        tmp_path, chat_prefix, name, largest, extra, slots):
+    """4 ranks, 3 steps (each a global batch of the 2 packed sequences' conversations, planned
+    into groups of up to ``largest``), vs the same plans replayed whole on one process: losses,
+    MTP, KL, global and per-parameter gradient norms within the fp32 parity tolerances; the
+    run's metrics show the groups it formed and their collectives."""
+    ranks = 4 // (2 if extra else 1)
+    reference = run_job(1, [*_data(chat_prefix, largest),
+                            f"parallel.flexible_cp_plan_ranks={ranks}"],
+                        str(tmp_path / "one")).records
+    overrides = [*_data(chat_prefix, largest), *extra]
+    result = run_job(4, overrides, str(tmp_path / name))
+    problems = compare(reference, result.records, FP32)
+    assert not problems, "\n".join(problems)
+    if not extra:  # data parallel underneath: every rank holds the whole model
+        assert result.records[-1]["param_bytes"] == reference[-1]["param_bytes"] * 4
+    seen = set()
+    for record in result.records:
+        plan = record["flexible_cp"]
+        seen |= {tuple(slot) for slot in plan["group_sizes"]}
+        comm = record["comm_by_op"]
+        for size in {n for slot in plan["group_sizes"] for n in slot if n > 1}:
+            # latent + indexer keys gathered, and their gradients back: on exactly the ranks
+            # that were in a group of that size
+            gathers, scatters = (comm[f"{op}:{size}"]["calls"]
+                                 for op in ("all_gather", "reduce_scatter"))
+            if extra:  # PP2: stage 2 holds only the heads (the targets' ids: no gradient)
+                assert min(gathers) > 0 and max(scatters) > 0, (size, gathers, scatters)
+                continue
+            members = [any(slot[r] == size for slot in plan["group_sizes"]) for r in range(4)]
+            for calls in (gathers, scatters):
+                assert [c > 0 for c in calls] == members, (size, calls, plan)
+        assert len(record["step_cpu_ms"]) == 4
+    assert seen == slots
