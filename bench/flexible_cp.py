@@ -1,16 +1,19 @@
 """Flexible vs fixed context-parallel groups on a long-tailed batch of chat conversations: the
-tiny GLM-5 (DSA sparse stage with its KL, MTP 3 steps) on 4 ranks.
+tiny GLM-5 (DSA sparse stage with its KL, MTP 3 steps) on 8 ranks.
 
-    python bench/flexible_cp.py [--rank-tokens 4096] [--short 40] [--steps 2] [--no-calibrate]
+    python bench/flexible_cp.py [--ranks 8] [--rank-tokens 2048] [--short 48] [--steps 2]
+                                [--no-calibrate]
 
 Length distribution (``tools/synthetic_chat.py --long-tail``), scaled to what this CPU trains in
 minutes, in the same proportions as GLM-5's SFT mix (most conversations under 8K tokens, a few
 at 64K-202K of a 202,752-token window): ``--short`` conversations log-uniform in [128, L / 4]
 tokens and three long ones at about 0.4, 0.7 and 1.0 x the window, for a window of 4 x L
-tokens (L = ``--rank-tokens``, 16,384 at the default). One global batch = every conversation.
+tokens (L = ``--rank-tokens``: 8,192 at the default). One global batch = every packed
+sequence (an even number of them: the last is dropped if odd).
 
-- fixed: megatron-style CP4 (DP1): the conversations packed into 4L-token sequences
-  (``tools/prepare_chat_sft.py``), each sequence over all 4 ranks (zigzag);
+- fixed: megatron-style CP4 x DP(ranks / 4): the conversations packed into 4L-token sequences
+  (``tools/prepare_chat_sft.py``), each sequence over one CP group of 4 (zigzag), the batch's
+  sequences split in order between the data-parallel groups;
 - flexible: ``parallel.cp_groups=flexible`` with groups of up to 4, the workload model measured
   first on this machine (``tools/calibrate_cp_workload.py``; ``--no-calibrate``: the config's
   defaults).
@@ -18,7 +21,8 @@ tokens (L = ``--rank-tokens``, 16,384 at the default). One global batch = every 
 Prints per mode the step time (wall clock), each rank's CPU seconds in the step (its measured
 work: on 2 cores 4 ranks share the CPU, so wall time is the sum of the work, and the busiest
 rank's CPU time is what a cluster's step would wait for), the measured imbalance (busiest /
-mean CPU), and for flexible the plan's modelled imbalance. Last line:
+mean CPU), and for flexible the plan's modelled imbalance. Both runs train on the same
+conversations: their losses agree. Last line:
 ``ours=<flexible step s> baseline=<fixed CP step s> ratio=<ours/baseline>``.
 """
 
@@ -90,8 +94,9 @@ def report(label: str, records: list[dict], packs: int, window: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rank-tokens", type=int, default=4096)
-    parser.add_argument("--short", type=int, default=40)
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--rank-tokens", type=int, default=2048)
+    parser.add_argument("--short", type=int, default=48)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-calibrate", action="store_true")
@@ -99,6 +104,7 @@ def main() -> None:
     window = 4 * args.rank_tokens
     with tempfile.TemporaryDirectory() as workdir:
         prefix, packs = make_dataset(workdir, window, args.short, args.seed)
+        packs -= packs % (args.ranks // 4)  # whole samples per fixed data-parallel group
         costs = []
         if not args.no_calibrate:
             lengths = [args.rank_tokens // 4, args.rank_tokens // 2, args.rank_tokens,
@@ -109,11 +115,11 @@ def main() -> None:
                      f"parallel.flexible_cp_cost_selected={w.selected:.4e}",
                      f"parallel.flexible_cp_cost_token={w.token:.4e}"]
         base = common(prefix, window, packs, args.steps)
-        fixed = run_training(4, [*base, "parallel.context_parallel_size=4"],
+        fixed = run_training(args.ranks, [*base, "parallel.context_parallel_size=4"],
                              os.path.join(workdir, "fixed"), "fixed CP4")
-        baseline = report(f"fixed CP4 ({packs} packed sequences of {window})", fixed, packs,
-                          window)
-        flexible = run_training(4, [*base, "parallel.cp_groups=flexible",
+        baseline = report(f"fixed CP4 x DP{args.ranks // 4} ({packs} packed sequences of "
+                          f"{window})", fixed, packs, window)
+        flexible = run_training(args.ranks, [*base, "parallel.cp_groups=flexible",
                                     "parallel.flexible_cp_max_size=4", *costs],
                                 os.path.join(workdir, "flexible"), "flexible")
         ours = report("flexible groups of 1-4", flexible, packs, window)

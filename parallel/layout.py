@@ -102,10 +102,11 @@ class ParallelConfig:
     flexible_cp_max_size: int = 1
     # The workload model: seconds per causal token pair of a document (the DSA indexer), per
     # selected key (sparse attention and its KL), per token (the rest). Measured with
-    # tools/calibrate_cp_workload.py; the defaults are glm5_tiny's on a 2-core CPU.
-    flexible_cp_cost_pair: float = 1.0e-9
-    flexible_cp_cost_selected: float = 1.0e-8
-    flexible_cp_cost_token: float = 1.0e-5
+    # tools/calibrate_cp_workload.py; the defaults are glm5_tiny's on a 2-core CPU (measured at
+    # 512-4096 tokens, fit within 3%; past the top-k the selected-key term folds into token).
+    flexible_cp_cost_pair: float = 1.03e-7
+    flexible_cp_cost_selected: float = 0.0
+    flexible_cp_cost_token: float = 3.30e-4
     # Replay: plan each global batch as for this many data-parallel ranks and run every bin of
     # the plan whole on this one process (null: plan for the run's own ranks). Reproduces a
     # larger run's micro-batches in one process, e.g. to check its numerics.
