@@ -84,6 +84,10 @@ class TrainConfig:
     nonfinite: str = "stop"
     nonfinite_max_consecutive: int = 3
     nonfinite_max_total: int = 20
+    # torch.profiler traces of steps [first, last] (glm5_train/profiling.py); None: none.
+    profile_steps: list[int] | None = None
+    profile_shapes: bool = False
+    profile_memory: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -106,6 +110,19 @@ class TrainConfig:
             raise ValueError(f"train.warmup_iters={self.warmup_iters} must lie in "
                              f"[0, train.train_iters={self.train_iters}]")
         _check_nonfinite(self)
+        _check_profile_steps(self)
+
+
+def _check_profile_steps(t: TrainConfig) -> None:
+    steps = t.profile_steps
+    if steps is None:
+        return
+    if (not isinstance(steps, list) or len(steps) != 2
+            or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
+            or not 1 <= steps[0] <= steps[1] <= t.train_iters):
+        raise ValueError(f"train.profile_steps={steps}: give [first, last] step numbers with "
+                         f"1 <= first <= last <= train.train_iters={t.train_iters}, e.g. "
+                         "train.profile_steps=[2,3], or null for no trace")
 
 
 @dataclass

@@ -19,6 +19,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import unwrap_model
 
+from glm5_train.profiling import ScheduleLabels, backward_range, labelled_forward, profiling_now
 from parallel.activation_offload import ActivationTracker
 from parallel.context_parallel import group_size, shard_sequence
 from parallel.device import comm_device
@@ -39,23 +40,28 @@ def loss_func(loss_mask: torch.Tensor, take_mtp_report, output_tensor: torch.Ten
 
 
 def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module,
-                 activations: ActivationTracker | None = None, cp_group=None):
+                 activations: ActivationTracker | None = None, cp_group=None,
+                 labels: ScheduleLabels | None = None):
     """megatron-core forward_step_func: every chunk reads its own aligned iterator. Batches
     come from the data loader on the CPU and move to this rank's device here (a no-op on CPU).
     ``activations``: the model's forward runs inside its saved-tensor meter (and offloader).
     ``cp_group``: every rank of a context-parallel group reads the same whole sequences and
     keeps its zigzag share of them (``parallel.context_parallel``). A micro-batch that brings
     its own ``cp_group`` (flexible CP groups, ``glm5_train/flexible_batches.py``) runs on that
-    group: the model is pointed at it for this forward and again when its backward starts."""
+    group: the model is pointed at it for this forward and again when its backward starts.
+    ``labels``: while torch.profiler records, name the forward and backward ranges by chunk
+    and micro-batch (``glm5_train/profiling.py``)."""
     batch = packed_documents(to_device(next(data_iterator)))
     flexible = "cp_group" in batch
     if flexible:
         cp_group = batch.pop("cp_group")
         switch_context_group(model, cp_group)
     batch = context_parallel_share(batch, cp_group)
-    with activations.forward(model) if activations else nullcontext(lambda out: out) as watch:
+    with (labelled_forward(model, labels) as label,
+          activations.forward(model) if activations else nullcontext(lambda out: out) as watch):
         output = watch(model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                              labels=batch["labels"], loss_mask=batch["loss_mask"]))
+    output = backward_range(output, labels, label)
     if flexible:
         output = in_group_for_backward(output, model, cp_group)
     inner = unwrap_model(model)
@@ -128,7 +134,8 @@ def run_step(chunks: list[torch.nn.Module], iterators: list[Iterator], num_micro
     schedule = get_forward_backward_func(pp_size=groups.pp.size(),
                                          vp_size=len(chunks) if len(chunks) > 1 else None)
     step = partial(forward_step, cp_group=groups.cp,
-                   activations=None if forward_only else activations)
+                   activations=None if forward_only else activations,
+                   labels=ScheduleLabels(chunks) if profiling_now() else None)
     return schedule(
         forward_step_func=step,
         data_iterator=iterators if len(chunks) > 1 else iterators[0],

@@ -51,6 +51,7 @@ from glm5_train.job_config import CONFIG_ERRORS, JobConfig, one_line
 from glm5_train.metrics import MetricsLogger, gather_memory, gather_per_rank, gather_saved_bytes
 from glm5_train.model.glm5 import indexer_kl
 from glm5_train.preemption import StopRequest, forked_children_die_with_this_process, signal_name
+from glm5_train.profiling import StepProfiler
 from glm5_train.run_dir import register_resolvers
 from glm5_train.step import global_loss, global_mtp_losses, run_step
 from parallel.comm_meter import CommMeter, buffer_bytes, gather_fields
@@ -176,14 +177,17 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
     policy = NonFinitePolicy(t.nonfinite, t.nonfinite_max_consecutive, t.nonfinite_max_total)
     minutes = ckpt.save_interval_minutes if ckpt.save else None
     records = []
+    profiler = StepProfiler(run_dir, t.profile_steps, t.profile_shapes, t.profile_memory)
     with StopRequest() as stop:
         boundary = StepBoundary(rt, stop, minutes * 60.0 if minutes else None)
         while state.iteration < t.train_iters:
+            profiler.step_begins(state.iteration + 1)
             started, cpu_started = time.perf_counter(), time.process_time()
             meter = CommMeter()  # this step's collectives on this rank (the loss's included)
             outcome = train_step(rt, data, meter, boundary, step_index=state.iteration)
             elapsed = time.perf_counter() - started
             cpu_ms = int(1000 * (time.process_time() - cpu_started))
+            profiler.step_ends(state.iteration + 1)
             state.iteration += 1
             state.consumed_samples += t.global_batch_size
             batch_tokens = t.global_batch_size * t.seq_length

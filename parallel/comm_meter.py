@@ -437,7 +437,8 @@ def _make_wrapper(name: str, original: Callable) -> Callable:
         records = None if after else _apply_rule(rule, name, args, kwargs)
         _LOCAL.depth = depth + 1
         try:
-            result = original(*args, **kwargs)
+            with _profiler_range(name, records, args, kwargs):
+                result = original(*args, **kwargs)
         finally:
             _LOCAL.depth = depth
         if after:
@@ -451,6 +452,15 @@ def _make_wrapper(name: str, original: Callable) -> Callable:
     counted.__wrapped__ = original  # type: ignore[attr-defined]
     counted.__comm_meter_original__ = original  # type: ignore[attr-defined]
     return counted
+
+
+def _profiler_range(name: str, records: list | None, args: tuple, kwargs: dict):
+    """While torch.profiler records (``train.profile_steps``): a range ``<function>:<group
+    size>`` around the call, so traces show which collective ran on which group."""
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return contextlib.nullcontext()
+    group = records[0][1] if records else kwargs.get("group")
+    return torch.profiler.record_function(f"{name}:{_size(group)}")
 
 
 def _apply_rule(rule: Callable, name: str, args: tuple, kwargs: dict) -> list:

@@ -1,0 +1,152 @@
+"""Traces on demand: ``train.profile_steps=[first, last]`` records a torch.profiler trace of
+those training steps on every rank (CPU activities, and CUDA ones on GPUs; shapes and memory
+with ``train.profile_shapes`` / ``train.profile_memory``), written as Chrome trace JSON to
+``<run dir>/profile/rank<NNNNN>.json`` when the last one ends. ``tools/merge_traces.py`` lays
+the ranks' files side by side, one lane per rank, for chrome://tracing or ui.perfetto.dev.
+
+Annotated ranges (profiler ranges; NVTX ranges too on CUDA, for Nsight Systems):
+``forward chunk <c> micro-batch <m>`` around each forward of a model chunk (virtual pipeline
+stage c), ``backward chunk <c> micro-batch <m>`` from the moment that forward's output receives
+its gradient to the moment the gradient reaches the chunk's input (the embedding's output on
+the first stage: the embedding's own small backward falls after it), and each collective the communication meter counts as
+``<function>:<group size>`` (``parallel/comm_meter.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+
+def profiling_now() -> bool:
+    return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
+class StepProfiler:
+    """Starts torch.profiler before step ``first`` and writes the trace after step ``last``."""
+
+    def __init__(self, run_dir: str, steps: list[int] | None, shapes: bool = False,
+                 memory: bool = False) -> None:
+        self.first, self.last = (steps[0], steps[-1]) if steps else (None, None)
+        self.path = os.path.join(run_dir, "profile", f"rank{dist.get_rank():05d}.json")
+        self.shapes, self.memory = shapes, memory
+        self._profile = None
+
+    def step_begins(self, step: int) -> None:
+        """``step``: the 1-based number of the step about to run."""
+        if step != self.first:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profile = torch.profiler.profile(activities=activities,
+                                               record_shapes=self.shapes,
+                                               profile_memory=self.memory, with_stack=False)
+        self._profile.__enter__()
+
+    def step_ends(self, step: int) -> None:
+        if self._profile is None or step != self.last:
+            return
+        self._profile.__exit__(None, None, None)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self._profile.export_chrome_trace(self.path)
+        self._profile = None
+
+
+class ScheduleLabels:
+    """Names each forward (and its backward) by model chunk and micro-batch, in the order the
+    pipeline schedule runs a chunk's micro-batches (megatron-core runs them in order)."""
+
+    def __init__(self, chunks: list) -> None:
+        self.chunks = chunks
+        self.counts = [0] * len(chunks)
+        self.open: dict[str, object] = {}  # backward ranges opened, until their input's hook
+
+    def next(self, model) -> str:
+        index = next((i for i, c in enumerate(self.chunks) if c is model), 0)
+        label = f"chunk {index} micro-batch {self.counts[index]}"
+        self.counts[index] += 1
+        return label
+
+
+@contextmanager
+def labelled_forward(model, labels: ScheduleLabels | None):
+    """A profiler range around the forward, and the hook that ends its backward's range
+    (``backward_range`` opens it when the output gets its gradient)."""
+    if labels is None or not profiling_now():
+        yield None
+        return
+    label = labels.next(model)
+    with _range(f"forward {label}"):
+        ends = _close_at_chunk_input(model, labels, f"backward {label}")
+        try:
+            yield label
+        finally:
+            ends.remove()
+
+
+def backward_range(output: torch.Tensor, labels: ScheduleLabels | None,
+                   label: str | None) -> torch.Tensor:
+    """``output`` whose gradient opens the range ``backward <label>`` (closed by the hook
+    ``labelled_forward`` put on the decoder's input)."""
+    if label is None or not output.requires_grad:
+        return output
+    output.register_hook(lambda grad: (_open(labels, f"backward {label}"), grad)[1])
+    return output
+
+
+def _open(labels: ScheduleLabels, name: str) -> None:
+    labels.open[name] = torch.ops.profiler._record_function_enter_new(name, None)
+    if torch.cuda.is_available():
+        torch.cuda.nvtx.range_push(name)
+
+
+def _close(labels: ScheduleLabels, name: str) -> None:
+    handle = labels.open.pop(name, None)
+    if handle is not None:
+        torch.ops.profiler._record_function_exit._RecordFunction(handle)
+        if torch.cuda.is_available():
+            torch.cuda.nvtx.range_pop()
+
+
+class _Removable:
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+
+
+def _close_at_chunk_input(model, labels: ScheduleLabels, name: str) -> _Removable:
+    """The gradient reaching the chunk's input closes ``name``: the embedding's output on the
+    first pipeline stage, else the activation received from the previous stage (megatron-
+    core's ``set_input_tensor`` left it on the decoder before this forward)."""
+    inner = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+
+    def close_on_grad(tensor) -> None:
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            tensor.register_hook(lambda grad: (_close(labels, name), grad)[1])
+
+    embedding = getattr(inner, "embedding", None) if getattr(inner, "pre_process", False) else None
+    if embedding is not None:
+        return _Removable(embedding.register_forward_hook(lambda m, a, out: close_on_grad(out)))
+    close_on_grad(getattr(getattr(inner, "decoder", None), "input_tensor", None))
+    return _Removable(None)
+
+
+def _range(name: str):
+    if torch.cuda.is_available():
+        return _nvtx_and_profiler(name)
+    return torch.profiler.record_function(name)
+
+
+@contextmanager
+def _nvtx_and_profiler(name: str):
+    with torch.profiler.record_function(name), torch.cuda.nvtx.range(name):
+        yield

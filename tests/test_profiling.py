@@ -1,0 +1,59 @@
+"""Traces on demand (``train.profile_steps``, glm5_train/profiling.py) and their merge
+(tools/merge_traces.py): a PP2 x VPP2 run traced for one step writes one trace per rank, each
+with a forward and a backward range per (model chunk, micro-batch) the schedule ran and its
+collectives by group size; the merged trace holds every rank in its own lane. Tracing does not
+change the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from glm5_train.job_config import compose_job
+from tests.parity import REPO, run_job
+
+PP2_VPP2 = ["parallel=pp2_vpp2", "train.train_iters=2"]  # 4 micro-batches per step, 2 chunks
+
+
+def test_a_traced_step_has_every_forward_backward_and_collective(tmp_path):
+    traced = run_job(2, [*PP2_VPP2, "train.profile_steps=[2,2]"], str(tmp_path / "traced"))
+    plain = run_job(2, PP2_VPP2, str(tmp_path / "plain"))
+    assert [r["loss"] for r in traced.records] == [r["loss"] for r in plain.records]
+    profile = tmp_path / "traced" / "profile"
+    names = {}
+    for rank in (0, 1):
+        with open(profile / f"rank{rank:05d}.json") as handle:
+            events = json.load(handle)["traceEvents"]
+        names[rank] = [e["name"] for e in events if e.get("ph") == "X"]
+        for kind in ("forward", "backward"):
+            ranges = {n for n in names[rank] if n.startswith(f"{kind} chunk")}
+            assert ranges == {f"{kind} chunk {c} micro-batch {m}" for c in (0, 1)
+                              for m in range(4)}, (rank, kind, sorted(ranges))
+    # the pipeline's point-to-point messages, on the world group at PP2
+    assert any(n.startswith(("send:2", "recv:2")) for n in names[0])
+    out = subprocess.run([sys.executable, "tools/merge_traces.py", str(profile)], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout
+    assert "rank 0: 8 forward, 8 backward" in out and "merged 2 ranks" in out
+    with open(profile / "merged.json") as handle:
+        merged = json.load(handle)["traceEvents"]
+    lanes = {e["args"]["name"] for e in merged if e.get("name") == "process_name"}
+    assert lanes == {"rank 0", "rank 1"}
+    assert {e["pid"] for e in merged} == {0, 1}
+
+
+@pytest.mark.parametrize("steps", ["[0,1]", "[2,1]", "[1,9]", "[3]"])
+def test_bad_profile_steps_are_refused(steps):
+    with pytest.raises(ValueError, match="train.profile_steps="):
+        compose_job(["model=glm5_tiny", "parallel=single", "train.train_iters=4",
+                     f"train.profile_steps={steps}"])
+
+
+def test_merging_an_empty_directory_says_how_to_make_traces(tmp_path):
+    os.makedirs(tmp_path / "profile")
+    proc = subprocess.run([sys.executable, "tools/merge_traces.py", str(tmp_path / "profile")],
+                          cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode != 0 and "train.profile_steps=[first,last]" in proc.stderr
