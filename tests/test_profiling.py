@@ -33,8 +33,8 @@ def test_a_traced_step_has_every_forward_backward_and_collective(tmp_path):
             ranges = {n for n in names[rank] if n.startswith(f"{kind} chunk")}
             assert ranges == {f"{kind} chunk {c} micro-batch {m}" for c in (0, 1)
                               for m in range(4)}, (rank, kind, sorted(ranges))
-    # the pipeline's point-to-point messages, on the world group at PP2
-    assert any(n.startswith(("send:2", "recv:2")) for n in names[0])
+    # the pipeline's point-to-point messages (the world group at PP2), the loss all-reduce
+    assert {"isend:2", "irecv:2", "all_reduce:2"} <= set(names[0])
     out = subprocess.run([sys.executable, "tools/merge_traces.py", str(profile)], cwd=REPO,
                          capture_output=True, text=True, check=True).stdout
     assert "rank 0: 8 forward, 8 backward" in out and "merged 2 ranks" in out
@@ -49,11 +49,12 @@ def test_a_traced_step_has_every_forward_backward_and_collective(tmp_path):
 def test_bad_profile_steps_are_refused(steps):
     with pytest.raises(ValueError, match="train.profile_steps="):
         compose_job(["model=glm5_tiny", "parallel=single", "train.train_iters=4",
+                     "train.warmup_iters=0",
                      f"train.profile_steps={steps}"])
 
 
 def test_merging_an_empty_directory_says_how_to_make_traces(tmp_path):
     os.makedirs(tmp_path / "profile")
     proc = subprocess.run([sys.executable, "tools/merge_traces.py", str(tmp_path / "profile")],
-                          cwd=REPO, capture_output=True, text=True)
+                          cwd=REPO, capture_output=True, text=True, check=False)
     assert proc.returncode != 0 and "train.profile_steps=[first,last]" in proc.stderr
