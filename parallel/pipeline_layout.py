@@ -577,3 +577,62 @@ class _Search:
 # The training job balances compute under this "limit" when the user sets none: every layout
 # fits, so stage compute decides and memory only breaks ties.
 NO_MEMORY_LIMIT = 1 << 62
+
+
+# ------------------------------------------------------------------ timeline replay
+
+
+@dataclass(frozen=True)
+class TimedOp:
+    """One forward ('F') or backward ('B') of a model chunk's micro-batch on a pipeline rank,
+    from ``start`` to ``end`` (seconds from the step's first op)."""
+
+    op: str
+    chunk: int
+    micro_batch: int
+    start: float
+    end: float
+
+
+def replay_times(schedule: PipelineSchedule, forward_seconds: list[float],
+                 backward_factor: float = 2.0) -> dict[int, list[TimedOp]]:
+    """The schedule played out in time: every rank runs its ops in megatron-core's order
+    (``PipelineSchedule.ops``), each as soon as the rank is free and its input exists (the
+    forward of the same micro-batch on the stage before, the backward on the stage after;
+    a backward also after its own forward). ``forward_seconds[s]``: one micro-batch's forward
+    on global stage s (chunk c of rank r is stage c x PP + r); a backward takes
+    ``backward_factor`` times as long. Communication takes no time here. Returns each rank's
+    ops in its order, with times."""
+    pp, stages = schedule.pp, schedule.chunks * schedule.pp
+    done: dict[tuple[str, int, int], float] = {}
+    pending = {rank: schedule.ops(rank) for rank in range(pp)}
+    free = [0.0] * pp
+    timed: dict[int, list[TimedOp]] = {rank: [] for rank in range(pp)}
+    while any(pending.values()):
+        progressed = False
+        for rank in range(pp):
+            while pending[rank]:
+                op, chunk, mb = pending[rank][0]
+                stage = chunk * pp + rank
+                needs = ([("F", stage - 1, mb)] if op == "F" and stage > 0 else
+                         [("F", stage, mb)] + ([("B", stage + 1, mb)] if stage < stages - 1
+                                               else []) if op == "B" else [])
+                if any(n not in done for n in needs):
+                    break
+                start = max([free[rank], *(done[n] for n in needs)])
+                length = forward_seconds[stage] * (backward_factor if op == "B" else 1.0)
+                done[(op, stage, mb)] = free[rank] = start + length
+                timed[rank].append(TimedOp(op, chunk, mb, start, start + length))
+                pending[rank].pop(0)
+                progressed = True
+        if not progressed:
+            raise RuntimeError("the schedule deadlocks: no rank can run its next op")
+    return timed
+
+
+def bubble_fraction(timed: dict[int, list[TimedOp]]) -> float:
+    """Idle share of the ranks' time between the step's first start and last end."""
+    ops = [t for ranks in timed.values() for t in ranks]
+    span = max(t.end for t in ops) - min(t.start for t in ops)
+    busy = sum(t.end - t.start for t in ops)
+    return 1.0 - busy / (span * len(timed)) if span > 0 else 0.0

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 from glm5_train.job_config import compose_job
+from parallel.pipeline_layout import PipelineSchedule, bubble_fraction, replay_times
 from tests.parity import REPO, run_job
 
 PP2_VPP2 = ["parallel=pp2_vpp2", "train.train_iters=2"]  # 4 micro-batches per step, 2 chunks
@@ -43,6 +45,25 @@ def test_a_traced_step_has_every_forward_backward_and_collective(tmp_path):
     lanes = {e["args"]["name"] for e in merged if e.get("name") == "process_name"}
     assert lanes == {"rank 0", "rank 1"}
     assert {e["pid"] for e in merged} == {0, 1}
+    pytest.importorskip("matplotlib")
+    out = subprocess.run([sys.executable, "tools/draw_timeline.py", str(tmp_path / "traced")],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert re.search(r"bubbles: measured 0\.\d+, planned 0\.\d+", out), out
+    assert (profile / "timeline.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("pp,vpp,micro", [(2, None, 4), (4, None, 8), (2, 2, 4), (4, 2, 8)])
+def test_replayed_schedule_has_the_textbook_bubble(pp, vpp, micro):
+    """Equal stages, backward 2 x forward: makespan (m + (p - 1) / v) (F + B) and bubble share
+    (p - 1) / (v m + p - 1), megatron-core's 1F1B and interleaved 1F1B."""
+    timed = replay_times(PipelineSchedule(pp, vpp, micro), [1.0] * (pp * (vpp or 1)))
+    v = vpp or 1
+    assert max(t.end for ops in timed.values() for t in ops) == pytest.approx(
+        (v * micro + pp - 1) * 3.0)
+    assert bubble_fraction(timed) == pytest.approx((pp - 1) / (v * micro + pp - 1))
+    for ops in timed.values():  # every (chunk, micro-batch) forwarded and backwarded once
+        assert sorted((t.op, t.chunk, t.micro_batch) for t in ops) == sorted(
+            (op, c, m) for op in "BF" for c in range(v) for m in range(micro))
 
 
 @pytest.mark.parametrize("steps", ["[0,1]", "[2,1]", "[1,9]", "[3]"])
