@@ -1,8 +1,9 @@
-"""Traces on demand (``train.profile_steps``, glm5_train/profiling.py) and their merge
-(tools/merge_traces.py): a PP2 x VPP2 run traced for one step writes one trace per rank, each
-with a forward and a backward range per (model chunk, micro-batch) the schedule ran and its
-collectives by group size; the merged trace holds every rank in its own lane. Tracing does not
-change the run."""
+"""Traces on demand (``train.profile_steps``, glm5_train/profiling.py), their merge
+(tools/merge_traces.py) and pictures (tools/draw_timeline.py): a PP2 x VPP2 run traced for one
+step writes one trace per rank, each with a forward and a backward range per (model chunk,
+micro-batch) the schedule ran and its collectives by group size; the merged trace holds every
+rank in its own lane; the timeline and memory pictures are drawn from it. Tracing does not
+change the run. The planner's replay has the textbook pipeline bubble."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ PP2_VPP2 = ["parallel=pp2_vpp2", "train.train_iters=2"]  # 4 micro-batches per s
 
 
 def test_a_traced_step_has_every_forward_backward_and_collective(tmp_path):
-    traced = run_job(2, [*PP2_VPP2, "train.profile_steps=[2,2]"], str(tmp_path / "traced"))
+    traced = run_job(2, [*PP2_VPP2, "train.profile_steps=[2,2]", "train.profile_memory=true"],
+                     str(tmp_path / "traced"))
     plain = run_job(2, PP2_VPP2, str(tmp_path / "plain"))
     assert [r["loss"] for r in traced.records] == [r["loss"] for r in plain.records]
     profile = tmp_path / "traced" / "profile"
@@ -46,10 +48,14 @@ def test_a_traced_step_has_every_forward_backward_and_collective(tmp_path):
     assert lanes == {"rank 0", "rank 1"}
     assert {e["pid"] for e in merged} == {0, 1}
     pytest.importorskip("matplotlib")
-    out = subprocess.run([sys.executable, "tools/draw_timeline.py", str(tmp_path / "traced")],
-                         cwd=REPO, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "tools/draw_timeline.py", str(tmp_path / "traced"),
+                          "--memory"], cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout
     assert re.search(r"bubbles: measured 0\.\d+, planned 0\.\d+", out), out
-    assert (profile / "timeline.png").stat().st_size > 10_000
+    peaks = [float(p) for p in re.findall(r"peak ([\d.]+) MiB allocated during the step", out)]
+    assert len(peaks) == 2 and all(p > 1 for p in peaks), out  # activations held, per rank
+    for picture in ("timeline.png", "memory.png"):
+        assert (profile / picture).stat().st_size > 10_000
 
 
 @pytest.mark.parametrize("pp,vpp,micro", [(2, None, 4), (4, None, 8), (2, 2, 4), (4, 2, 8)])

@@ -11,7 +11,12 @@ its point-to-point and collective calls as ticks below each row; idle time shade
 bubbles). Bottom: megatron-core's order for the same layout replayed in time
 (``parallel.pipeline_layout.replay_times``) from the planner's FLOPs per stage, at the rate the
 measured forwards ran (their total time over their total planned FLOPs), backward = the
-measured backward / forward time ratio. Prints each picture's bubble share. Needs matplotlib.
+measured backward / forward time ratio. Prints each picture's bubble share.
+
+``--memory`` (a run traced with ``train.profile_memory=true``) also draws ``memory.png``: per
+pipeline rank, the bytes allocated over the step (the profiler's allocator events: CPU tensors
+on CPU, the CUDA caching allocator's on GPUs; net of what was allocated when tracing began),
+with each forward and backward marked as a band. Needs matplotlib.
 """
 
 from __future__ import annotations
@@ -46,11 +51,26 @@ def run_overrides(run_dir: str) -> list[str]:
     return [o.strip("'\"") for o in lines if not o.strip("'\"").startswith("hydra.")]
 
 
+def trace_events(run_dir: str, rank: int) -> list[dict]:
+    with open(os.path.join(run_dir, "profile", f"rank{rank:05d}.json"), encoding="utf-8") as f:
+        return json.load(f)["traceEvents"]
+
+
+def memory_curve(events: list[dict], origin: float) -> tuple[list[float], list[float]]:
+    """(seconds from ``origin``, bytes allocated) from the allocator's events of the rank's
+    compute device (CUDA where there are any, else CPU)."""
+    memory = [e for e in events if e.get("name") == "[memory]"]
+    cuda = [e for e in memory if e["args"].get("Device Type") == 1]
+    chosen = sorted(cuda or [e for e in memory if e["args"].get("Device Type") == 0],
+                    key=lambda e: e["ts"])
+    return ([e["ts"] / 1e6 - origin for e in chosen],
+            [float(e["args"]["Total Allocated"]) for e in chosen])
+
+
 def measured(run_dir: str, rank: int) -> tuple[list[TimedOp], list[tuple[float, float]]]:
     """(forward/backward spans, collective spans) of ``rank``'s trace, seconds from its first
     forward."""
-    with open(os.path.join(run_dir, "profile", f"rank{rank:05d}.json"), encoding="utf-8") as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    events = [e for e in trace_events(run_dir, rank) if e.get("ph") == "X"]
     spans, comms = [], []
     for e in events:
         match = SPAN.match(str(e.get("name", "")))
@@ -116,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir")
     parser.add_argument("--output", help="default: <run dir>/profile/timeline.png")
+    parser.add_argument("--memory", action="store_true",
+                        help="also draw memory.png (trace made with train.profile_memory=true)")
     args = parser.parse_args(argv)
     try:
         import matplotlib
@@ -144,7 +166,41 @@ def main(argv: list[str] | None = None) -> int:
     figure.savefig(out, dpi=110)
     print(f"bubbles: measured {shares[0]:.3f}, planned {shares[1]:.3f}")
     print(f"wrote {out}")
+    if args.memory:
+        draw_memory(plt, args.run_dir, pipeline_ranks(world, pp), real,
+                    os.path.join(os.path.dirname(out), "memory.png"))
     return 0
+
+
+def draw_memory(plt, run_dir: str, ranks: list[int], spans: dict[int, list[TimedOp]],
+                out: str) -> None:
+    """Bytes allocated over the step per pipeline rank, forwards and backwards as bands."""
+    figure, axes = plt.subplots(len(ranks), 1, figsize=(12, 2.4 * len(ranks)), squeeze=False)
+    colors = {"F": "#4c72b0", "B": "#dd8452"}
+    for p, rank in enumerate(ranks):
+        events = trace_events(run_dir, rank)
+        starts = [e["ts"] / 1e6 for e in events if e.get("ph") == "X"
+                  and SPAN.match(str(e.get("name", "")))]
+        times, allocated = memory_curve(events, min(starts))
+        if not times:
+            raise SystemExit(f"{run_dir}: rank {rank}'s trace has no allocator events: trace "
+                             "with train.profile_memory=true")
+        axis = axes[p][0]
+        for o in spans[p]:
+            axis.axvspan(o.start, o.end, color=colors[o.op], alpha=0.18, linewidth=0)
+            axis.text((o.start + o.end) / 2, 0.98, f"{o.op}{o.chunk}.{o.micro_batch}",
+                      transform=axis.get_xaxis_transform(), ha="center", va="top", fontsize=5)
+        axis.plot(times, [b / 2**20 for b in allocated], color="black", linewidth=0.8)
+        axis.set_ylabel(f"pipeline rank {p}\nMiB allocated")
+        axis.set_xlim(0, max(o.end for o in spans[p]) * 1.01)
+        peak = max(allocated) / 2**20
+        axis.set_title(f"pipeline rank {p}: peak {peak:.1f} MiB above the trace's start "
+                       "(blue: forward, orange: backward, chunk.micro-batch)", fontsize=9)
+        print(f"pipeline rank {p}: peak {peak:.1f} MiB allocated during the step")
+    axes[-1][0].set_xlabel("seconds from the step's first forward")
+    figure.tight_layout()
+    figure.savefig(out, dpi=110)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
