@@ -480,10 +480,13 @@ def _check_context_groups(par: ParallelConfig, dp: int, seq_length: int) -> None
                           f"parallel.flexible_cp_max_size{' x TP' if split > 1 else ''} = {unit}"
                           ": each rank holds seq_length / flexible_cp_max_size tokens, zigzag-"
                           "sharded in 2 chunks per rank; pick a multiple of it")
-    replay = par.flexible_cp_plan_ranks
-    if replay is not None and (world_size_one := dp * par.model_parallel_size) != 1:
+    replay, processes = par.flexible_cp_plan_ranks, dp * par.model_parallel_size
+    if replay is not None and processes != 1:
         raise LayoutError(f"parallel.flexible_cp_plan_ranks={replay} replays a plan on one "
-                          f"process, but the layout has {world_size_one}: set it to null")
+                          f"process, but the layout has {processes}: set it to null")
+    if replay is not None and (replay < 1 or replay & (replay - 1)):
+        raise LayoutError(f"parallel.flexible_cp_plan_ranks={replay} must be a power of two "
+                          "(the data-parallel size of the run whose plans it replays)")
     for name in ("flexible_cp_cost_pair", "flexible_cp_cost_selected", "flexible_cp_cost_token"):
         if getattr(par, name) < 0:
             raise LayoutError(f"parallel.{name}={getattr(par, name)} must be >= 0 (measure it "

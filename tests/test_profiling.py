@@ -47,6 +47,11 @@ def test_a_traced_step_has_every_forward_backward_and_collective(tmp_path):
     lanes = {e["args"]["name"] for e in merged if e.get("name") == "process_name"}
     assert lanes == {"rank 0", "rank 1"}
     assert {e["pid"] for e in merged} == {0, 1}
+    planned = subprocess.run([sys.executable, "tools/plan_vs_measured.py",
+                              str(tmp_path / "plain")], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout
+    worst = dict(kv.split("=") for kv in planned.strip().splitlines()[-1].split()[1:])
+    assert float(worst["param"]) == 0 and float(worst["activations"]) < 0.05, planned
     pytest.importorskip("matplotlib")
     out = subprocess.run([sys.executable, "tools/draw_timeline.py", str(tmp_path / "traced"),
                           "--memory"], cwd=REPO, capture_output=True, text=True,
