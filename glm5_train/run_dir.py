@@ -116,3 +116,14 @@ def read_owner(path: str) -> dict | None:
     except (OSError, json.JSONDecodeError):
         return None
     return record if isinstance(record, dict) else None
+
+
+def run_overrides(run_dir: str) -> list[str]:
+    """The Hydra overrides a finished run was launched with (its ``hydra/overrides.yaml``),
+    the ``hydra.*`` ones left out: ``compose_job`` of them is the run's job."""
+    path = os.path.join(run_dir, "hydra", "overrides.yaml")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found: {run_dir} is not the directory of a run of "
+                                "glm5_train.train (hydra.run.dir)")
+    overrides = OmegaConf.load(path)
+    return [str(o) for o in overrides if not str(o).startswith("hydra.")]

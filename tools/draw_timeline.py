@@ -32,6 +32,7 @@ sys.path.insert(0, REPO)
 
 from glm5_train.job_config import compose_job
 from glm5_train.pipeline_plan import inputs_from_job, job_pipeline, plan_report
+from glm5_train.run_dir import run_overrides
 from parallel.pipeline_layout import (
     PipelineSchedule,
     TimedOp,
@@ -41,14 +42,6 @@ from parallel.pipeline_layout import (
 
 SPAN = re.compile(r"(forward|backward) chunk (\d+) micro-batch (\d+)$")
 COMM = re.compile(r"[a-z_]+:\d+$")
-
-
-def run_overrides(run_dir: str) -> list[str]:
-    """The run's Hydra overrides (``hydra/overrides.yaml``), the hydra.* ones left out."""
-    path = os.path.join(run_dir, "hydra", "overrides.yaml")
-    with open(path, encoding="utf-8") as handle:
-        lines = [line.strip()[2:] for line in handle if line.strip().startswith("- ")]
-    return [o.strip("'\"") for o in lines if not o.strip("'\"").startswith("hydra.")]
 
 
 def trace_events(run_dir: str, rank: int) -> list[dict]:

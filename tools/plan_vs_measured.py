@@ -26,15 +26,10 @@ sys.path.insert(0, REPO)
 
 from glm5_train.job_config import compose_job
 from glm5_train.pipeline_plan import inputs_from_job, job_pipeline, plan_report
+from glm5_train.run_dir import run_overrides
 
 FIELDS = (("param", "param_bytes", "param_bytes"), ("grad", "grad_buffer_bytes", "grad_bytes"),
           ("optimizer", "optimizer_state_bytes", "optimizer_bytes"))
-
-
-def run_overrides(run_dir: str) -> list[str]:
-    with open(os.path.join(run_dir, "hydra", "overrides.yaml"), encoding="utf-8") as handle:
-        lines = [line.strip()[2:].strip("'\"") for line in handle if line.strip().startswith("- ")]
-    return [o for o in lines if not o.startswith("hydra.")]
 
 
 def step_record(run_dir: str, step: int | None) -> dict:
