@@ -669,12 +669,20 @@ class ChatSFTDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.order)
 
-    def sequence(self, index: int) -> tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
-        """(tokens, per-token loss mask, conversation lengths) of sample ``index``, unpadded."""
+    def _pack(self, index: int) -> tuple[int, int, numpy.ndarray]:
+        """(dataset, first conversation, conversation lengths) of sample ``index``."""
         d, p = (int(x) for x in self.packs[self.order[index]])
         index_ = self.tokens[d].index
         first, stop = int(index_.document_indices[p]), int(index_.document_indices[p + 1])
-        lengths = numpy.asarray(index_.sequence_lengths[first:stop], dtype=numpy.int64)
+        return d, first, numpy.asarray(index_.sequence_lengths[first:stop], dtype=numpy.int64)
+
+    def conversation_lengths(self, index: int) -> numpy.ndarray:
+        """Tokens of each conversation of sample ``index``, from the index alone."""
+        return self._pack(index)[2]
+
+    def sequence(self, index: int) -> tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
+        """(tokens, per-token loss mask, conversation lengths) of sample ``index``, unpadded."""
+        d, first, lengths = self._pack(index)
         total = int(lengths.sum())
         # add_document wrote the sequence's conversations back to back: one contiguous read.
         tokens = self.tokens[d].get(first, 0, total).astype(numpy.int64)

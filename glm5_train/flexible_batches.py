@@ -3,8 +3,9 @@
 
 A global batch is the conversations of ``train.global_batch_size`` consecutive samples of the
 chat SFT dataset (the packs it was written with, at ``train.seq_length``: the longest sequence
-the run trains). Every rank reads all of them (lengths decide the plan; the same on every rank
-and on a resumed run, which starts from its consumed samples), plans the batch over its
+the run trains). Every rank reads their lengths from the dataset's index (they decide the plan:
+the same on every rank and on a resumed run, which starts from its consumed samples), reads the
+tokens of the samples its own bins hold, plans the batch over its
 data-parallel ranks, and builds its own micro-batch of each slot: its bin's conversations packed
 into units x L tokens (L = seq_length / parallel.flexible_cp_max_size), padding at the end, the
 bin's CP group attached (``cp_group``); ``glm5_train.step.forward_step`` keeps this rank's zigzag
@@ -24,8 +25,14 @@ from parallel.flexible_cp import FlexiblePlan, GroupPool, Workload, plan_batch
 
 @dataclass(frozen=True)
 class Conversation:
-    tokens: numpy.ndarray
-    mask: numpy.ndarray
+    """Tokens [begin, end) of dataset sample ``sample`` (a packed sequence)."""
+
+    sample: int
+    begin: int
+    end: int
+
+    def __len__(self) -> int:
+        return self.end - self.begin
 
 
 @dataclass
@@ -60,40 +67,48 @@ class FlexibleBatches:
     def next_step(self) -> FlexibleStep:
         conversations = self._conversations(self.consumed)
         self.consumed += self.global_batch
-        plan = plan_batch([len(c.tokens) for c in conversations], self.plan_ranks,
+        plan = plan_batch([len(c) for c in conversations], self.plan_ranks,
                           self.rank_tokens, self.max_units, self.workload)
+        packs: dict[int, tuple] = {}  # the samples this rank's bins read, each read once
         if self.plan_ranks == len(self.pool.ranks):
             cells = [plan.slots[slot][self.pool.index] for slot in range(plan.num_microbatches)]
-            micro = [self._bin_batch(plan, c.bin, conversations) for c in cells]
+            micro = [self._bin_batch(plan, c.bin, conversations, packs) for c in cells]
         else:  # replay: each bin once, whole, in slot order
             bins = sorted(range(len(plan.bins)), key=lambda i: (plan.bins[i].slot,
                                                                  plan.bins[i].first))
-            micro = [self._bin_batch(plan, i, conversations, whole=True) for i in bins]
+            micro = [self._bin_batch(plan, i, conversations, packs, whole=True) for i in bins]
         while len(micro) % self.slot_multiple:
             micro.append(self._padding_micro_batch(self.rank_tokens))
         return FlexibleStep([iter(micro) for _ in range(self.num_chunks)], len(micro), plan)
 
     def _conversations(self, first: int) -> list[Conversation]:
+        """The global batch's conversations, from the dataset's index (no token read: every
+        rank plans from the lengths, and reads only the samples its own bins hold)."""
         out = []
         for index in range(first, first + self.global_batch):
-            tokens, mask, lengths = self.dataset.sequence(index % len(self.dataset))
-            ends = numpy.cumsum(lengths)
-            for begin, end in zip(numpy.concatenate([[0], ends[:-1]]), ends):
-                out.append(Conversation(tokens[begin:end], mask[begin:end]))
+            sample = index % len(self.dataset)
+            ends = numpy.cumsum(self.dataset.conversation_lengths(sample))
+            out += [Conversation(sample, int(b), int(e))
+                    for b, e in zip(numpy.concatenate([[0], ends[:-1]]), ends)]
         return out
 
     def _bin_batch(self, plan: FlexiblePlan, index: int, conversations: list[Conversation],
-                   whole: bool = False) -> dict:
-        """Bin ``index`` of the plan, with its group (``whole``: on this rank alone)."""
+                   packs: dict[int, tuple], whole: bool = False) -> dict:
+        """Bin ``index`` of the plan, with its group (``whole``: on this rank alone);
+        ``packs``: the samples read so far this step (tokens, mask), by sample."""
         b = plan.bins[index]
-        width = 1 if whole else min(b.units, plan.ranks)
+        width = 1 if whole else plan.group_size(b)
         capacity = b.units * self.rank_tokens
         docs = [conversations[d] for d in b.documents]
         if docs:
-            sample = build_sample(numpy.concatenate([c.tokens for c in docs]),
-                                  numpy.concatenate([c.mask for c in docs]),
-                                  numpy.array([len(c.tokens) for c in docs]), capacity,
-                                  self.dataset.pad, self.dataset.reset_position_ids)
+            for c in docs:
+                if c.sample not in packs:
+                    packs[c.sample] = self.dataset.sequence(c.sample)[:2]
+            sample = build_sample(
+                numpy.concatenate([packs[c.sample][0][c.begin:c.end] for c in docs]),
+                numpy.concatenate([packs[c.sample][1][c.begin:c.end] for c in docs]),
+                numpy.array([len(c) for c in docs]), capacity, self.dataset.pad,
+                self.dataset.reset_position_ids)
             batch = _collate(sample, capacity)
         else:
             batch = self._padding_micro_batch(capacity)
@@ -121,7 +136,7 @@ def plan_record(plan: FlexiblePlan) -> dict:
     """metrics.jsonl's account of a step's plan: micro-batches, the CP group of every cell
     (slot by slot, sizes in data-parallel rank order), modelled work imbalance, padding."""
     return {"micro_batches": plan.num_microbatches,
-            "group_sizes": [[min(plan.bins[c.bin].units, plan.ranks) for c in slot]
+            "group_sizes": [[plan.group_size(plan.bins[c.bin]) for c in slot]
                             for slot in plan.slots],
             "work_imbalance": plan.imbalance(),
             "modelled_rank_work": list(plan.rank_work),

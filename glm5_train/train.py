@@ -151,8 +151,8 @@ def _forward_backward(rt: Runtime, iterators: list) -> list:
     seq_length = t.seq_length
     if isinstance(iterators, FlexibleBatches):  # this global batch's plan, its micro-batches
         planned = iterators.next_step()
+        seq_length = iterators.rank_tokens
         iterators, num_micro = planned.iterators, planned.num_microbatches
-        seq_length = t.seq_length // rt.job.parallel.flexible_cp_max_size
         rt.last_plan = planned.plan
     if rt.activations is not None:
         rt.activations.begin_step()

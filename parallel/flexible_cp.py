@@ -150,9 +150,9 @@ class FlexiblePlan:
         mean = sum(self.rank_work) / len(self.rank_work)
         return max(self.rank_work) / mean if mean > 0 else 1.0
 
-    def group_sizes(self) -> list[int]:
-        """Sizes of the groups that run, over every slot (sorted, with repeats)."""
-        return sorted(min(b.units, self.ranks) for b in self.bins)
+    def group_size(self, b: Bin) -> int:
+        """Ranks that run bin ``b``: its units, or every rank when there are fewer."""
+        return _width(b, self.ranks)
 
     def padding_tokens(self) -> int:
         return sum(b.units * self.rank_tokens - b.used for b in self.bins)
@@ -334,9 +334,6 @@ class GroupPool:
             return self.single
         return self._mine[(first, size)]
 
-    @property
-    def sizes(self) -> list[int]:
-        return sorted({1, *(size for _, size in self._mine)})
 
 
 def switch_context_group(module: torch.nn.Module, group) -> None:
