@@ -18,7 +18,11 @@ CPU finishes (default 16 attention : 8 indexer heads). Batch 1, fp32.
 Per length and variant: wall time of one forward + backward (after a short warm-up call),
 the bytes autograd saves for backward (exact: unique storages through saved_tensors_hooks,
 parameters and inputs excluded) and the peak resident-memory growth during the call (Linux
-VmHWM, reset through /proc/self/clear_refs). Last line:
+VmHWM, reset through /proc/self/clear_refs), and the multiply-adds each path does
+(``dense_macs`` / ``dsa_macs``, counted from the kernels' matmuls) with the rate it reached:
+the MAC ratio is the speed-up DSA would show if it ran its matmuls as fast as the flash kernel
+runs dense attention, so the gap between it and the measured ratio is the cost of gathering
+each query's own keys (and of the small per-query matmuls that follows from it). Last line:
 ``ours=<DSA seconds at the longest S> baseline=<dense seconds there> ratio=<ours/baseline>``.
 """
 
@@ -81,6 +85,32 @@ class Measured:
         return seconds, sum(self.saved.values()), (_status_kib("VmHWM") - before) * 1024
 
 
+def dense_macs(seq: int, heads: int) -> int:
+    """Multiply-adds of causal flash attention at width W = NOPE + ROPE (= V here) per
+    query-key pair and head: forward q.k and p.v (2W), backward the recomputed q.k, dp = dO.v,
+    dv, dq and dk (5W)."""
+    pairs = seq * (seq + 1) // 2
+    return pairs * heads * 7 * (NOPE + ROPE)
+
+
+def dsa_macs(seq: int, heads: int, index_heads: int) -> int:
+    """Multiply-adds of the DSA step ``dsa_case`` times, from its kernels:
+    - the indexer's scores over every causal pair (Hi x Di each; no gradient), its query and
+      key projections left out (small);
+    - absorbed attention per query over its K picks (every query computes all K, invalid
+      ones masked) and head: forward logits (D) and latent output (C); backward the logits and
+      dp in one matmul (2D), dq (D) and the key gradients (2D);
+    - the absorption q_nope W_UK and the up-projection by W_UV, forward and backward (3x);
+    - the sparse KL: the indexer's scores at the picks and their head sum, forward and
+      backward (3x)."""
+    latent_width = LATENT + ROPE
+    select = seq * (seq + 1) // 2 * index_heads * INDEX_DIM
+    attention = seq * TOPK * heads * (latent_width + LATENT + 5 * latent_width)
+    absorb = 3 * seq * heads * LATENT * (NOPE + V)
+    kl = 3 * seq * TOPK * index_heads * (INDEX_DIM + 1)
+    return select + attention + absorb + kl
+
+
 def dense_case(seq: int, heads: int, gen: torch.Generator):
     q, k, v = (torch.randn(1, heads, seq, NOPE + ROPE, generator=gen).requires_grad_()
                for _ in range(3))
@@ -133,16 +163,18 @@ def main() -> None:
     measure(dense_case(2 * TOPK, args.heads, gen))
     measure(dsa_case(2 * TOPK, args.heads, args.index_heads, gen))
     results = {}
+    macs = {"dense": lambda seq: dense_macs(seq, args.heads),
+            "dsa": lambda seq: dsa_macs(seq, args.heads, args.index_heads)}
     for seq in args.seq:
         for name, case in (("dense", lambda: dense_case(seq, args.heads, gen)),
                            ("dsa", lambda: dsa_case(seq, args.heads, args.index_heads, gen))):
             seconds, saved, peak = measure(case())
             results[name, seq] = seconds
             print(f"seq {seq:6d} {name:5s}: {seconds:8.2f} s   saved for backward "
-                  f"{saved / 2**20:9.1f} MiB   peak RSS growth {peak / 2**20:9.1f} MiB",
-                  flush=True)
-        print(f"seq {seq:6d} dense/dsa time: {results['dense', seq] / results['dsa', seq]:.2f}x",
-              flush=True)
+                  f"{saved / 2**20:9.1f} MiB   peak RSS growth {peak / 2**20:9.1f} MiB   "
+                  f"{macs[name](seq) / seconds / 1e9:6.1f} GMAC/s", flush=True)
+        print(f"seq {seq:6d} dense/dsa time: {results['dense', seq] / results['dsa', seq]:.2f}x"
+              f"   dense/dsa MACs: {macs['dense'](seq) / macs['dsa'](seq):.2f}x", flush=True)
     longest = args.seq[-1]
     ours, baseline = results["dsa", longest], results["dense", longest]
     print(f"ours={ours:.3f} baseline={baseline:.3f} ratio={ours / baseline:.3f}")
