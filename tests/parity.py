@@ -26,7 +26,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from glm5_train.job_config import compose_job
-from glm5_train.pipeline_plan import PipelineLayout, inputs_from_job, job_pipeline, plan_report
+from glm5_train import plan_check
+from glm5_train.pipeline_plan import PipelineLayout, job_pipeline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,15 +94,6 @@ BF16 = Tolerances(loss=2e-3, grad_norm=5e-3, indexer_kl=2e-2, param=5e-4, param_
 # run, bf16 included. 2e-5 (~13x) catches a tensor counted twice or not at all (> 1e-4 of the
 # squared norm for all but the near-zero tensors the floor above also leaves out).
 NORM_SUM_RTOL = 2e-5
-
-# The planner's memory model against the bytes a run holds. Parameters: exact (the planner
-# shards GLM-5's parameter formula as our model does; neither side counts buffers such as the
-# router's expert bias). Optimizer state and gradient buffers (AdamW runs without frozen
-# parameters; the planner models neither Muon's state nor freezing): measured within 6e-4; the
-# planner leaves out megatron-core's padding (distributed optimizer: buckets to a multiple of
-# lcm(DP, 128) elements, parameter starts 64-aligned), the 4-byte Adam step counter per tensor,
-# and ZeRO2's pinned embedding-gradient copies.
-STATE_RTOL = 5e-3
 
 
 def MTP_KEYS(rtol: float, record: dict) -> list[tuple[str, float]]:
@@ -282,7 +274,7 @@ def assert_layout_ran(result: JobResult, nprocs: int, overrides: list[str]) -> N
     job = compose_job([*BASE_OVERRIDES, *overrides])
     layout = layout_of(job, nprocs)
     problems = pipeline_log_problems(result.log, layout)
-    problems += memory_problems(result.records[-1], job, layout)
+    problems += memory_problems(result.records[-1], job)
     for record in result.records:
         problems += comm_problems(record, layout)
     assert not problems, (f"the run does not show the layout {overrides} on {nprocs} "
@@ -297,43 +289,10 @@ def pipeline_log_problems(log: str, layout: Layout) -> list[str]:
             for p in printed if p != want]
 
 
-def memory_problems(record: dict, job, layout: Layout) -> list[str]:
-    """Per global rank: parameter bytes exactly as planned; for AdamW runs without frozen
-    parameters also optimizer-state and gradient bytes within STATE_RTOL."""
-    inputs = inputs_from_job(job, layout.dp)
-    report = plan_report(job.model, layout.pipeline, inputs)
-
-    def per_rank(field: str) -> list[int]:
-        by_stage = [sum(getattr(s.costs, field) for s in report.stages if s.rank == r)
-                    for r in range(layout.pp)]
-        return [by_stage[layout.pipeline_rank(g)] for g in range(layout.world)]
-
-    problems = []
-    if record["param_bytes"] != per_rank("param_bytes"):
-        problems.append(f"param_bytes per rank {record['param_bytes']} != planned "
-                        f"{per_rank('param_bytes')}")
-    frozen = job.dsa.stage == "dense_warmup" or job.dsa.freeze_indexer
-    if layout.muon or frozen:
-        return problems
-    measured_grads = record["grad_buffer_bytes"]
-    planned_grads = per_rank("grad_bytes")
-    if layout.zero2:  # its slices plus two accumulation buffers (pinned copies left out)
-        if "zero2_slice_bytes" not in record:
-            return [*problems, ("no zero2_slice_bytes in metrics.jsonl: Pipeline ZeRO2 did not "
-                                "hold the gradients")]
-        measured_grads = [s + a for s, a in zip(record["zero2_slice_bytes"],
-                                                 record["zero2_accum_bytes"])]
-        accum = [2 * max(s.costs.accum_grad_bytes for s in report.stages if s.rank == r)
-                 for r in range(layout.pp)]
-        planned_grads = [g + accum[layout.pipeline_rank(r)] for r, g in enumerate(planned_grads)]
-    for name, measured, planned in (
-            ("optimizer_state_bytes", record["optimizer_state_bytes"],
-             per_rank("optimizer_bytes")),
-            ("gradient bytes", measured_grads, planned_grads)):
-        if any(abs(m - p) > STATE_RTOL * p for m, p in zip(measured, planned)):
-            problems.append(f"{name} per rank {measured} vs planned {planned} "
-                            f"(beyond {STATE_RTOL} relative)")
-    return problems
+def memory_problems(record: dict, job) -> list[str]:
+    """Per global rank, the planner's parameter, gradient, optimizer-state and activation
+    bytes against the run's (``glm5_train.plan_check``: which fields, and how close)."""
+    return plan_check.problems(job, record)
 
 
 COMM_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send", "recv",

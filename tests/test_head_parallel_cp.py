@@ -222,7 +222,7 @@ def test_head_parallel_context_parallel_matches_one_process(tmp_path, references
     layout = layout_of(job, nprocs)
     levels = _a2a_group_sizes(nprocs, node_size)
     problems = pipeline_log_problems(result.log, layout)
-    problems += memory_problems(result.records[-1], job, layout)
+    problems += memory_problems(result.records[-1], job)
     for record in result.records:
         problems += _comm_problems(record, layout, levels)
         problems += _byte_problems(record, job, nprocs, node_size)

@@ -519,6 +519,30 @@ def test_fit_tool_reports_memory_traffic_and_each_technique():
     assert out.rstrip().split("\n")[-1].startswith("fits_h100=")
 
 
+RECIPE_SUMMARY = re.compile(r"^recipe=(\S+) gpus=(\d+) peak_bytes=(\d+) fits_h100=(True|False)$",
+                            re.MULTILINE)
+
+
+def test_fit_tool_plans_the_published_recipes_and_ours_on_fewer_gpus():
+    """--recipes: slime's, Megatron-Bridge's 128K and 200K recipes as published and the same
+    jobs with ours. The figures are the planner's: slime's layout does not fit 80 GB with its
+    Adam state on the GPU (slime offloads it to the host) where ours does on the same GPUs;
+    Bridge's jobs fit ours on 256 GPUs where Bridge takes 416 and 608."""
+    proc = _fit_tool("--recipes")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {name: (int(gpus), int(peak), fits == "True")
+            for name, gpus, peak, fits in RECIPE_SUMMARY.findall(proc.stdout)}
+    assert set(rows) == {"slime_256", "slime_job_ours_256", "bridge_416",
+                         "bridge_416_job_ours_256", "bridge_608", "bridge_608_job_ours_256"}
+    assert [rows[n][0] for n in ("slime_256", "bridge_416", "bridge_608")] == [256, 416, 608]
+    assert not rows["slime_256"][2] and rows["bridge_608"][2]
+    for published, ours in (("slime_256", "slime_job_ours_256"),
+                            ("bridge_416", "bridge_416_job_ours_256"),
+                            ("bridge_608", "bridge_608_job_ours_256")):
+        assert rows[ours][2] and rows[ours][0] <= rows[published][0], (published, rows)
+    assert proc.stdout.rstrip().split("\n")[-1].startswith("recipe=bridge_608_job_ours_256")
+
+
 def test_fit_tool_reports_a_bad_override_and_exits_2():
     proc = _fit_tool("model=glm5_tiny", "train.global_batch_size=3", "--dp", "2")
     assert proc.returncode == 2 and "plan_fit: error" in proc.stderr, proc.stderr

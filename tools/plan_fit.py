@@ -23,6 +23,12 @@ plan does not use, on) in turn: what each one saves on the largest rank. The las
 
     fits_h100=<bool> fits_h200=<bool> gpus=<int> max_rank_bytes=<int> working_set_bytes=<int> cp_bytes_per_step=<int>
 
+``--recipes`` plans the published GLM-5 recipes instead, each as published and then the same
+job (model, sequence length, tokens per step) on fewer GPUs with this project's techniques, one
+row each (largest rank + working set against an 80 GB H100), and ends with one line per row::
+
+    recipe=<name> gpus=<int> peak_bytes=<int> fits_h100=<bool>
+
 Exit status 0; 2 for a bad command line or config.
 """
 
@@ -78,6 +84,65 @@ class Variant:
     removes: str | None = None
 
 
+# The published recipes (``glm5_reference``-style facts: slime's GLM-5 scripts, Megatron-Bridge's
+# GLM-5.x recipes) as overrides of this project's configs, and the same jobs on fewer GPUs. What
+# a recipe does not publish is filled in the same way for both rows of a job and said in the
+# label: bf16, AdamW with the distributed optimizer, micro-batch 1, DSA sparse stage.
+_744B = ["model=glm5_744b", "dsa=sparse", "train.params_dtype=bf16", "train.micro_batch_size=1",
+         "parallel.use_distributed_optimizer=true", "parallel.overlap_grad_reduce=false"]
+_FULL_RECOMPUTE = ["activations.recompute_granularity=full",
+                   "activations.recompute_method=uniform", "activations.recompute_num_layers=1"]
+
+
+def _sizes(tp: int, pp: int, cp: int, ep: int, vpp: int | None = None,
+           sp: bool | None = None) -> list[str]:
+    return [f"parallel.tensor_model_parallel_size={tp}",
+            f"parallel.pipeline_model_parallel_size={pp}",
+            f"parallel.virtual_pipeline_model_parallel_size={vpp or 'null'}",
+            f"parallel.context_parallel_size={cp}", f"parallel.expert_model_parallel_size={ep}",
+            f"parallel.sequence_parallel={str(tp > 1 if sp is None else sp).lower()}"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    name: str
+    label: str
+    overrides: list[str]
+    dp: int
+
+
+SLIME_JOB = [*_744B, "train.seq_length=32768", "train.global_batch_size=64", *_FULL_RECOMPUTE,
+             "activations.loss_chunk_tokens=0"]
+BRIDGE_128K_JOB = [*_744B, "train.seq_length=131072", "train.global_batch_size=32",
+                   *_FULL_RECOMPUTE, "activations.loss_chunk_tokens=0"]
+BRIDGE_200K_JOB = [*_744B, "train.seq_length=202752", "train.global_batch_size=32",
+                   *_FULL_RECOMPUTE, "activations.loss_chunk_tokens=0"]
+OURS = ["activations.loss_chunk_tokens=2048", "parallel.mtp_placement=split"]
+
+RECIPES = (
+    Recipe("slime_256", "slime GLM-5: TP4+SP PP4 (20/20/20/18) CP2 EP32 DP8, 32K tokens (16K per "
+           "GPU), full recompute; its Adam CPU offload not modelled (state on the GPU here)",
+           [*SLIME_JOB, *_sizes(4, 4, 2, 32), "parallel.mtp_placement=with_loss",
+            "parallel.pipeline_model_parallel_layout=Et*20|t*20|t*20|t*18mL"], 8),
+    Recipe("slime_job_ours_256", "  same job and GPUs, Adam state on the GPU, ours: TP4+SP PP16 "
+           "VPP2 CP2 EP16 DP2, MTP split, chunked loss",
+           [*SLIME_JOB, *_sizes(4, 16, 2, 16, vpp=2), *OURS], 2),
+    Recipe("bridge_416", "Megatron-Bridge GLM-5.x 128K SFT: TP1 PP13 VPP2 CP32 EP32 DP1, MTP "
+           "with the loss, full recompute assumed",
+           [*BRIDGE_128K_JOB, *_sizes(1, 13, 32, 32, vpp=2), "parallel.mtp_placement=with_loss"],
+           1),
+    Recipe("bridge_416_job_ours_256", "  same job, ours: TP2+SP PP8 VPP2 CP16 EP32 DP1, MTP "
+           "split, chunked loss",
+           [*BRIDGE_128K_JOB, *_sizes(2, 8, 16, 32, vpp=2), *OURS], 1),
+    Recipe("bridge_608", "Megatron-Bridge GLM-5.2 200K SFT: TP1 PP19 CP32 EP32 DP1, full "
+           "recompute (published peak 81,005 MiB)",
+           [*BRIDGE_200K_JOB, *_sizes(1, 19, 32, 32), "parallel.mtp_placement=with_loss"], 1),
+    Recipe("bridge_608_job_ours_256", "  same job, ours (+experiment=glm5_sft_202k): TP2+SP "
+           "PP8 VPP2 CP16 EP32 DP1, MTP split, chunked loss",
+           ["+experiment=glm5_sft_202k"], 1),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Fit:
     """One plan's figures: the largest rank (static + in-flight activations), the working set
@@ -100,6 +165,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=glm5_sft_202k")
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel size (default: parallel.data_parallel_size, else 1)")
+    p.add_argument("--recipes", action="store_true",
+                   help="plan the published GLM-5 recipes and the same jobs on fewer GPUs")
     return p.parse_intermixed_args(argv)
 
 
@@ -197,8 +264,33 @@ def technique_lines(base: Fit, tried: list[tuple[Variant, Fit]]) -> list[str]:
     return rows
 
 
+def recipe_lines() -> list[str]:
+    """One row per published recipe and per fewer-GPU plan of the same job, then the summary
+    lines."""
+    h100 = DEVICES[0][1]
+    fits = [(r, plan_fit(r.overrides, r.dp, r.name)) for r in RECIPES]
+    head = (f"{'recipe':<98} {'GPUs':>5} {'largest rank GiB':>17} {'+ ws GiB':>9} "
+            f"{'total GB':>9} {'H100':>5}")
+    rows = [head, "-" * len(head)]
+    for recipe, fit in fits:
+        rows.append(f"{recipe.label:<98} {fit.gpus:>5} {fit.max_rank_bytes / GIB:>17.1f} "
+                    f"{fit.working_set_bytes / GIB:>9.1f} {fit.peak_bytes / GB:>9.1f} "
+                    f"{'fits' if fit.peak_bytes <= h100 else 'no':>5}")
+    rows.append("")
+    rows += [f"recipe={r.name} gpus={fit.gpus} peak_bytes={fit.peak_bytes} "
+             f"fits_h100={fit.peak_bytes <= h100}" for r, fit in fits]
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.recipes:
+        try:
+            print("\n".join(recipe_lines()), flush=True)
+        except (HydraException, OmegaConfBaseException, ValueError) as err:
+            print(f"plan_fit: error: {err}", file=sys.stderr)
+            return 2
+        return 0
     try:
         job = compose_job(args.overrides)
         dp = args.dp or job.parallel.data_parallel_size or 1
