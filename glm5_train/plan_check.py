@@ -18,6 +18,23 @@ How close each must be (``problems``):
   ranks, the tokens a rank's experts receive depend on the router and the data (the planner
   assumes even routing; the group's total is exact), so there the mean over each pipeline
   stage's ranks must be within ACTIVATION_RTOL and each rank within ROUTED_RTOL.
+
+Bytes sent per step (``comm_by_group``: the meter's counts by megatron-core group name), where
+the planner models them (``traffic_fields``):
+- ``grad_reduction``: the gradients' reduction over the data-parallel group (dense) and the
+  expert-data-parallel group (experts): all-reduce, 2 (n-1)/n of the gradient bytes, or with
+  the distributed optimizer reduce-scatter, (n-1)/n; plus the step's token count (an int32
+  all-reduced over DP x CP). Exact for plain DDP; within STATE_RTOL with the distributed
+  optimizer (its buckets are padded);
+- ``param_gather``: the distributed optimizer's all-gather of the updated parameters, (n-1)/n
+  of the parameter bytes; within STATE_RTOL;
+- ``p2p``: the pipeline's sends, exactly: per micro-batch a virtual stage's output forward
+  (unless it is the last) and its input's gradient backward (unless it is the first), each
+  the hidden states of this rank's tokens, (1 + MTP steps) times as many from the MTP stage
+  on when the MTP layer has a stage of its own (whose shapes then travel first: three int64).
+Not modelled: tensor-parallel and expert all-to-all traffic (checked as group sizes per
+collective by the parity harness), Pipeline ZeRO2's and Muon's gradient traffic, and the
+pipeline's sends under context parallelism (the MTP inputs' roll shares their group).
 """
 
 from __future__ import annotations
@@ -31,6 +48,11 @@ ACTIVATION_RTOL = 0.05
 ROUTED_RTOL = 0.25
 
 FIELDS = ("param", "grad", "optimizer", "activations")
+TRAFFIC = ("grad_reduction", "param_gather", "p2p")
+# megatron-core's names of the groups the gradients reduce over (dense, experts).
+DATA_PARALLEL_GROUPS = ("dp_cp", "intra_dp_cp", "dp", "expt_dp", "intra_expt_dp")
+TOKEN_COUNT_BYTES = 4  # finalize_model_grads all-reduces the step's token count (int32)
+SHAPE_MESSAGE_BYTES = 3 * 8  # a variable-shape p2p tensor's [s, b, h] as int64, sent first
 
 
 @dataclass(frozen=True)
@@ -96,6 +118,99 @@ def rank_bytes(job, record: dict) -> list[RankBytes]:
     return rows
 
 
+def traffic_fields(job) -> tuple[str, ...]:
+    """The per-step traffic the planner models for this job (module docstring)."""
+    par = job.parallel
+    fields = []
+    plain_gradients = not (frozen_parameters(job) or job.train.optimizer == "muon"
+                           or par.pipeline_zero2 or par.cp_groups == "flexible")
+    if plain_gradients:
+        fields.append("grad_reduction")
+        if par.use_distributed_optimizer:
+            fields.append("param_gather")
+    if par.pipeline_model_parallel_size > 1 and par.context_parallel_size == 1 \
+            and par.cp_groups != "flexible":
+        fields.append("p2p")
+    return tuple(fields)
+
+
+def traffic_rows(job, record: dict) -> list[RankBytes]:
+    """Planned and measured bytes sent per step, per global rank, for ``traffic_fields``."""
+    fields = traffic_fields(job)
+    if not fields:
+        return []
+    world = len(record["param_bytes"])
+    par = job.parallel
+    pp = par.pipeline_model_parallel_size
+    dp = world // par.model_parallel_size
+    inputs = inputs_from_job(job, dp)
+    layout = job_pipeline(job, dp)
+    report = plan_report(job.model, layout, inputs, job.activations)
+    by_group = record.get("comm_by_group", {})
+
+    def sent(op: str, groups: tuple[str, ...], g: int) -> int:
+        return sum(by_group.get(f"{op}:{name}", {}).get("bytes", [0] * world)[g]
+                   for name in groups)
+
+    rows = []
+    for g in range(world):
+        p = g // (world // pp)
+        stages = [s for s in report.stages if s.rank == p]
+        planned = _planned_traffic(job, inputs, layout, stages, p)
+        measured = {
+            "grad_reduction": (sent("reduce_scatter", DATA_PARALLEL_GROUPS, g)
+                               + sent("all_reduce", DATA_PARALLEL_GROUPS, g)),
+            "param_gather": sent("all_gather", DATA_PARALLEL_GROUPS, g),
+            "p2p": sent("send", ("pp", "world"), g),
+        }
+        rows += [RankBytes(g, p, name, planned[name], measured[name]) for name in fields]
+    return rows
+
+
+def _planned_traffic(job, inputs, layout, stages, pipeline_rank: int) -> dict[str, int]:
+    dense = sum(s.costs.dense_params for s in stages)
+    expert = sum(s.costs.expert_params for s in stages)
+    groups = ((inputs.dp * inputs.cp, dense), (inputs.expert_dp, expert))
+    distributed = job.parallel.use_distributed_optimizer
+    reduction = sum(_reduction_bytes(n, inputs.grad_bytes * count, distributed)
+                    for n, count in groups)
+    reduction += 2 * (inputs.dp * inputs.cp - 1) * TOKEN_COUNT_BYTES // (inputs.dp * inputs.cp)
+    gather = sum((n - 1) * inputs.weight_bytes * count // n for n, count in groups)
+    return {"grad_reduction": reduction, "param_gather": gather,
+            "p2p": _pipeline_send_bytes(job, inputs, layout, pipeline_rank)}
+
+
+def _reduction_bytes(n: int, grad_bytes: int, reduce_scatter: bool) -> int:
+    if reduce_scatter:
+        return (n - 1) * grad_bytes // n
+    return 2 * (n - 1) * grad_bytes // n
+
+
+def _pipeline_send_bytes(job, inputs, layout, pipeline_rank: int) -> int:
+    """Bytes this pipeline rank sends per step: for each of its virtual stages and each
+    micro-batch, the stage's output forward and its input's gradient backward."""
+    unit = inputs.activation_bytes * inputs.sp_tokens * job.model.hidden_size
+    last, mtp = len(layout.stages) - 1, layout.mtp_stage
+    own_mtp_stage = mtp is not None and mtp != last
+    widen = 1 + (job.model.mtp_num_steps if own_mtp_stage else 0)
+
+    def out_units(stage: int) -> int:  # the MTP stage and after carry every MTP step too
+        return widen if own_mtp_stage and stage >= mtp else 1
+
+    sends = 0
+    for stage in range(len(layout.stages)):
+        if layout.rank_of(stage) != pipeline_rank:
+            continue
+        per_micro = []
+        if stage < last:
+            per_micro.append(out_units(stage) * unit)
+        if stage > 0:
+            per_micro.append(out_units(stage - 1) * unit)
+        shapes = SHAPE_MESSAGE_BYTES * len(per_micro) if own_mtp_stage else 0
+        sends += inputs.num_microbatches * (sum(per_micro) + shapes)
+    return sends
+
+
 def routed_over_expert_ranks(job) -> bool:
     """Routed experts split over several expert-parallel ranks (tokens per rank data-driven)."""
     return any(job.model.moe_layer_pattern) and job.parallel.expert_model_parallel_size > 1
@@ -103,9 +218,11 @@ def routed_over_expert_ranks(job) -> bool:
 
 def problems(job, record: dict) -> list[str]:
     """What disagrees beyond the tolerances of the module docstring, one line each."""
-    rows = rank_bytes(job, record)
+    rows = rank_bytes(job, record) + traffic_rows(job, record)
+    padded = STATE_RTOL if job.parallel.use_distributed_optimizer else 0.0
     tolerance = {"param": 0.0, "grad": STATE_RTOL, "optimizer": STATE_RTOL,
-                 "activations": ROUTED_RTOL if routed_over_expert_ranks(job) else ACTIVATION_RTOL}
+                 "activations": ROUTED_RTOL if routed_over_expert_ranks(job) else ACTIVATION_RTOL,
+                 "grad_reduction": padded, "param_gather": STATE_RTOL, "p2p": 0.0}
     found = [f"rank {r.rank} {r.field}: measured {r.measured:,} vs planned {r.planned:,} "
              f"({r.rel:.2%}, beyond {tolerance[r.field]:.2%})"
              for r in rows if r.rel > tolerance[r.field]]

@@ -54,7 +54,7 @@ from glm5_train.preemption import StopRequest, forked_children_die_with_this_pro
 from glm5_train.profiling import StepProfiler
 from glm5_train.run_dir import register_resolvers
 from glm5_train.step import global_loss, global_mtp_losses, run_step
-from parallel.comm_meter import CommMeter, buffer_bytes, gather_fields
+from parallel.comm_meter import CommMeter, buffer_bytes, gather_fields, names_of_groups
 from parallel.device import comm_device
 
 
@@ -183,7 +183,9 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
         while state.iteration < t.train_iters:
             profiler.step_begins(state.iteration + 1)
             started, cpu_started = time.perf_counter(), time.process_time()
-            meter = CommMeter()  # this step's collectives on this rank (the loss's included)
+            # This step's collectives on this rank (the loss's included), by group size and
+            # by megatron-core group name.
+            meter = CommMeter(group_names=names_of_groups(rt.groups))
             outcome = train_step(rt, data, meter, boundary, step_index=state.iteration)
             elapsed = time.perf_counter() - started
             cpu_ms = int(1000 * (time.process_time() - cpu_started))

@@ -63,6 +63,12 @@ Op kinds (``OP_KINDS``): all_reduce, reduce_scatter (``reduce_scatter``,
 ``isend``), recv (``recv``, ``irecv``), barrier (``barrier``, ``monitored_barrier``) and the
 object collectives under their own names.
 
+Groups by name: a meter made with ``group_names`` ({id(process group): name}, e.g. from
+``names_of_groups`` over megatron-core's ProcessGroupCollection) also keys its counts by
+(op kind, group name) in ``by_group()``: the default group is "world", a group the mapping does
+not name is "size<n>". Sizes alone cannot tell data-parallel from tensor-parallel traffic when
+both groups have the same size.
+
 ``buffer_bytes`` reports the bytes this rank holds in gradient buffers, optimizer state and
 parameters (see there).
 """
@@ -359,7 +365,9 @@ class CommMeter:
     over blocks). ``stats`` is keyed by (op kind, process-group size)."""
 
     keep_events: bool = False
+    group_names: dict[int, str] = field(default_factory=dict)
     stats: dict[tuple[str, int], OpStats] = field(default_factory=dict)
+    group_stats: dict[tuple[str, str], OpStats] = field(default_factory=dict)
     events: list[CommEvent] = field(default_factory=list)
     _open: bool = field(default=False, init=False, repr=False)
 
@@ -375,15 +383,25 @@ class CommMeter:
             _deactivate(self)
             self._open = False
 
-    def _count(self, function: str, op: str, group_size: int, wire: int, payload: int) -> None:
-        entry = self.stats.get((op, group_size))
-        if entry is None:
-            entry = self.stats[(op, group_size)] = OpStats()
-        entry.calls += 1
-        entry.bytes += wire
-        entry.payload_bytes += payload
+    def _count(self, function: str, op: str, group, group_size: int, wire: int,
+               payload: int) -> None:
+        keyed = [(self.stats, (op, group_size))]
+        if self.group_names:
+            keyed.append((self.group_stats, (op, self._name_of(group, group_size))))
+        for table, key in keyed:
+            entry = table.get(key)
+            if entry is None:
+                entry = table[key] = OpStats()
+            entry.calls += 1
+            entry.bytes += wire
+            entry.payload_bytes += payload
         if self.keep_events:
             self.events.append(CommEvent(function, op, group_size, wire, payload))
+
+    def _name_of(self, group, group_size: int) -> str:
+        if group is None or group is dist.GroupMember.WORLD:
+            return "world"
+        return self.group_names.get(id(group), f"size{group_size}")
 
     @property
     def calls(self) -> int:
@@ -403,9 +421,34 @@ class CommMeter:
                               "payload_bytes": s.payload_bytes}
                 for (op, n), s in sorted(self.stats.items())}
 
+    def by_group(self) -> dict[str, dict[str, int]]:
+        """{"<op>:<group name>": {"calls", "bytes", "payload_bytes"}}, sorted by key (empty
+        unless the meter was given ``group_names``)."""
+        return {f"{op}:{name}": {"calls": s.calls, "bytes": s.bytes,
+                                 "payload_bytes": s.payload_bytes}
+                for (op, name), s in sorted(self.group_stats.items())}
+
     def summary(self) -> dict[str, Any]:
         return {"calls": self.calls, "bytes": self.bytes, "payload_bytes": self.payload_bytes,
-                "by_op": self.by_op()}
+                "by_op": self.by_op(), "by_group": self.by_group()}
+
+
+# Names for megatron-core's ProcessGroupCollection fields, most specific first: where several
+# fields hold the same group object (e.g. the data-parallel group with and without CP at CP=1,
+# or the distributed optimizer's intra-instance group), the first one here names it.
+GROUP_FIELDS = ("tp", "pp", "cp", "ep", "expt_tp", "dp_cp", "intra_dp_cp", "dp", "expt_dp",
+                "intra_expt_dp", "tp_cp", "tp_ep", "mp", "tp_dp_cp", "tp_ep_pp", "embd",
+                "pos_embd")
+
+
+def names_of_groups(collection) -> dict[int, str]:
+    """{id(group): field name} of a ProcessGroupCollection's groups (``GROUP_FIELDS`` order)."""
+    names: dict[int, str] = {}
+    for name in GROUP_FIELDS:
+        group = getattr(collection, name, None)
+        if isinstance(group, dist.ProcessGroup):
+            names.setdefault(id(group), name)
+    return names
 
 
 # ----------------------------------------------------------------------------------------------
@@ -477,7 +520,7 @@ def _record(name: str, records: list) -> None:
         for op, group, wire, payload in records:
             n = _size(group)
             for meter in _ACTIVE:
-                meter._count(name, op, n, wire, payload)
+                meter._count(name, op, group, n, wire, payload)
 
 
 _P2POP = dist.P2POp
@@ -732,15 +775,22 @@ def gather_fields(meter: CommMeter, held: dict[str, int]) -> dict[str, Any]:
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     summaries = [e["summary"] for e in everyone]
-    keys = sorted({key for s in summaries for key in s["by_op"]})
     fields: dict[str, Any] = {
         "comm_bytes": [s["bytes"] for s in summaries],
         "comm_payload_bytes": [s["payload_bytes"] for s in summaries],
         "comm_calls": [s["calls"] for s in summaries],
-        "comm_by_op": {key: {part: [s["by_op"].get(key, {}).get(part, 0) for s in summaries]
-                             for part in ("calls", "bytes", "payload_bytes")}
-                       for key in keys},
+        "comm_by_op": _per_rank(summaries, "by_op"),
     }
+    if any(s["by_group"] for s in summaries):
+        fields["comm_by_group"] = _per_rank(summaries, "by_group")
     for name in everyone[0]["held"]:
         fields[name] = [e["held"][name] for e in everyone]
     return fields
+
+
+def _per_rank(summaries: list[dict], table: str) -> dict[str, dict[str, list[int]]]:
+    """{key: {"calls" | "bytes" | "payload_bytes": [per global rank]}} of one summary table."""
+    keys = sorted({key for s in summaries for key in s[table]})
+    return {key: {part: [s[table].get(key, {}).get(part, 0) for s in summaries]
+                  for part in ("calls", "bytes", "payload_bytes")}
+            for key in keys}

@@ -154,6 +154,10 @@ class StageCosts:
     # before it (e.g. a graph that forward builds and runs its backward on at once).
     transient_activation_bytes: int = 0
     comm_bytes_per_microbatch: Comm = ()  # what the cost model counts of the stage's traffic
+    # Parameters this stage holds per rank, replicated over the data-parallel group (dense) and
+    # over the expert-data-parallel group (experts): what each group's gradient reduction moves.
+    dense_params: int = 0
+    expert_params: int = 0
 
     @cached_property  # read in the balancer's inner loop
     def static_bytes(self) -> int:

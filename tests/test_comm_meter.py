@@ -328,6 +328,12 @@ def test_dp2_buffers_and_gradient_all_reduce(dp2_records):
         # The ring rule, 2 (n-1)/n x payload, is the payload itself at n = 2.
         assert all_reduce["bytes"] == [2 * (n - 1) * grad // n + sum(extras.values())] * n
         assert "reduce_scatter:2" not in record["comm_by_op"]
+        # By megatron-core group name: the gradients and the token count on the data-parallel
+        # group; the losses on the world; the rest of size 2 on groups of their own.
+        by_group = record["comm_by_group"]
+        assert by_group["all_reduce:dp_cp"]["bytes"] == [grad + 4] * n
+        assert sum(v["bytes"][0] for k, v in by_group.items() if k.startswith("all_reduce:")) \
+            == all_reduce["bytes"][0]
         # Totals are the sums over the kinds.
         for total, part in (("comm_bytes", "bytes"), ("comm_calls", "calls"),
                             ("comm_payload_bytes", "payload_bytes")):
@@ -353,6 +359,8 @@ def test_dp2_distributed_optimizer_reduce_scatter_and_all_gather(tmp_path):
                                          "payload_bytes": grad}
     assert by_op["all_gather:2"] == {"calls": [1, 1], "bytes": [grad[0] // 2] * 2,
                                      "payload_bytes": [grad[0] // 2] * 2}
+    assert record["comm_by_group"]["reduce_scatter:dp_cp"] == by_op["reduce_scatter:2"]
+    assert record["comm_by_group"]["all_gather:dp_cp"] == by_op["all_gather:2"]
     # Optimizer state is sharded: both ranks' Adam moments together are 2 x the parameters.
     state = sum(record["optimizer_state_bytes"])
     assert 0 < state - 2 * params * F32 < 1000

@@ -52,6 +52,7 @@ def test_a_traced_step_has_every_forward_backward_and_collective(tmp_path):
                              text=True, check=True).stdout
     worst = dict(kv.split("=") for kv in planned.strip().splitlines()[-1].split()[1:])
     assert float(worst["param"]) == 0 and float(worst["activations"]) < 0.05, planned
+    assert float(worst["p2p"]) == 0, planned  # the pipeline's sends, byte for byte
     pytest.importorskip("matplotlib")
     out = subprocess.run([sys.executable, "tools/draw_timeline.py", str(tmp_path / "traced"),
                           "--memory"], cwd=REPO, capture_output=True, text=True,

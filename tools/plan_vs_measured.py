@@ -8,8 +8,9 @@ Measured and planned as ``glm5_train.plan_check`` pairs them (the parity harness
 the same pairs on every layout it runs), of step N (default: the last logged): parameters,
 gradients (Pipeline ZeRO2: its slices plus two accumulation buffers), optimizer state (AdamW)
 and the peak of bytes saved for backward; with frozen parameters (dense warm-up) parameters
-and activations only. The last line gives the largest relative difference per field:
-``max_rel param=<x> grad=<x> optimizer=<x> activations=<x>``.
+and activations only; then the bytes sent per step where the planner models them (gradient
+reduction, parameter all-gather, pipeline sends). The last line gives the largest relative
+difference per field: ``max_rel param=<x> grad=<x> optimizer=<x> activations=<x> ...``.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def step_record(run_dir: str, step: int | None) -> dict:
 def compare(run_dir: str, step: int | None = None) -> tuple[list[str], dict[str, float]]:
     """(table lines, largest relative difference per field)."""
     job = compose_job(run_overrides(run_dir))
-    rows = plan_check.rank_bytes(job, step_record(run_dir, step))
+    record = step_record(run_dir, step)
+    rows = plan_check.rank_bytes(job, record) + plan_check.traffic_rows(job, record)
     lines = [f"{'rank':>4} {'field':>12} {'planned':>14} {'measured':>14} {'rel':>9}"]
     lines += [f"{r.rank:>4} {r.field:>12} {r.planned:>14,} {r.measured:>14,} {r.rel:>9.2%}"
               for r in rows]

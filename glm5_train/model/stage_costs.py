@@ -755,7 +755,7 @@ def stage_costs(part: Part, inp: MemoryInputs) -> StageCosts:
     return StageCosts(inp.weight_bytes * (d + e), inp.grad_bytes * grads,
                       inp.optimizer_bytes * states, part.activation_bytes, part.flops,
                       inp.grad_bytes * (d + e) if inp.shard_grads else 0, part.transient_bytes,
-                      part.comm)
+                      part.comm, dense_params=d, expert_params=e)
 
 
 class GLM5StageModel:
