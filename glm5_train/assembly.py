@@ -109,7 +109,7 @@ def assemble(job: JobConfig, validated: bool = False) -> Runtime:
     chunks = wrap_ddp(chunks, config, job.parallel.use_distributed_optimizer,
                       job.parallel.overlap_grad_reduce, zero2=zero2, pinned=pinned)
     optimizer = build_optimizer(chunks, job.train, job.parallel.use_distributed_optimizer,
-                                job.train.torch_dtype)
+                                job.train.torch_dtype, offload=job.parallel)
     if zero2 is not None:
         attach_to_optimizer(optimizer, zero2)
     if job.train.optimizer == "muon":
@@ -131,6 +131,11 @@ def validate_job(job: JobConfig) -> int:
     rank, world, _ = process_groups.world_from_env()
     dp = validate_layout(job.parallel, job.model, world, job.train.global_batch_size,
                          job.train.micro_batch_size, job.train.seq_length)
+    if job.parallel.optimizer_cpu_offload and job.train.optimizer != "adamw":
+        raise ValueError(f"parallel.optimizer_cpu_offload=true with train.optimizer="
+                         f"{job.train.optimizer}: host-resident optimizer state is built for "
+                         "AdamW runs (Muon's AdamW part is not offloaded yet); use "
+                         "train.optimizer=adamw or parallel.optimizer_cpu_offload=false")
     check_data(job)
     given = job.parallel.pipeline_model_parallel_layout
     layout = resolve_pipeline_layout(job, dp)

@@ -12,10 +12,12 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from parallel.host_optimizer import provide_init_state
 from parallel.pipeline_zero2 import finalize_zero2_grads
 
 if TYPE_CHECKING:
     from glm5_train.job_config import TrainConfig
+    from parallel.layout import ParallelConfig
 
 
 def wrap_ddp(chunks: list[torch.nn.Module], config: TransformerConfig,
@@ -71,8 +73,12 @@ def finalize_grads(model: list, num_tokens, pg_collection=None, force_all_reduce
 
 
 def build_optimizer(chunks: list, cfg: "TrainConfig", use_distributed_optimizer: bool,
-                    params_dtype: torch.dtype):
-    """AdamW over all chunks (megatron-core splits dense and expert parameters itself)."""
+                    params_dtype: torch.dtype, offload: ParallelConfig | None = None):
+    """AdamW over all chunks (megatron-core splits dense and expert parameters itself).
+    ``offload`` with ``optimizer_cpu_offload``: megatron-core's hybrid optimizer keeps that
+    share of the state in host memory (``parallel.host_optimizer``); its CPU AdamW is torch's
+    fused one (``fused=True``, megatron-core's default there)."""
+    host = offload is not None and offload.optimizer_cpu_offload
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=cfg.lr,
@@ -85,8 +91,19 @@ def build_optimizer(chunks: list, cfg: "TrainConfig", use_distributed_optimizer:
         bf16=params_dtype == torch.bfloat16,
         params_dtype=params_dtype,
         use_distributed_optimizer=use_distributed_optimizer,
+        optimizer_cpu_offload=host,
+        optimizer_offload_fraction=offload.optimizer_offload_fraction if host else 0.0,
+        overlap_cpu_optimizer_d2h_h2d=host and offload.overlap_cpu_optimizer_d2h_h2d,
+        # Pinned host buffers need CUDA; a bf16 model's fp32 masters then live with the state
+        # (megatron-core's precision-aware path) instead of on the device.
+        pin_cpu_grads=torch.cuda.is_available(), pin_cpu_params=torch.cuda.is_available(),
+        use_precision_aware_optimizer=host and use_distributed_optimizer
+        and params_dtype != torch.float32,
     )
-    return get_megatron_optimizer(opt_config, chunks)
+    optimizer = get_megatron_optimizer(opt_config, chunks)
+    if host:
+        provide_init_state(optimizer)
+    return optimizer
 
 
 def build_scheduler(optimizer, cfg: "TrainConfig", train_iters: int) -> OptimizerParamScheduler:

@@ -9,10 +9,11 @@ rank // (world / PP), megatron-core's default order "tp-cp-ep-dp-pp".
 
 How close each must be (``problems``):
 - parameters: exactly;
-- gradients and optimizer state (AdamW, nothing frozen): within STATE_RTOL; the planner leaves
-  out megatron-core's padding (distributed optimizer: buckets to a multiple of lcm(DP, 128)
-  elements, parameter starts 64-aligned), the 4-byte Adam step counter per tensor and
-  ZeRO2's pinned embedding-gradient copies. Muon's state (momentum on its matrices, AdamW on
+- gradients and optimizer state (AdamW, nothing frozen; with ``parallel.optimizer_cpu_offload``
+  at fraction 0 or 1 also the host-resident state, ``optimizer_host_bytes``): within
+  STATE_RTOL; the planner leaves out megatron-core's padding (distributed optimizer: buckets
+  to a multiple of lcm(DP, 128) elements, parameter starts 64-aligned), the 4-byte Adam step
+  counter per tensor and ZeRO2's pinned embedding-gradient copies. Muon's state (momentum on its matrices, AdamW on
   the rest, owned per matrix under the zero-redundant variant) is not modelled;
 - activations: within ACTIVATION_RTOL per rank. Where experts are split over expert-parallel
   ranks, the tokens a rank's experts receive depend on the router and the data (the planner
@@ -27,7 +28,9 @@ the planner models them (``traffic_fields``):
   all-reduced over DP x CP). Exact for plain DDP; within STATE_RTOL with the distributed
   optimizer (its buckets are padded);
 - ``param_gather``: the distributed optimizer's all-gather of the updated parameters, (n-1)/n
-  of the parameter bytes; within STATE_RTOL;
+  of the parameter bytes; twice with experts split over expert-parallel ranks (megatron-core
+  chains an expert optimizer, and each optimizer's step gathers every bucket); within
+  STATE_RTOL;
 - ``p2p``: the pipeline's sends, exactly: per micro-batch a virtual stage's output forward
   (unless it is the last) and its input's gradient backward (unless it is the first), each
   the hidden states of this rank's tokens, (1 + MTP steps) times as many from the MTP stage
@@ -83,6 +86,13 @@ def compared_fields(job) -> tuple[str, ...]:
         return ("param", "activations")
     if job.train.optimizer == "muon":
         return ("param", "grad", "activations")
+    par = job.parallel
+    if par.optimizer_cpu_offload:
+        # The offloaded share is whole parameters (the first ones until the fraction is
+        # reached), so the split is exact only at the ends.
+        if par.optimizer_offload_fraction not in (0.0, 1.0):
+            return ("param", "grad", "activations")
+        return (*FIELDS, "optimizer_host")
     return FIELDS
 
 
@@ -113,6 +123,8 @@ def rank_bytes(job, record: dict) -> list[RankBytes]:
             "optimizer": (stage_sum(p, "optimizer_bytes"), record["optimizer_state_bytes"][g]),
             "activations": (report.ranks[p].peak_activation_bytes,
                             record["saved_bytes_peak"][g]),
+            "optimizer_host": (stage_sum(p, "host_bytes"),
+                               record.get("optimizer_host_bytes", [0] * world)[g]),
         }
         rows += [RankBytes(g, p, name, *values[name]) for name in compared_fields(job)]
     return rows
@@ -175,7 +187,10 @@ def _planned_traffic(job, inputs, layout, stages, pipeline_rank: int) -> dict[st
     reduction = sum(_reduction_bytes(n, inputs.grad_bytes * count, distributed)
                     for n, count in groups)
     reduction += 2 * (inputs.dp * inputs.cp - 1) * TOKEN_COUNT_BYTES // (inputs.dp * inputs.cp)
-    gather = sum((n - 1) * inputs.weight_bytes * count // n for n, count in groups)
+    # megatron-core chains a second distributed optimizer for expert-parallel parameters, and
+    # each one's step all-gathers every bucket of the model chunks (dense and expert).
+    optimizers = 2 if routed_over_expert_ranks(job) else 1
+    gather = optimizers * sum((n - 1) * inputs.weight_bytes * count // n for n, count in groups)
     return {"grad_reduction": reduction, "param_gather": gather,
             "p2p": _pipeline_send_bytes(job, inputs, layout, pipeline_rank)}
 
@@ -221,6 +236,7 @@ def problems(job, record: dict) -> list[str]:
     rows = rank_bytes(job, record) + traffic_rows(job, record)
     padded = STATE_RTOL if job.parallel.use_distributed_optimizer else 0.0
     tolerance = {"param": 0.0, "grad": STATE_RTOL, "optimizer": STATE_RTOL,
+                 "optimizer_host": STATE_RTOL,
                  "activations": ROUTED_RTOL if routed_over_expert_ranks(job) else ACTIVATION_RTOL,
                  "grad_reduction": padded, "param_gather": STATE_RTOL, "p2p": 0.0}
     found = [f"rank {r.rank} {r.field}: measured {r.measured:,} vs planned {r.planned:,} "

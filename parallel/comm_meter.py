@@ -735,6 +735,18 @@ def optimizer_tensors(optimizer, model_storages: set[int]) -> list[torch.Tensor]
     return out
 
 
+def _inner_optimizers(optimizer) -> list:
+    return [getattr(sub, "optimizer", sub)
+            for sub in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def host_optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    """What a host-offloaded optimizer (``parallel.host_optimizer``) holds in host memory: its
+    parameter copies, gradient buffers and state there."""
+    return [t for inner in _inner_optimizers(optimizer)
+            for t in getattr(inner, "host_tensors", list)()]
+
+
 def buffer_bytes(chunks: list, optimizer, zero2=None) -> dict[str, int]:
     """This rank's bytes held in gradient buffers, optimizer state and parameters.
 
@@ -744,18 +756,24 @@ def buffer_bytes(chunks: list, optimizer, zero2=None) -> dict[str, int]:
     With Pipeline ZeRO2 (``zero2``): its slices, two accumulation buffers (which the DDP buffers
     now view) and pinned embedding gradients; also each part on its own
     (``zero2_slice_bytes``, ``zero2_accum_bytes``, ``zero2_pinned_bytes``).
-    ``optimizer_state_bytes``: ``optimizer_tensors`` (state is created by the first step).
+    ``optimizer_state_bytes``: ``optimizer_tensors`` (state is created by the first step) on
+    the device; with host-resident optimizer state (``parallel.optimizer_cpu_offload``) what
+    it holds in host memory is ``optimizer_host_bytes`` instead (``host_optimizer_tensors``).
     ``param_bytes``: the model parameters of this rank's chunks (shared storage counted once).
     """
     params = [p for chunk in chunks for p in chunk.parameters()]
     model_storages = {p.untyped_storage().data_ptr() for p in params}
+    host = host_optimizer_tensors(optimizer)
+    host_storages = {t.untyped_storage().data_ptr() for t in host}
     held = {
         "grad_buffer_bytes": _unique_bytes(
             grad_buffers(chunks) + (zero2.held_tensors() if zero2 is not None else [])),
         "optimizer_state_bytes": _unique_bytes(optimizer_tensors(optimizer, model_storages),
-                                               exclude_storages=model_storages),
+                                               exclude_storages=model_storages | host_storages),
         "param_bytes": _unique_bytes(params),
     }
+    if any(hasattr(inner, "host_tensors") for inner in _inner_optimizers(optimizer)):
+        held["optimizer_host_bytes"] = _unique_bytes(host)
     if zero2 is not None:  # its parts: slices, the two accumulation buffers, pinned copies
         held.update({f"zero2_{name}_bytes": _unique_bytes(tensors)
                      for name, tensors in zero2.held_by_kind().items()})

@@ -49,6 +49,7 @@ from parallel.distopt_slices import (
     slice_bounds,
 )
 from parallel.distributed_muon import DistributedMuon, MatrixSlot
+from parallel.host_optimizer import HostOffloadedOptimizer
 
 PREFIX = "optimizer.state"
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -307,6 +308,8 @@ def load_state(optimizer, loaded: dict) -> None:
             if found:
                 _put(view, p, found)
         _set_adam_step(view, int(loaded["adam_step"]))
+        if isinstance(view.inner, HostOffloadedOptimizer):  # state in host memory
+            view.inner.adopt_loaded_state()
 
 
 def _allocate(view: _OptimizerView) -> None:
@@ -355,5 +358,6 @@ def _set_adam_step(view: _OptimizerView, step: int) -> None:
 
 
 def _counts_per_group(inner) -> bool:
-    """Fused Adams keep the step in the param group, torch's Adam and ours per parameter."""
-    return not isinstance(inner, (torch.optim.Adam, DistributedMuon))
+    """Fused Adams keep the step in the param group; torch's Adam, ours and the host-offloaded
+    one (torch's AdamW inside) per parameter."""
+    return not isinstance(inner, (torch.optim.Adam, DistributedMuon, HostOffloadedOptimizer))

@@ -111,6 +111,14 @@ class ParallelConfig:
     # the plan whole on this one process (null: plan for the run's own ranks). Reproduces a
     # larger run's micro-batches in one process, e.g. to check its numerics.
     flexible_cp_plan_ranks: int | None = None
+    # Optimizer state in host memory (parallel/host_optimizer.py, megatron-core's hybrid
+    # optimizer): the first optimizer_offload_fraction of the parameter elements step on the
+    # host (fp32 copies, AdamW moments there; gradients copied over, updated values back), the
+    # rest on the device; overlap_cpu_optimizer_d2h_h2d: the copies on side streams, per
+    # parameter (CUDA). AdamW runs only (Muon's matrices keep their own state).
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+    overlap_cpu_optimizer_d2h_h2d: bool = False
 
     @property
     def model_parallel_size(self) -> int:
@@ -173,6 +181,7 @@ def validate_layout(par: ParallelConfig, model: ModelShape, world_size: int,
     _check_widths(par, model)
     _check_pipeline(par, model)
     _check_zero2(par)
+    _check_optimizer_offload(par)
     _check_experts(par, model, dp)
     _check_dispatcher(par)
     _check_sequence(par, model, seq_length)
@@ -325,6 +334,21 @@ def _check_pipeline(par: ParallelConfig, model: ModelShape) -> None:
             f"model.num_hidden_layers={layers} cannot be placed evenly on pipeline x virtual "
             f"stages = {pp} x {vpp or 1} = {stages}: choose PP x VPP dividing {layers}, or give "
             "parallel.pipeline_model_parallel_layout (e.g. 'Et|tt|t|tL') for an uneven split")
+
+
+def _check_optimizer_offload(par: ParallelConfig) -> None:
+    if not par.optimizer_cpu_offload:
+        return
+    fraction = par.optimizer_offload_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
+            or not 0.0 <= fraction <= 1.0:
+        raise LayoutError(f"parallel.optimizer_offload_fraction={fraction!r}: the share of the "
+                          "parameter elements whose optimizer state lives in host memory must "
+                          "lie in [0, 1] (1.0: all of it)")
+    if par.pipeline_zero2:
+        raise LayoutError("parallel.optimizer_cpu_offload=true with parallel.pipeline_zero2="
+                          "true: Pipeline ZeRO2 steps its own gradient slices and is not wired "
+                          "to the host optimizer yet; turn one of them off")
 
 
 def _check_zero2(par: ParallelConfig) -> None:

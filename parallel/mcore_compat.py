@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from parallel import comm_meter, device
+from parallel import comm_meter, device, host_optimizer
 from parallel.mla_down_projection import MLADownProjection
 
 REDIRECT, TORCH_VIEW, FIX, OVERRIDE, SCOPED = "redirect", "torch_view", "fix", "override", "scoped"
@@ -150,6 +150,23 @@ CPU_REDIRECTS: tuple[Patch, ...] = (
                      "Optional[torch.Tensor], recv_prev: bool, recv_next: bool, tensor_shape: "
                      "Union[List[int], torch.Size], wait_on_reqs: bool = True) -> "
                      "Tuple[torch.Tensor, torch.Tensor]")),
+    Patch(f"{_MC}.optimizer", "HybridDeviceOptimizer", REDIRECT,
+          "parallel.optimizer_cpu_offload: tells device parameters by param.is_cuda, so without "
+          "CUDA it fails at its first step", host_optimizer.HostOffloadedOptimizer,
+          (f"{_MC}.optimizer",),
+          r"HybridDeviceOptimizer\("),
+    Patch(f"{_MC}.optimizer.distrib_optimizer", "HybridDeviceOptimizer", REDIRECT,
+          "the distributed optimizer rebuilds and type-checks it by this name",
+          host_optimizer.HostOffloadedOptimizer, (f"{_MC}.optimizer.distrib_optimizer",),
+          r"HybridDeviceOptimizer\("),
+    Patch(f"{_MC}.optimizer.distrib_optimizer.DistributedOptimizer",
+          "_build_model_and_main_param_groups", REDIRECT,
+          "parallel.optimizer_cpu_offload with fp32 parameters: its shards are non-leaf views, "
+          "which the hybrid optimizer's torch groups refuse", host_optimizer.leaf_fp32_shards,
+          fingerprint="1b9f0ec06718f817",
+          signature=("(gbuf_ranges: List[Dict], param_gbuf_map: Dict[torch.nn.parameter."
+                     "Parameter, Tuple], opt_group_ranges: List, config: megatron.core."
+                     "optimizer.optimizer_config.OptimizerConfig)")),
     Patch(f"{_P2P}.P2PCommunicator", "_receive_shape", REDIRECT, "helper of the p2p above",
           device.receive_shape, binds_missing=True),
     Patch(f"{_P2P}.P2PCommunicator", "_recv_buffer", REDIRECT, "helper of the p2p above",

@@ -158,6 +158,7 @@ class StageCosts:
     # over the expert-data-parallel group (experts): what each group's gradient reduction moves.
     dense_params: int = 0
     expert_params: int = 0
+    host_bytes: int = 0  # held in host memory (e.g. optimizer state there): not on the device
 
     @cached_property  # read in the balancer's inner loop
     def static_bytes(self) -> int:

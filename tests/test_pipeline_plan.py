@@ -526,16 +526,18 @@ RECIPE_SUMMARY = re.compile(r"^recipe=(\S+) gpus=(\d+) peak_bytes=(\d+) fits_h10
 def test_fit_tool_plans_the_published_recipes_and_ours_on_fewer_gpus():
     """--recipes: slime's, Megatron-Bridge's 128K and 200K recipes as published and the same
     jobs with ours. The figures are the planner's: slime's layout does not fit 80 GB with its
-    Adam state on the GPU (slime offloads it to the host) where ours does on the same GPUs;
+    Adam state on the GPU, and does with it in host memory (slime's way), as does ours with
+    the state on the GPU;
     Bridge's jobs fit ours on 256 GPUs where Bridge takes 416 and 608."""
     proc = _fit_tool("--recipes")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {name: (int(gpus), int(peak), fits == "True")
             for name, gpus, peak, fits in RECIPE_SUMMARY.findall(proc.stdout)}
-    assert set(rows) == {"slime_256", "slime_job_ours_256", "bridge_416",
+    assert set(rows) == {"slime_256", "slime_256_host_adam", "slime_job_ours_256", "bridge_416",
                          "bridge_416_job_ours_256", "bridge_608", "bridge_608_job_ours_256"}
     assert [rows[n][0] for n in ("slime_256", "bridge_416", "bridge_608")] == [256, 416, 608]
     assert not rows["slime_256"][2] and rows["bridge_608"][2]
+    assert rows["slime_256_host_adam"][2]  # slime's own answer: Adam state in host memory
     for published, ours in (("slime_256", "slime_job_ours_256"),
                             ("bridge_416", "bridge_416_job_ours_256"),
                             ("bridge_608", "bridge_608_job_ours_256")):

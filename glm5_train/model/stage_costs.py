@@ -62,6 +62,9 @@ class MemoryInputs:
     optimizer_bytes: int = 12
     activation_bytes: int = 2
     distributed_optimizer: bool = False  # optimizer state sharded over data-parallel ranks
+    # parallel.optimizer_cpu_offload: this share of the optimizer's parameter elements keeps
+    # its state in host memory (0: none). There each element holds HOST_OPTIMIZER_BYTES.
+    optimizer_offload_fraction: float = 0.0
     # Pipeline ZeRO2 (parallel.pipeline_zero2): 1/dp of each stage's gradients, plus two
     # accumulation buffers per rank the size of its largest stage's gradients; without it
     # megatron-core keeps every gradient whole.
@@ -136,6 +139,8 @@ def inputs_from_job(job, dp: int | None = None, **changes) -> MemoryInputs:
         weight_bytes=2 if bf16 else 4, optimizer_bytes=12 if bf16 else 8,
         activation_bytes=2 if bf16 else 4,
         distributed_optimizer=par.use_distributed_optimizer,
+        optimizer_offload_fraction=(par.optimizer_offload_fraction
+                                    if getattr(par, "optimizer_cpu_offload", False) else 0.0),
         shard_grads=getattr(par, "pipeline_zero2", False),
         dsa_kl=bool(getattr(dsa, "trains_indexer", True)),
         dsa_stage=getattr(dsa, "stage", "sparse"),
@@ -747,15 +752,22 @@ def head_part(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> Part:
         comm=mtp_targets_comm(inp) if heads > 1 else ())
 
 
+# Host-resident optimizer state per parameter element (parallel/host_optimizer.py): the fp32
+# copy it steps, its gradient copied over, AdamW's exp_avg and exp_avg_sq.
+HOST_OPTIMIZER_BYTES = 16
+
+
 def stage_costs(part: Part, inp: MemoryInputs) -> StageCosts:
     d, e = part.dense_params, part.expert_params
     sharded = -(-d // (inp.dp * inp.cp)) - (-e // inp.expert_dp)  # per rank, rounded up
     grads = sharded if inp.shard_grads else d + e
     states = sharded if inp.distributed_optimizer else d + e
+    on_host = round(states * inp.optimizer_offload_fraction)
     return StageCosts(inp.weight_bytes * (d + e), inp.grad_bytes * grads,
-                      inp.optimizer_bytes * states, part.activation_bytes, part.flops,
-                      inp.grad_bytes * (d + e) if inp.shard_grads else 0, part.transient_bytes,
-                      part.comm, dense_params=d, expert_params=e)
+                      inp.optimizer_bytes * (states - on_host), part.activation_bytes,
+                      part.flops, inp.grad_bytes * (d + e) if inp.shard_grads else 0,
+                      part.transient_bytes, part.comm, dense_params=d, expert_params=e,
+                      host_bytes=HOST_OPTIMIZER_BYTES * on_host)
 
 
 class GLM5StageModel:
