@@ -12,6 +12,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from parallel import mcore_compat
 from parallel.host_optimizer import provide_init_state
 from parallel.pipeline_zero2 import finalize_zero2_grads
 
@@ -79,6 +80,8 @@ def build_optimizer(chunks: list, cfg: "TrainConfig", use_distributed_optimizer:
     share of the state in host memory (``parallel.host_optimizer``); its CPU AdamW is torch's
     fused one (``fused=True``, megatron-core's default there)."""
     host = offload is not None and offload.optimizer_cpu_offload
+    if host:
+        mcore_compat.install_host_optimizer()
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=cfg.lr,

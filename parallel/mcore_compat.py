@@ -24,6 +24,8 @@ change is a ``Patch`` in ``PATCHES`` below, with its reason and a staleness chec
   is the one it was written against.
 
 ``install()`` applies the ``redirect``/``torch_view``/``fix`` entries once per process;
+``install_host_optimizer()`` the ``HOST_OPTIMIZER_PATCHES`` (redirects applied on any device,
+only when a job sets ``parallel.optimizer_cpu_offload``);
 ``override_method`` and ``replace_attribute`` refuse any target not listed here, and the scoped
 changes are made by the functions at the end of this module (the meter's from its own list,
 ``comm_meter.BOUND_NAMES``, which ``METER_BINDINGS`` lists), so no change to megatron-core
@@ -150,23 +152,6 @@ CPU_REDIRECTS: tuple[Patch, ...] = (
                      "Optional[torch.Tensor], recv_prev: bool, recv_next: bool, tensor_shape: "
                      "Union[List[int], torch.Size], wait_on_reqs: bool = True) -> "
                      "Tuple[torch.Tensor, torch.Tensor]")),
-    Patch(f"{_MC}.optimizer", "HybridDeviceOptimizer", REDIRECT,
-          "parallel.optimizer_cpu_offload: tells device parameters by param.is_cuda, so without "
-          "CUDA it fails at its first step", host_optimizer.HostOffloadedOptimizer,
-          (f"{_MC}.optimizer",),
-          r"HybridDeviceOptimizer\("),
-    Patch(f"{_MC}.optimizer.distrib_optimizer", "HybridDeviceOptimizer", REDIRECT,
-          "the distributed optimizer rebuilds and type-checks it by this name",
-          host_optimizer.HostOffloadedOptimizer, (f"{_MC}.optimizer.distrib_optimizer",),
-          r"HybridDeviceOptimizer\("),
-    Patch(f"{_MC}.optimizer.distrib_optimizer.DistributedOptimizer",
-          "_build_model_and_main_param_groups", REDIRECT,
-          "parallel.optimizer_cpu_offload with fp32 parameters: its shards are non-leaf views, "
-          "which the hybrid optimizer's torch groups refuse", host_optimizer.leaf_fp32_shards,
-          fingerprint="1b9f0ec06718f817",
-          signature=("(gbuf_ranges: List[Dict], param_gbuf_map: Dict[torch.nn.parameter."
-                     "Parameter, Tuple], opt_group_ranges: List, config: megatron.core."
-                     "optimizer.optimizer_config.OptimizerConfig)")),
     Patch(f"{_P2P}.P2PCommunicator", "_receive_shape", REDIRECT, "helper of the p2p above",
           device.receive_shape, binds_missing=True),
     Patch(f"{_P2P}.P2PCommunicator", "_recv_buffer", REDIRECT, "helper of the p2p above",
@@ -204,6 +189,29 @@ FIXES_WITHOUT_TE: tuple[Patch, ...] = (
     # ColumnParallelLinear there.
     Patch(_MLA, "Linear", FIX, "replicated down projections: correct RoPE-key gradients under TP",
           MLADownProjection, uses=r"\[\s*Linear,"),
+)
+
+# parallel.optimizer_cpu_offload, on any device, applied when a job asks for it
+# (``install_host_optimizer``, before the optimizer is built): megatron-core's hybrid optimizer
+# under its two names replaced by ours, and the distributed optimizer's fp32 shards made leaves.
+HOST_OPTIMIZER_PATCHES: tuple[Patch, ...] = (
+    Patch(f"{_MC}.optimizer", "HybridDeviceOptimizer", REDIRECT,
+          "parallel.optimizer_cpu_offload: tells device parameters by param.is_cuda, so without "
+          "CUDA it fails at its first step", host_optimizer.HostOffloadedOptimizer,
+          (f"{_MC}.optimizer",),
+          r"HybridDeviceOptimizer\("),
+    Patch(f"{_MC}.optimizer.distrib_optimizer", "HybridDeviceOptimizer", REDIRECT,
+          "the distributed optimizer rebuilds and type-checks it by this name",
+          host_optimizer.HostOffloadedOptimizer, (f"{_MC}.optimizer.distrib_optimizer",),
+          r"HybridDeviceOptimizer\("),
+    Patch(f"{_MC}.optimizer.distrib_optimizer.DistributedOptimizer",
+          "_build_model_and_main_param_groups", REDIRECT,
+          "parallel.optimizer_cpu_offload with fp32 parameters: its shards are non-leaf views, "
+          "which the hybrid optimizer's torch groups refuse", host_optimizer.leaf_fp32_shards,
+          fingerprint="1b9f0ec06718f817",
+          signature=("(gbuf_ranges: List[Dict], param_gbuf_map: Dict[torch.nn.parameter."
+                     "Parameter, Tuple], opt_group_ranges: List, config: megatron.core."
+                     "optimizer.optimizer_config.OptimizerConfig)")),
 )
 
 _OPT = f"{_MC}.optimizer"
@@ -295,8 +303,8 @@ METER_BINDINGS: tuple[Patch, ...] = tuple(
           uses=rf"\b{attr}\b") for module, attr in comm_meter.BOUND_NAMES)
 
 PATCHES: tuple[Patch, ...] = (CPU_REDIRECTS + TORCH_VIEWS + FIXES_WITHOUT_TE
-                              + DISTOPT_CHECKPOINT_BUGS + OVERRIDES + SCOPED_PATCHES
-                              + METER_BINDINGS)
+                              + HOST_OPTIMIZER_PATCHES + DISTOPT_CHECKPOINT_BUGS + OVERRIDES
+                              + SCOPED_PATCHES + METER_BINDINGS)
 
 
 # ------------------------------------------------------------------------------- staleness
@@ -422,6 +430,13 @@ def _apply(patch: Patch) -> None:
         replacement = getattr(original, "_torchdynamo_orig_callable", original)
     _INSTALLED[patch.target] = original
     setattr(owner, patch.attr, replacement)
+
+
+def install_host_optimizer() -> None:
+    """``parallel.optimizer_cpu_offload``: the ``HOST_OPTIMIZER_PATCHES``, on CPU and GPU alike
+    (the fp32 and checkpoint fixes they carry are not CPU-specific), once per process."""
+    for patch in HOST_OPTIMIZER_PATCHES:
+        _apply(patch)
 
 
 def installed() -> list[str]:
