@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from job import run_training  # noqa: E402
+from job import run_training
 
 TENSORS = 20
 TINY = ["model=glm5_tiny", "parallel=single", "train.train_iters=5", "train.warmup_iters=0",
@@ -49,7 +49,7 @@ def _problem(elements: int, seed: int = 0) -> tuple[list[torch.Tensor], list[tor
 
 
 def _kernels():
-    kwargs = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    kwargs = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     kernels = {
         "torch fused": lambda p: torch.optim.AdamW(p, fused=True, **kwargs),
         "torch foreach": lambda p: torch.optim.AdamW(p, foreach=True, **kwargs),
