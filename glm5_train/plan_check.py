@@ -107,14 +107,30 @@ def _state_fields(job) -> tuple[str, ...]:
     return FIELDS
 
 
-def rank_bytes(job, record: dict) -> list[RankBytes]:
-    """Planned and measured bytes per global rank for the fields ``compared_fields`` names."""
+@dataclass(frozen=True)
+class _Plan:
+    """The planner's view of a finished run: its inputs, pipeline layout and report."""
+
+    world: int
+    inputs: object
+    layout: object
+    report: object
+
+
+def _plan(job, record: dict) -> _Plan:
     world = len(record["param_bytes"])
+    dp = world // job.parallel.model_parallel_size
+    inputs, layout = inputs_from_job(job, dp), job_pipeline(job, dp)
+    return _Plan(world, inputs, layout, plan_report(job.model, layout, inputs, job.activations))
+
+
+def rank_bytes(job, record: dict, plan: _Plan | None = None) -> list[RankBytes]:
+    """Planned and measured bytes per global rank for the fields ``compared_fields`` names
+    (``plan``: ``_plan(job, record)``, made here when not given)."""
+    plan = plan or _plan(job, record)
+    world, report = plan.world, plan.report
     par = job.parallel
     pp = par.pipeline_model_parallel_size
-    dp = world // par.model_parallel_size
-    report = plan_report(job.model, job_pipeline(job, dp), inputs_from_job(job, dp),
-                         job.activations)
 
     def stage_sum(p: int, field: str) -> int:
         return sum(getattr(s.costs, field) for s in report.stages if s.rank == p)
@@ -157,18 +173,14 @@ def traffic_fields(job) -> tuple[str, ...]:
     return tuple(fields)
 
 
-def traffic_rows(job, record: dict) -> list[RankBytes]:
+def traffic_rows(job, record: dict, plan: _Plan | None = None) -> list[RankBytes]:
     """Planned and measured bytes sent per step, per global rank, for ``traffic_fields``."""
     fields = traffic_fields(job)
     if not fields:
         return []
-    world = len(record["param_bytes"])
-    par = job.parallel
-    pp = par.pipeline_model_parallel_size
-    dp = world // par.model_parallel_size
-    inputs = inputs_from_job(job, dp)
-    layout = job_pipeline(job, dp)
-    report = plan_report(job.model, layout, inputs, job.activations)
+    plan = plan or _plan(job, record)
+    world, inputs, layout, report = plan.world, plan.inputs, plan.layout, plan.report
+    pp = job.parallel.pipeline_model_parallel_size
     by_group = record.get("comm_by_group", {})
 
     def sent(op: str, groups: tuple[str, ...], g: int) -> int:
@@ -237,6 +249,12 @@ def _pipeline_send_bytes(job, inputs, layout, pipeline_rank: int) -> int:
     return sends
 
 
+def comparison_rows(job, record: dict) -> list[RankBytes]:
+    """``rank_bytes`` and ``traffic_rows`` from one plan of the run."""
+    plan = _plan(job, record)
+    return rank_bytes(job, record, plan) + traffic_rows(job, record, plan)
+
+
 def routed_over_expert_ranks(job) -> bool:
     """Routed experts split over several expert-parallel ranks (tokens per rank data-driven)."""
     return any(job.model.moe_layer_pattern) and job.parallel.expert_model_parallel_size > 1
@@ -244,7 +262,7 @@ def routed_over_expert_ranks(job) -> bool:
 
 def problems(job, record: dict) -> list[str]:
     """What disagrees beyond the tolerances of the module docstring, one line each."""
-    rows = rank_bytes(job, record) + traffic_rows(job, record)
+    rows = comparison_rows(job, record)
     padded = STATE_RTOL if job.parallel.use_distributed_optimizer else 0.0
     tolerance = {"param": 0.0, "grad": STATE_RTOL, "optimizer": STATE_RTOL,
                  "optimizer_host": STATE_RTOL,

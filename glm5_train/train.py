@@ -178,6 +178,7 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
     minutes = ckpt.save_interval_minutes if ckpt.save else None
     records = []
     profiler = StepProfiler(run_dir, t.profile_steps, t.profile_shapes, t.profile_memory)
+    group_names = names_of_groups(rt.groups)
     with StopRequest() as stop:
         boundary = StepBoundary(rt, stop, minutes * 60.0 if minutes else None)
         while state.iteration < t.train_iters:
@@ -185,7 +186,7 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
             started, cpu_started = time.perf_counter(), time.process_time()
             # This step's collectives on this rank (the loss's included), by group size and
             # by megatron-core group name.
-            meter = CommMeter(group_names=names_of_groups(rt.groups))
+            meter = CommMeter(group_names=group_names)
             outcome = train_step(rt, data, meter, boundary, step_index=state.iteration)
             elapsed = time.perf_counter() - started
             cpu_ms = int(1000 * (time.process_time() - cpu_started))

@@ -24,7 +24,8 @@ its groups ("can't optimize a non-leaf Tensor"; megatron's own path for torch's 
 detached views of the same storage when offloading is on, as megatron-core already does for
 bf16 parameters: the same elements, updated in place, gradients assigned the same way.
 
-``held_bytes`` splits what it holds into device and host bytes for ``metrics.jsonl``.
+``host_tensors`` lists what it holds in host memory (``comm_meter.buffer_bytes`` counts it as
+``optimizer_host_bytes``; the rest of its state is on the device).
 """
 
 from __future__ import annotations
@@ -162,21 +163,6 @@ class HostOffloadedOptimizer(HybridDeviceOptimizer):
                         yield grad
                     yield from _tensors(optimizer.state.get(param, {}))
 
-    def _device_tensors(self) -> Iterator[torch.Tensor]:
-        if self.gpu_optimizer is None:
-            return
-        for group in self.gpu_optimizer.param_groups:
-            for param in group["params"]:
-                if param in self.fp32_param_to_orig_param:  # an fp32 master of a bf16 param
-                    yield param
-                yield from _tensors(self.gpu_optimizer.state.get(param, {}))
-
-    def held_bytes(self) -> dict[str, int]:
-        """{"device": optimizer state (and fp32 masters) on the compute device, "host": host
-        parameter copies, host gradient buffers and the host optimizers' state}."""
-        return {"device": _unique_bytes(self._device_tensors()),
-                "host": _unique_bytes(self._host_tensors())}
-
     def host_tensors(self) -> list[torch.Tensor]:
         return list(self._host_tensors())
 
@@ -185,14 +171,6 @@ def _tensors(state: dict) -> Iterator[torch.Tensor]:
     for value in state.values():
         if isinstance(value, torch.Tensor):
             yield value
-
-
-def _unique_bytes(tensors) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        seen.setdefault(storage.data_ptr(), storage.nbytes())
-    return sum(seen.values())
 
 
 def _leaf_view(shard: torch.Tensor) -> torch.Tensor:

@@ -103,3 +103,13 @@ def test_muon_with_offload_is_refused_in_one_line(tmp_path):
     with pytest.raises(RuntimeError) as failed:
         run_job(1, ["parallel=single", OFFLOAD, "train.optimizer=muon"], str(tmp_path / "m"))
     assert "parallel.optimizer_cpu_offload=true with train.optimizer=muon" in str(failed.value)
+
+
+def test_overlapped_copies_match_device_state(tmp_path):
+    """parallel.overlap_cpu_optimizer_d2h_h2d: one CPU optimizer per parameter, each waiting
+    only for its own gradient copy (side streams on CUDA, in-order stand-ins here)."""
+    overrides = ["parallel=single", OFFLOAD, "parallel.overlap_cpu_optimizer_d2h_h2d=true"]
+    result = run_job(1, overrides, str(tmp_path / "overlapped"))
+    problems = compare(one_process(["parallel=single"]).records, result.records, FP32)
+    assert not problems, "\n".join(problems)
+    assert result.records[-1]["optimizer_state_bytes"] == [0]

@@ -41,7 +41,7 @@ def compare(run_dir: str, step: int | None = None) -> tuple[list[str], dict[str,
     """(table lines, largest relative difference per field)."""
     job = compose_job(run_overrides(run_dir))
     record = step_record(run_dir, step)
-    rows = plan_check.rank_bytes(job, record) + plan_check.traffic_rows(job, record)
+    rows = plan_check.comparison_rows(job, record)
     lines = [f"{'rank':>4} {'field':>12} {'planned':>14} {'measured':>14} {'rel':>9}"]
     lines += [f"{r.rank:>4} {r.field:>12} {r.planned:>14,} {r.measured:>14,} {r.rel:>9.2%}"
               for r in rows]
