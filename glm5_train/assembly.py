@@ -136,6 +136,12 @@ def validate_job(job: JobConfig) -> int:
                          f"{job.train.optimizer}: host-resident optimizer state is built for "
                          "AdamW runs (Muon's AdamW part is not offloaded yet); use "
                          "train.optimizer=adamw or parallel.optimizer_cpu_offload=false")
+    if job.parallel.optimizer_cpu_offload and job.train.params_dtype != "fp32":
+        raise ValueError(f"parallel.optimizer_cpu_offload=true with train.params_dtype="
+                         f"{job.train.params_dtype}: host-resident optimizer state runs with "
+                         "fp32 parameters only so far (megatron-core's hybrid optimizer fails "
+                         "on low-precision parameters without Transformer Engine); use "
+                         "train.params_dtype=fp32 or parallel.optimizer_cpu_offload=false")
     check_data(job)
     given = job.parallel.pipeline_model_parallel_layout
     layout = resolve_pipeline_layout(job, dp)

@@ -97,11 +97,8 @@ def build_optimizer(chunks: list, cfg: "TrainConfig", use_distributed_optimizer:
         optimizer_cpu_offload=host,
         optimizer_offload_fraction=offload.optimizer_offload_fraction if host else 0.0,
         overlap_cpu_optimizer_d2h_h2d=host and offload.overlap_cpu_optimizer_d2h_h2d,
-        # Pinned host buffers need CUDA; a bf16 model's fp32 masters then live with the state
-        # (megatron-core's precision-aware path) instead of on the device.
+        # Pinned host buffers need CUDA.
         pin_cpu_grads=torch.cuda.is_available(), pin_cpu_params=torch.cuda.is_available(),
-        use_precision_aware_optimizer=host and use_distributed_optimizer
-        and params_dtype != torch.float32,
     )
     optimizer = get_megatron_optimizer(opt_config, chunks)
     if host:

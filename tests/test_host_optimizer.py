@@ -99,10 +99,11 @@ def test_bad_offload_settings_are_refused_by_the_layout_check(overrides, message
                         job.train.micro_batch_size, job.train.seq_length)
 
 
-def test_muon_with_offload_is_refused_in_one_line(tmp_path):
+@pytest.mark.parametrize("setting", ["train.optimizer=muon", "train.params_dtype=bf16"])
+def test_unsupported_offload_combinations_are_refused_in_one_line(tmp_path, setting):
     with pytest.raises(RuntimeError) as failed:
-        run_job(1, ["parallel=single", OFFLOAD, "train.optimizer=muon"], str(tmp_path / "m"))
-    assert "parallel.optimizer_cpu_offload=true with train.optimizer=muon" in str(failed.value)
+        run_job(1, ["parallel=single", OFFLOAD, setting], str(tmp_path / "m"))
+    assert f"parallel.optimizer_cpu_offload=true with {setting}" in str(failed.value)
 
 
 def test_overlapped_copies_match_device_state(tmp_path):
