@@ -136,12 +136,13 @@ def validate_job(job: JobConfig) -> int:
                          f"{job.train.optimizer}: host-resident optimizer state is built for "
                          "AdamW runs (Muon's AdamW part is not offloaded yet); use "
                          "train.optimizer=adamw or parallel.optimizer_cpu_offload=false")
-    if job.parallel.optimizer_cpu_offload and job.train.params_dtype != "fp32":
+    if (job.parallel.optimizer_cpu_offload and job.train.params_dtype != "fp32"
+            and not job.parallel.use_distributed_optimizer):
         raise ValueError(f"parallel.optimizer_cpu_offload=true with train.params_dtype="
-                         f"{job.train.params_dtype}: host-resident optimizer state runs with "
-                         "fp32 parameters only so far (megatron-core's hybrid optimizer fails "
-                         "on low-precision parameters without Transformer Engine); use "
-                         "train.params_dtype=fp32 or parallel.optimizer_cpu_offload=false")
+                         f"{job.train.params_dtype} needs parallel.use_distributed_optimizer="
+                         "true: megatron-core keeps low-precision models' fp32 masters with the "
+                         "host-resident state only there (its precision-aware path); set it, or "
+                         "train.params_dtype=fp32")
     check_data(job)
     given = job.parallel.pipeline_model_parallel_layout
     layout = resolve_pipeline_layout(job, dp)

@@ -100,10 +100,26 @@ def build_optimizer(chunks: list, cfg: "TrainConfig", use_distributed_optimizer:
         # Pinned host buffers need CUDA.
         pin_cpu_grads=torch.cuda.is_available(), pin_cpu_params=torch.cuda.is_available(),
     )
+    if host and params_dtype != torch.float32:
+        precision_aware(opt_config)
     optimizer = get_megatron_optimizer(opt_config, chunks)
     if host:
         provide_init_state(optimizer)
     return optimizer
+
+
+def precision_aware(opt_config: OptimizerConfig) -> None:
+    """megatron-core's precision-aware path, as its ``--optimizer-cpu-offload`` runs bf16: the
+    distributed optimizer hands the hybrid optimizer its bf16 slices and makes no fp32 master
+    slices on the device; the hybrid optimizer keeps each slice's fp32 master beside its moments
+    (in host memory when offloaded). Set after construction: ``OptimizerConfig.__post_init__``
+    compares Transformer Engine's version for this flag and raises TypeError when TE is absent,
+    though the hybrid optimizer needs none of TE (the same ``__post_init__`` skips its TE checks
+    under ``optimizer_cpu_offload``); it would then derive the two fields set here (no fp8, so
+    the flag holds as given; param remainders are a TE FusedAdam feature)."""
+    opt_config.use_precision_aware_optimizer = True
+    opt_config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+    opt_config.store_param_remainders = False
 
 
 def build_scheduler(optimizer, cfg: "TrainConfig", train_iters: int) -> OptimizerParamScheduler:

@@ -121,9 +121,16 @@ class _OptimizerView:
         step: what AdamW starts from)."""
         main = self.main[p.param]
         if name == MASTER:
-            return main.detach()
+            return self.master_of(main).detach()
         state = self.inner.state.get(main, {})
-        return state[name] if name in state else torch.zeros_like(main)
+        return state[name] if name in state else _fp32_zeros(main)
+
+    def master_of(self, main: torch.Tensor) -> torch.Tensor:
+        """The fp32 values a main slice steps: itself, or (a bf16 slice under the
+        precision-aware path) the host optimizer's fp32 copy of it."""
+        if main.dtype == torch.float32:
+            return main
+        return self.inner.param_to_fp32_param[main]
 
     def matrix_names(self, p: _Param) -> tuple[str, ...]:
         """State names this rank loads for a Muon matrix: the holder its momentum (and
@@ -321,8 +328,12 @@ def _allocate(view: _OptimizerView) -> None:
         for main in group["params"]:
             state = view.inner.state[main]
             if not state:
-                state["exp_avg"] = torch.zeros_like(main, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(main, memory_format=torch.preserve_format)
+                state["exp_avg"], state["exp_avg_sq"] = _fp32_zeros(main), _fp32_zeros(main)
+
+
+def _fp32_zeros(main: torch.Tensor) -> torch.Tensor:
+    """AdamW's moments start at zero, in fp32 (a bf16 main slice's too)."""
+    return torch.zeros_like(main, dtype=torch.float32, memory_format=torch.preserve_format)
 
 
 def _put(view: _OptimizerView, p: _Param, found: dict[str, torch.Tensor]) -> None:
@@ -338,7 +349,7 @@ def _put(view: _OptimizerView, p: _Param, found: dict[str, torch.Tensor]) -> Non
         if name == MOMENTUM:
             continue
         part = p.local(whole.reshape(-1), view.rank)
-        target = main if name == MASTER else view.inner.state[main][name]
+        target = view.master_of(main) if name == MASTER else view.inner.state[main][name]
         target.copy_(part.view(target.shape))
 
 

@@ -27,11 +27,16 @@ def distributed_optimizers(optimizer) -> Iterator[DistributedOptimizer]:
 def main_param_pairs(sub: DistributedOptimizer) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
     """(model parameter, the main-parameter slice the inner optimizer steps) for each parameter
     with a slice on this rank, in a megatron-core DistributedOptimizer ``sub`` (bf16 models:
-    fp32 copies; fp32 models: views of the parameters)."""
-    for models, mains in ((sub.model_float16_groups, sub.shard_fp32_from_float16_groups),
-                          (sub.model_fp32_groups, sub.shard_fp32_groups)):
-        for model_group, main_group in zip(models, mains):
-            yield from zip(model_group, main_group)
+    fp32 copies; fp32 models: views of the parameters). Under megatron-core's precision-aware
+    path (bf16 with the state in host memory) no fp32 slice exists on the device: the inner
+    optimizer steps the bf16 slice and keeps its fp32 master itself."""
+    for models, mains, slices in ((sub.model_float16_groups, sub.shard_fp32_from_float16_groups,
+                                   sub.shard_float16_groups),
+                                  (sub.model_fp32_groups, sub.shard_fp32_groups,
+                                   sub.shard_fp32_groups)):
+        for model_group, main_group, slice_group in zip(models, mains, slices):
+            for model, main, piece in zip(model_group, main_group, slice_group):
+                yield model, piece if main is None else main
 
 
 def slice_bounds(bucket, dp: int) -> list[tuple[int, int]]:

@@ -125,7 +125,7 @@ RECIPES = (
            [*SLIME_JOB, *_sizes(4, 4, 2, 32), "parallel.mtp_placement=with_loss",
             "parallel.pipeline_model_parallel_layout=Et*20|t*20|t*20|t*18mL"], 8),
     Recipe("slime_256_host_adam", "  as published, Adam state in host memory as slime keeps it "
-           "(planned; our offload runs fp32 only so far)",
+           "(parallel.optimizer_cpu_offload=true)",
            [*SLIME_JOB, *_sizes(4, 4, 2, 32), "parallel.mtp_placement=with_loss",
             "parallel.pipeline_model_parallel_layout=Et*20|t*20|t*20|t*18mL",
             "parallel.optimizer_cpu_offload=true"], 8),
