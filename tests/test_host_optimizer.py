@@ -16,8 +16,15 @@ import pytest
 from glm5_train.assembly import validate_job
 from glm5_train.job_config import compose_job
 from parallel.layout import LayoutError, validate_layout
-from tests.parity import (BASE_OVERRIDES, BF16, FP32, assert_layout_ran, compare, one_process,
-                          run_job)
+from tests.parity import (
+    BASE_OVERRIDES,
+    BF16,
+    FP32,
+    assert_layout_ran,
+    compare,
+    one_process,
+    run_job,
+)
 
 OFFLOAD = "parallel.optimizer_cpu_offload=true"
 DISTRIBUTED = "parallel.use_distributed_optimizer=true"
