@@ -345,10 +345,6 @@ def _check_optimizer_offload(par: ParallelConfig) -> None:
         raise LayoutError(f"parallel.optimizer_offload_fraction={fraction!r}: the share of the "
                           "parameter elements whose optimizer state lives in host memory must "
                           "lie in [0, 1] (1.0: all of it)")
-    if par.pipeline_zero2:
-        raise LayoutError("parallel.optimizer_cpu_offload=true with parallel.pipeline_zero2="
-                          "true: Pipeline ZeRO2 steps its own gradient slices and is not wired "
-                          "to the host optimizer yet; turn one of them off")
 
 
 def _check_zero2(par: ParallelConfig) -> None:

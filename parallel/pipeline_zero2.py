@@ -342,6 +342,13 @@ def attach_to_optimizer(optimizer, zero2: PipelineZero2) -> None:
 
 
 def _copy_slices_to_main_grads(sub, zero2: PipelineZero2) -> None:
+    # megatron-core's precision-aware path (bf16 with the state in host memory) steps bf16
+    # slices; torch refuses an fp32 ``.grad`` on them, so its optimizers read ``decoupled_grad``.
+    decoupled = sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
     for model_param, main_param in main_param_pairs(sub):
         world = slice_range(sub, model_param)
-        main_param.grad = zero2.slice_of(model_param, world.start, world.stop)
+        piece = zero2.slice_of(model_param, world.start, world.stop)
+        if decoupled:
+            main_param.decoupled_grad = piece
+        else:
+            main_param.grad = piece
