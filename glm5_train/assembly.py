@@ -108,8 +108,10 @@ def assemble(job: JobConfig, validated: bool = False) -> Runtime:
         pinned = embedding_tie.holders(chunks) if embedding_tie.needs_sync(chunks) else []
     chunks = wrap_ddp(chunks, config, job.parallel.use_distributed_optimizer,
                       job.parallel.overlap_grad_reduce, zero2=zero2, pinned=pinned)
+    # Muon offloads its own AdamW part (install_muon): megatron-core's optimizer stays whole.
     optimizer = build_optimizer(chunks, job.train, job.parallel.use_distributed_optimizer,
-                                job.train.torch_dtype, offload=job.parallel)
+                                job.train.torch_dtype,
+                                offload=job.parallel if job.train.optimizer == "adamw" else None)
     if zero2 is not None:
         attach_to_optimizer(optimizer, zero2)
     if job.train.optimizer == "muon":
@@ -131,13 +133,9 @@ def validate_job(job: JobConfig) -> int:
     rank, world, _ = process_groups.world_from_env()
     dp = validate_layout(job.parallel, job.model, world, job.train.global_batch_size,
                          job.train.micro_batch_size, job.train.seq_length)
-    if job.parallel.optimizer_cpu_offload and job.train.optimizer != "adamw":
-        raise ValueError(f"parallel.optimizer_cpu_offload=true with train.optimizer="
-                         f"{job.train.optimizer}: host-resident optimizer state is built for "
-                         "AdamW runs (Muon's AdamW part is not offloaded yet); use "
-                         "train.optimizer=adamw or parallel.optimizer_cpu_offload=false")
+    _check_muon_offload(job)
     if (job.parallel.optimizer_cpu_offload and job.train.params_dtype != "fp32"
-            and not job.parallel.use_distributed_optimizer):
+            and job.train.optimizer == "adamw" and not job.parallel.use_distributed_optimizer):
         raise ValueError(f"parallel.optimizer_cpu_offload=true with train.params_dtype="
                          f"{job.train.params_dtype} needs parallel.use_distributed_optimizer="
                          "true: megatron-core keeps low-precision models' fp32 masters with the "
@@ -151,6 +149,21 @@ def validate_job(job: JobConfig) -> int:
               f"{job.parallel.mtp_placement})", flush=True)
     job.parallel.pipeline_model_parallel_layout = layout
     return dp
+
+
+def _check_muon_offload(job: JobConfig) -> None:
+    """Muon offloads its AdamW part whole, on its own copies (``parallel/muon.py``)."""
+    par = job.parallel
+    if not (par.optimizer_cpu_offload and job.train.optimizer == "muon"):
+        return
+    if par.optimizer_offload_fraction != 1.0:
+        raise ValueError(f"parallel.optimizer_offload_fraction={par.optimizer_offload_fraction}"
+                         " with train.optimizer=muon: Muon keeps its whole AdamW part in host "
+                         "memory and its momentum on the device; set the fraction to 1.0")
+    if par.overlap_cpu_optimizer_d2h_h2d:
+        raise ValueError("parallel.overlap_cpu_optimizer_d2h_h2d=true with train.optimizer=muon:"
+                         " the side-stream copies are megatron-core's hybrid optimizer's "
+                         "(AdamW runs); set it to false")
 
 
 def check_data(job: JobConfig) -> None:
@@ -203,7 +216,8 @@ def install_muon(optimizer, chunks: list, job: JobConfig, config,
     its FP32 optimizers, distributed Muon in its distributed optimizers
     (``train.muon_zero_redundant``: one owner per matrix; otherwise the naive reference)."""
     t = job.train
-    cfg = MuonConfig(t.muon_momentum, t.muon_nesterov, t.muon_ns_steps, t.muon_split_mla)
+    cfg = MuonConfig(t.muon_momentum, t.muon_nesterov, t.muon_ns_steps, t.muon_split_mla,
+                     adamw_on_host=job.parallel.optimizer_cpu_offload)
     layouts = matrix_layouts(chunks, cfg, config, groups)
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
         if isinstance(sub, DistributedOptimizer):

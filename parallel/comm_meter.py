@@ -741,8 +741,9 @@ def _inner_optimizers(optimizer) -> list:
 
 
 def host_optimizer_tensors(optimizer) -> list[torch.Tensor]:
-    """What a host-offloaded optimizer (``parallel.host_optimizer``) holds in host memory: its
-    parameter copies, gradient buffers and state there."""
+    """What a host-offloaded optimizer (``parallel.host_optimizer``; Muon's AdamW part with
+    ``adamw_on_host``) holds in host memory: its parameter copies, gradient buffers and state
+    there."""
     return [t for inner in _inner_optimizers(optimizer)
             for t in getattr(inner, "host_tensors", list)()]
 
@@ -772,7 +773,7 @@ def buffer_bytes(chunks: list, optimizer, zero2=None) -> dict[str, int]:
                                                exclude_storages=model_storages | host_storages),
         "param_bytes": _unique_bytes(params),
     }
-    if any(hasattr(inner, "host_tensors") for inner in _inner_optimizers(optimizer)):
+    if any(getattr(inner, "state_on_host", False) for inner in _inner_optimizers(optimizer)):
         held["optimizer_host_bytes"] = _unique_bytes(host)
     if zero2 is not None:  # its parts: slices, the two accumulation buffers, pinned copies
         held.update({f"zero2_{name}_bytes": _unique_bytes(tensors)

@@ -50,6 +50,8 @@ def _on_cuda() -> bool:
 class HostOffloadedOptimizer(HybridDeviceOptimizer):
     """megatron-core's hybrid device/host optimizer, also on a CPU compute device."""
 
+    state_on_host = True  # ``comm_meter`` reports ``optimizer_host_bytes``
+
     def _get_sub_optimizer_param_groups(self, offload_fraction: float):
         if _on_cuda():
             return super()._get_sub_optimizer_param_groups(offload_fraction)

@@ -21,6 +21,15 @@ MLA parameter names and its MLATransformerConfig head widths, not a particular m
 
 This optimizer replaces the torch optimizer inside megatron-core's FP32 optimizer wrappers, so
 megatron-core still does gradient gathering from DDP buffers, norm, clipping and checkpointing.
+
+The AdamW part in host memory (``MuonConfig.adamw_on_host``, ``parallel.optimizer_cpu_offload``
+with Muon): each AdamW parameter's exp_avg / exp_avg_sq live on the host beside a host copy of
+the parameter and of its gradient; a step copies the value and the gradient over, runs the same
+AdamW arithmetic there and copies the value back. The value is copied over every step (4 bytes
+per element more than megatron-core's hybrid optimizer, which keeps its host copy between
+steps) so that nothing (a checkpoint load, a change of the device value) can leave the host copy
+stale; the AdamW part is the embedding, output head, norms and router, a small share of GLM-5.
+Muon's momentum stays on the device: Newton-Schulz runs there.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ class MuonConfig:
     nesterov: bool = True
     ns_steps: int = 5
     split_mla: bool = True  # Muon Split: per-head W_UQ, W_UK, W_UV (GLM-5 default)
+    adamw_on_host: bool = False  # the AdamW part's state in host memory (module docstring)
 
 
 @dataclass
@@ -116,6 +126,13 @@ class MuonAdamW(torch.optim.Optimizer):
                  cfg: MuonConfig) -> None:
         super().__init__(param_groups, defaults={})
         self.layouts, self.cfg = layouts, cfg
+        # adamw_on_host: parameter -> (its host value copy, its host gradient copy)
+        self.host_copies: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def state_on_host(self) -> bool:
+        """Whether part of the state lives in host memory (``comm_meter`` reports it)."""
+        return self.cfg.adamw_on_host
 
     def init_state(self, *_: object) -> None:
         """Allocate every parameter's state (megatron-core calls this before loading a
@@ -134,9 +151,45 @@ class MuonAdamW(torch.optim.Optimizer):
         state = self.state[param]
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
-            state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
+            state["exp_avg"] = self._adamw_zeros(param)
+            state["exp_avg_sq"] = self._adamw_zeros(param)
         return state
+
+    def _adamw_zeros(self, param: torch.Tensor) -> torch.Tensor:
+        if not self.cfg.adamw_on_host:
+            return torch.zeros_like(param, dtype=torch.float32)
+        return _host_zeros(param)
+
+    def _host_copies(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if param not in self.host_copies:
+            self.host_copies[param] = (_host_zeros(param), _host_zeros(param))
+        return self.host_copies[param]
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """What the AdamW part holds in host memory: value and gradient copies, moments."""
+        if not self.cfg.adamw_on_host:
+            return []
+        out = [t for pair in self.host_copies.values() for t in pair]
+        for group in self.param_groups:
+            for param in group["params"]:
+                if not self.layouts[id(param)].muon:
+                    out += [v for v in self.state.get(param, {}).values()
+                            if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return out
+
+    def load_state_dict(self, state_dict) -> None:
+        """torch's, then the AdamW moments back in host memory (torch's loader puts every
+        state tensor on its parameter's device)."""
+        super().load_state_dict(state_dict)
+        if not self.cfg.adamw_on_host:
+            return
+        for group in self.param_groups:
+            for param in group["params"]:
+                state = self.state.get(param, {})
+                if not self.layouts[id(param)].muon:
+                    for name in ("exp_avg", "exp_avg_sq"):
+                        if name in state and state[name].device.type != "cpu":
+                            state[name] = _host_zeros(param).copy_(state[name])
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -162,15 +215,35 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _adamw(self, param: torch.Tensor, group: dict) -> None:
         state = self._adamw_state(param)
-        beta1, beta2 = group["betas"]
-        state["step"] += 1
-        step = float(state["step"])
-        grad = param.grad.float()
-        state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
-        state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        denom = (state["exp_avg_sq"] / (1 - beta2 ** step)).sqrt().add_(group["eps"])
-        param.mul_(1 - group["lr"] * group["weight_decay"])
-        param.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1 ** step))
+        if not self.cfg.adamw_on_host:
+            _adamw_update(param, param.grad.float(), state, group)
+            return
+        value, grad = self._host_copies(param)
+        value.copy_(param, non_blocking=True)
+        grad.copy_(param.grad, non_blocking=True)
+        if param.is_cuda:
+            torch.cuda.current_stream().synchronize()  # the copies have landed
+        _adamw_update(value, grad, state, group)
+        param.copy_(value, non_blocking=True)
+
+
+def _adamw_update(value: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+    """One decoupled-weight-decay AdamW step of ``value`` in place (fp32 ``grad``)."""
+    beta1, beta2 = group["betas"]
+    state["step"] += 1
+    step = float(state["step"])
+    state["exp_avg"].mul_(beta1).add_(grad, alpha=1 - beta1)
+    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (state["exp_avg_sq"] / (1 - beta2 ** step)).sqrt().add_(group["eps"])
+    value.mul_(1 - group["lr"] * group["weight_decay"])
+    value.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1 ** step))
+
+
+def _host_zeros(param: torch.Tensor) -> torch.Tensor:
+    """An fp32 host tensor of ``param``'s shape (pinned where CUDA copies from it); on a CPU
+    compute device a separate tensor all the same, so the bytes really move."""
+    return torch.zeros(param.shape, dtype=torch.float32, device="cpu",
+                       pin_memory=torch.cuda.is_available())
 
 
 def matrix_layouts(chunks: list[torch.nn.Module], cfg: MuonConfig, config,

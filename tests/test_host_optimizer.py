@@ -108,14 +108,22 @@ def test_bad_offload_settings_are_refused_by_the_layout_check(overrides, message
                         job.train.micro_batch_size, job.train.seq_length)
 
 
-@pytest.mark.parametrize("setting", ["train.optimizer=muon", "train.params_dtype=bf16"])
-def test_unsupported_offload_combinations_are_refused_in_one_line(setting):
-    """Muon; bf16 without the distributed optimizer (megatron-core's fp32 masters would stay
-    on the device, and its non-distributed bf16 optimizer breaks the hybrid one)."""
-    job = compose_job([*BASE_OVERRIDES, "parallel=single", OFFLOAD, setting])
+@pytest.mark.parametrize("settings,message", [
+    (["train.params_dtype=bf16"],
+     "parallel.optimizer_cpu_offload=true with train.params_dtype=bf16 needs"),
+    (["train.optimizer=muon", "parallel.optimizer_offload_fraction=0.5"],
+     "parallel.optimizer_offload_fraction=0.5 with train.optimizer=muon"),
+    (["train.optimizer=muon", "parallel.overlap_cpu_optimizer_d2h_h2d=true"],
+     "parallel.overlap_cpu_optimizer_d2h_h2d=true with train.optimizer=muon"),
+])
+def test_unsupported_offload_combinations_are_refused_in_one_line(settings, message):
+    """bf16 AdamW without the distributed optimizer (megatron-core's fp32 masters would stay
+    on the device, and its non-distributed bf16 optimizer breaks the hybrid one); Muon with a
+    partial offload or megatron-core's side-stream copies."""
+    job = compose_job([*BASE_OVERRIDES, "parallel=single", OFFLOAD, *settings])
     with pytest.raises(ValueError) as failed:
         validate_job(job)  # the check a launch runs before any work (one line on rank 0)
-    assert f"parallel.optimizer_cpu_offload=true with {setting}" in str(failed.value)
+    assert message in str(failed.value)
 
 
 BF16_DISTRIBUTED = ["parallel=single", DISTRIBUTED, "train.params_dtype=bf16"]
@@ -170,3 +178,39 @@ def test_bf16_pipeline_zero2_offloaded_matches_one_process(tmp_path):
     record = result.records[-1]
     assert record["optimizer_state_bytes"] == [0] * 4
     assert all(b > 0 for b in record["zero2_slice_bytes"])
+
+
+MUON = ["train.optimizer=muon"]
+
+
+def test_muon_adamw_part_offloaded_matches_and_holds_its_moments_on_the_host(tmp_path):
+    """Muon's AdamW part in host memory, 1 process: the same arithmetic on host copies, so the
+    training is identical (FP32); the device keeps only Muon's momentum."""
+    reference = run_job(1, ["parallel=single", *MUON], str(tmp_path / "device")).records
+    offloaded = run_job(1, ["parallel=single", *MUON, OFFLOAD], str(tmp_path / "host")).records
+    problems = compare(reference, offloaded, FP32)
+    assert not problems, "\n".join(problems)
+    assert [r["loss"] for r in reference] == [r["loss"] for r in offloaded]
+    moved = reference[-1]["optimizer_state_bytes"][0] - offloaded[-1]["optimizer_state_bytes"][0]
+    host = offloaded[-1]["optimizer_host_bytes"][0]
+    assert moved > 0 and moved % 8 == 0  # both moments of every AdamW element
+    assert host == 2 * moved  # plus the value and gradient copies, 4 bytes each
+
+
+def test_distributed_muon_offloaded_checkpoint_resumes_on_the_device(tmp_path):
+    """Distributed Muon at DP2 with its AdamW part on the host, saving at step 2; resumed with
+    everything on the device it continues the offloaded run (FP32)."""
+    ckpt = tmp_path / "ckpt"
+    layout = ["parallel=single", DISTRIBUTED, *MUON]
+    offloaded = run_job(2, [*layout, OFFLOAD, "checkpoint.save_interval=2",
+                            "checkpoint.keep_last=null", f"checkpoint.save={ckpt}"],
+                        str(tmp_path / "offloaded")).records
+    problems = compare(one_process(["parallel=single", *MUON]).records, offloaded, FP32)
+    assert not problems, "\n".join(problems)
+    assert all(b > 0 for b in offloaded[-1]["optimizer_host_bytes"])
+    (ckpt / "latest_iteration.txt").write_text("2\n")
+    resumed = run_job(2, [*layout, f"checkpoint.load={ckpt}"], str(tmp_path / "resumed")).records
+    assert [r["step"] for r in resumed] == [3, 4, 5]
+    problems = compare(offloaded[2:], resumed, FP32)
+    assert not problems, "\n".join(problems)
+    assert "optimizer_host_bytes" not in resumed[-1]
