@@ -84,12 +84,13 @@ def test_pp2_vpp2_dp2_distributed_offloaded_matches_one_process(offloaded_pp2_vp
     assert all(b > 0 for b in record["optimizer_host_bytes"])
 
 
-def test_offloaded_checkpoint_resumes_with_the_state_on_the_device(offloaded_pp2_vpp2_dp2,
-                                                                   tmp_path):
+def test_offloaded_checkpoint_resumes_resharded_with_the_state_on_the_device(
+        offloaded_pp2_vpp2_dp2, tmp_path):
+    """The PP2 x VPP2 x DP2 offloaded checkpoint into one process, state on the device."""
     result, _, ckpt = offloaded_pp2_vpp2_dp2
     (ckpt / "latest_iteration.txt").write_text("2\n")
-    resume = [*PP2_VPP2_DP2, f"checkpoint.load={ckpt}"]
-    resumed = run_job(4, resume, str(tmp_path / "resumed"))
+    resume = ["parallel=single", DISTRIBUTED, f"checkpoint.load={ckpt}"]
+    resumed = run_job(1, resume, str(tmp_path / "resumed"))
     assert [r["step"] for r in resumed.records] == [3, 4, 5]
     problems = compare(result.records[2:], resumed.records, FP32)
     assert not problems, "\n".join(problems)
