@@ -115,7 +115,8 @@ class ParallelConfig:
     # optimizer): the first optimizer_offload_fraction of the parameter elements step on the
     # host (fp32 copies, AdamW moments there; gradients copied over, updated values back), the
     # rest on the device; overlap_cpu_optimizer_d2h_h2d: the copies on side streams, per
-    # parameter (CUDA). AdamW runs only (Muon's matrices keep their own state).
+    # parameter (CUDA). With Muon: its AdamW part's state on the host, whole (parallel/muon.py;
+    # its matrices' momentum stays on the device).
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
     overlap_cpu_optimizer_d2h_h2d: bool = False
