@@ -4,8 +4,9 @@
     pip install -e ".[peers]"          # deepspeed 0.19.8
     python bench/peer_deepspeed.py [--steps 6]
 
-1. A tiny random Hugging Face ``GlmMoeDsaForCausalLM`` (``tests/hf_tiny.py``, no MTP layer)
-   is saved and imported into our checkpoint format (``tools/hf_checkpoint.py import``).
+1. Our tiny model without its MTP layer as a Hugging Face ``GlmMoeDsaForCausalLM`` (the
+   config.json our export writes, transformers' random initialisation) is saved and imported
+   into our checkpoint format (``tools/hf_checkpoint.py import``).
 2. Ours trains from that import at DP4 with the distributed optimizer (ZeRO-1: fp32 gradients
    whole, AdamW state sharded), at DP4 with Pipeline ZeRO2 (gradients sharded too) and at
    PP2 x VPP2 x DP2 with Pipeline ZeRO2 (a layout DeepSpeed cannot run: its ZeRO-2/3 do not
@@ -101,12 +102,26 @@ def _torchrun(nproc: int, *args: str) -> list[str]:
             f"--nproc-per-node={nproc}", *args]
 
 
+def build_hf_model(hf_dir: str, seed: int = 0) -> None:
+    """Our tiny model as a Hugging Face GLM-5 (the config.json our export writes), with
+    transformers' own seeded random initialisation, saved under ``hf_dir``."""
+    import torch
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    from glm5_train.hf_mapping import glm5_to_hf_config
+    from glm5_train.job_config import compose_job
+
+    fields = glm5_to_hf_config(compose_job(OUR_MODEL).model, torch.float32)
+    config = GlmMoeDsaConfig(**{k: v for k, v in fields.items()
+                                if k not in ("architectures", "model_type")})
+    torch.manual_seed(seed)
+    GlmMoeDsaForCausalLM(config).save_pretrained(hf_dir, safe_serialization=True)
+
+
 def import_weights(root: str) -> tuple[str, str]:
     """A tiny random HF GLM-5 under ``root``/hf and its import under ``root``/imported."""
-    from tests.hf_tiny import build_tiny_hf
-
     hf_dir, imported = os.path.join(root, "hf"), os.path.join(root, "imported")
-    build_tiny_hf(hf_dir)
+    build_hf_model(hf_dir)
     _run(_torchrun(1, "tools/hf_checkpoint.py", "import", "--hf-dir", hf_dir, "--save",
                    imported, *OUR_MODEL, "parallel=single"), "the HF import")
     return hf_dir, imported
