@@ -19,7 +19,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from glm5_train.job_config import compose_job
+from parallel.process_groups import _free_port as free_port
 from glm5_train import plan_check
 from glm5_train.pipeline_plan import PipelineLayout, job_pipeline
 
@@ -150,7 +150,7 @@ def _run_ranks(cmd: list[str], nprocs: int, out, timeout: int) -> list[int]:
     fails (or the timeout) terminates the rest, which would otherwise wait on it."""
     base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", WORLD_SIZE=str(nprocs),
                 LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(_free_port()))
+                MASTER_PORT=str(free_port()))
     ranks = [subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                               env=dict(base, RANK=str(r), LOCAL_RANK=str(r)))
              for r in range(nprocs)]
@@ -176,12 +176,6 @@ def _stop(ranks: list[subprocess.Popen]) -> None:
     except subprocess.TimeoutExpired:
         for proc in ranks:
             proc.kill()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def read_metrics(run_dir: str) -> list[dict]:
