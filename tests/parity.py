@@ -1,7 +1,8 @@
 """Parity harness: run the real training job in a layout and compare it with one process.
 
-``run_job`` launches ``torchrun -m glm5_train.train`` exactly as a user would (same Hydra
-overrides, same entry point), reads the run's ``metrics.jsonl`` and returns its step records.
+``run_job`` runs ``glm5_train.train`` on local ranks as torchrun would (same Hydra overrides,
+same entry point, torchrun's worker environment), reads the run's ``metrics.jsonl`` and returns
+its step records.
 ``compare`` checks per-step losses, the global grad norm and every parameter's grad norm
 (``param_grad_norms``, by global tensor name: parallel/grad_norms.py) against a reference run.
 ``assert_layout_ran`` checks, from the run's own metrics, that the layout it names really ran:
@@ -15,14 +16,16 @@ single-process run up to floating-point reduction order.
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
+import multiprocessing
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -127,55 +130,90 @@ def one_process(overrides: list[str]) -> JobResult:
 def run_job(nprocs: int, overrides: list[str], run_dir: str, timeout: int = 600) -> JobResult:
     """Run the training job on ``nprocs`` local ranks; return its metrics.jsonl records.
 
-    The ranks start directly, with the environment torchrun gives its workers (rank, world
-    size, a free rendezvous port on rank 0), and one rank's failure stops the others, as
-    torchrun does: its agent's own start (~2 s of importing torch) is most of a short job's
-    overhead, and the suite runs hundreds of jobs. What needs the agent (restarts, its
-    signal handling) is tested with torchrun itself (test_durable, test_slurm, test_spawn)."""
-    cmd = [sys.executable, "-m", "glm5_train.train", *BASE_OVERRIDES, *overrides,
-           f"hydra.run.dir={run_dir}"]
-    with tempfile.TemporaryFile("w+") as out:
-        codes = _run_ranks(cmd, nprocs, out, timeout)
-        out.seek(0)
+    Each rank runs ``glm5_train.train``'s ``main()`` with the arguments ``python -m
+    glm5_train.train`` would get and the environment torchrun gives its workers (rank, world
+    size, a free rendezvous port on rank 0); one rank's failure stops the others, as torchrun
+    does. The ranks are forked from a server that imported torch and megatron-core once per
+    test session (``_RANKS``): importing them is ~6 s of CPU per process, half of a short
+    8-rank job on 2 cores, and the suite runs hundreds of jobs. What needs a real interpreter
+    start or torchrun's agent (restarts, signal handling, the launchers) is tested with
+    torchrun itself (test_durable, test_slurm, test_spawn, launch tests)."""
+    argv = [os.path.join(REPO, "glm5_train", "train.py"), *BASE_OVERRIDES, *overrides,
+            f"hydra.run.dir={run_dir}"]
+    with tempfile.NamedTemporaryFile("w+", prefix="glm5_job_", suffix=".log") as out:
+        codes = _run_ranks(argv, nprocs, out.name, timeout)
         log = out.read()
     failed = next((c for c in codes if c != 0), 0)
     if failed:
-        raise RuntimeError(f"job failed ({failed}) on {nprocs} ranks: {' '.join(cmd)}\n"
-                           f"{log[-6000:]}")
+        raise RuntimeError(f"job failed ({failed}) on {nprocs} ranks: python -m glm5_train.train "
+                           f"{' '.join(argv[1:])}\n{log[-6000:]}")
     return JobResult(read_metrics(run_dir), log)
 
 
-def _run_ranks(cmd: list[str], nprocs: int, out, timeout: int) -> list[int]:
-    """Start ``nprocs`` ranks of ``cmd`` writing to ``out``; their exit codes. A rank that
-    fails (or the timeout) terminates the rest, which would otherwise wait on it."""
+# Rank processes fork from one server process per test session that has already imported
+# the training job (and so torch and megatron-core). Importing starts no threads, so forking
+# after it is safe; everything from main() on (config, process groups, training) runs fresh in
+# each rank.
+_RANKS = multiprocessing.get_context("forkserver")
+_RANKS.set_forkserver_preload(["glm5_train.train"])
+
+
+def _run_ranks(argv: list[str], nprocs: int, log_path: str, timeout: int) -> list[int]:
+    """Start ``nprocs`` ranks of the job writing to ``log_path``; their exit codes. A rank
+    that fails (or the timeout) terminates the rest, which would otherwise wait on it."""
     base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", WORLD_SIZE=str(nprocs),
                 LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(free_port()))
-    ranks = [subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                              env=dict(base, RANK=str(r), LOCAL_RANK=str(r)))
+    ranks = [_RANKS.Process(target=_rank_main, name=f"rank{r}",
+                            args=(argv, dict(base, RANK=str(r), LOCAL_RANK=str(r)), log_path))
              for r in range(nprocs)]
+    for rank in ranks:
+        rank.start()
     deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in ranks):
+    while any(rank.is_alive() for rank in ranks):
         if time.monotonic() > deadline:
             _stop(ranks)
             return [124]  # timeout(1)'s code
-        if any(p.poll() not in (None, 0) for p in ranks):
+        if any(rank.exitcode not in (None, 0) for rank in ranks):
             _stop(ranks)
             break
         time.sleep(0.1)
-    return [p.wait() for p in ranks]
+    for rank in ranks:
+        rank.join()
+    return [rank.exitcode for rank in ranks]
 
 
-def _stop(ranks: list[subprocess.Popen]) -> None:
-    for proc in ranks:
-        if proc.poll() is None:
-            proc.terminate()
+def _rank_main(argv: list[str], env: dict[str, str], log_path: str) -> None:
+    """One rank, as ``python -m glm5_train.train`` would run it with ``env`` and its output
+    in ``log_path``."""
+    os.environ.clear()
+    os.environ.update(env)
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.chdir(REPO)
+    warnings.simplefilter("ignore")  # PYTHONWARNINGS=ignore, read only at interpreter start
+    import torch
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # the server's OpenMP read it at import
+    from glm5_train import train
+
+    sys.argv = argv
     try:
-        for proc in ranks:
-            proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        for proc in ranks:
-            proc.kill()
+        train.main()
+    finally:  # an interpreter's exit would run these; a forked process's os._exit does not
+        atexit._run_exitfuncs()
+
+
+def _stop(ranks: list) -> None:
+    for rank in ranks:
+        if rank.is_alive():
+            rank.terminate()
+    for rank in ranks:
+        rank.join(timeout=10)
+    for rank in ranks:
+        if rank.is_alive():
+            rank.kill()
+            rank.join()
 
 
 def read_metrics(run_dir: str) -> list[dict]:
