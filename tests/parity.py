@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import json
 import math
-import multiprocessing
 import os
 import re
 import sys
@@ -29,10 +28,11 @@ import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 
-from glm5_train.job_config import compose_job
-from parallel.process_groups import _free_port as free_port
 from glm5_train import plan_check
+from glm5_train.job_config import compose_job
 from glm5_train.pipeline_plan import PipelineLayout, job_pipeline
+from parallel.process_groups import _free_port as free_port
+from tests import spawn
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -134,7 +134,7 @@ def run_job(nprocs: int, overrides: list[str], run_dir: str, timeout: int = 600)
     glm5_train.train`` would get and the environment torchrun gives its workers (rank, world
     size, a free rendezvous port on rank 0); one rank's failure stops the others, as torchrun
     does. The ranks are forked from a server that imported torch and megatron-core once per
-    test session (``_RANKS``): importing them is ~6 s of CPU per process, half of a short
+    test session (tests/spawn.py's): importing them is ~6 s of CPU per process, half of a short
     8-rank job on 2 cores, and the suite runs hundreds of jobs. What needs a real interpreter
     start or torchrun's agent (restarts, signal handling, the launchers) is tested with
     torchrun itself (test_durable, test_slurm, test_spawn, launch tests)."""
@@ -150,21 +150,17 @@ def run_job(nprocs: int, overrides: list[str], run_dir: str, timeout: int = 600)
     return JobResult(read_metrics(run_dir), log)
 
 
-# Rank processes fork from one server process per test session that has already imported
-# the training job (and so torch and megatron-core). Importing starts no threads, so forking
-# after it is safe; everything from main() on (config, process groups, training) runs fresh in
-# each rank.
-_RANKS = multiprocessing.get_context("forkserver")
-_RANKS.set_forkserver_preload(["glm5_train.train"])
-
-
 def _run_ranks(argv: list[str], nprocs: int, log_path: str, timeout: int) -> list[int]:
     """Start ``nprocs`` ranks of the job writing to ``log_path``; their exit codes. A rank
     that fails (or the timeout) terminates the rest, which would otherwise wait on it."""
     base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", WORLD_SIZE=str(nprocs),
                 LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(free_port()))
-    ranks = [_RANKS.Process(target=_rank_main, name=f"rank{r}",
+    # Forked from the test session's server (tests/spawn.py), which has imported the training
+    # job (torch, megatron-core) and started no threads; everything from main() on (config,
+    # process groups, training) runs fresh in each rank.
+    server = spawn.fork_server()
+    ranks = [server.Process(target=_rank_main, name=f"rank{r}",
                             args=(argv, dict(base, RANK=str(r), LOCAL_RANK=str(r)), log_path))
              for r in range(nprocs)]
     for rank in ranks:

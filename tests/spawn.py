@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import multiprocessing.connection
+import multiprocessing.context
 import multiprocessing.forkserver
 import os
 import pickle
@@ -45,9 +46,11 @@ from parallel.process_groups import first_stage_only
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Imported once by the fork server, so forked workers start with them loaded.
+# The training job too: tests/parity.py forks its ranks from the same server.
 PRELOAD = ("torch", "torch.distributed", "megatron.core.parallel_state",
            "megatron.core.distributed", "megatron.core.transformer.transformer_config",
-           "parallel.mcore_compat", "parallel.comm_meter", "tests.spawn")
+           "parallel.mcore_compat", "parallel.comm_meter", "tests.spawn", "glm5_train.train",
+           "tests.parity")
 
 # megatron-core's import-time notices, printed once per worker otherwise (PYTHONWARNINGS form).
 QUIET = ("ignore:Transformer Engine and Apex are not installed", "ignore:Apex is not installed")
@@ -186,6 +189,14 @@ def start_fork_server() -> None:
     waits only for what is left of that."""
     with _worker_environment("forkserver"):
         pass
+
+
+def fork_server() -> multiprocessing.context.BaseContext:
+    """The ``forkserver`` context, its server running (started here if it is not, with the
+    workers' environment): processes it starts fork from a server that has imported
+    ``PRELOAD``."""
+    start_fork_server()
+    return multiprocessing.get_context("forkserver")
 
 
 def _collect(procs: list, readers: list, root: str, what: str, timeout: float) -> list[Any]:

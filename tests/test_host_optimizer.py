@@ -139,11 +139,13 @@ def test_bf16_offloaded_keeps_masters_on_the_host_and_resumes_on_the_device(tmp_
     resumed with the state on the device."""
     reference = run_job(1, BF16_DISTRIBUTED, str(tmp_path / "reference")).records
     ckpt = tmp_path / "ckpt"
-    offloaded = run_job(1, [*BF16_DISTRIBUTED, OFFLOAD, "checkpoint.save_interval=2",
-                            "checkpoint.keep_last=null", f"checkpoint.save={ckpt}"],
-                        str(tmp_path / "offloaded")).records
+    overrides = [*BF16_DISTRIBUTED, OFFLOAD, "checkpoint.save_interval=2",
+                 "checkpoint.keep_last=null", f"checkpoint.save={ckpt}"]
+    result = run_job(1, overrides, str(tmp_path / "offloaded"))
+    offloaded = result.records
     problems = compare(reference, offloaded, BF16)
     assert not problems, "\n".join(problems)
+    assert_layout_ran(result, 1, overrides)  # incl. the planner's host bytes for bf16
     record, elements = offloaded[-1], offloaded[-1]["param_bytes"][0] // 2  # bf16
     assert reference[-1]["optimizer_state_bytes"][0] >= 12 * elements  # master + moments
     assert record["optimizer_state_bytes"] == [0]
@@ -163,6 +165,7 @@ def test_overlapped_copies_match_device_state(tmp_path):
     result = run_job(1, overrides, str(tmp_path / "overlapped"))
     problems = compare(one_process(["parallel=single"]).records, result.records, FP32)
     assert not problems, "\n".join(problems)
+    assert_layout_ran(result, 1, overrides)
     assert result.records[-1]["optimizer_state_bytes"] == [0]
 
 
@@ -188,9 +191,11 @@ def test_muon_adamw_part_offloaded_matches_and_holds_its_moments_on_the_host(tmp
     """Muon's AdamW part in host memory, 1 process: the same arithmetic on host copies, so the
     training is identical (FP32); the device keeps only Muon's momentum."""
     reference = run_job(1, ["parallel=single", *MUON], str(tmp_path / "device")).records
-    offloaded = run_job(1, ["parallel=single", *MUON, OFFLOAD], str(tmp_path / "host")).records
+    result = run_job(1, ["parallel=single", *MUON, OFFLOAD], str(tmp_path / "host"))
+    offloaded = result.records
     problems = compare(reference, offloaded, FP32)
     assert not problems, "\n".join(problems)
+    assert_layout_ran(result, 1, ["parallel=single", *MUON, OFFLOAD])
     assert [r["loss"] for r in reference] == [r["loss"] for r in offloaded]
     moved = reference[-1]["optimizer_state_bytes"][0] - offloaded[-1]["optimizer_state_bytes"][0]
     host = offloaded[-1]["optimizer_host_bytes"][0]
@@ -203,11 +208,13 @@ def test_distributed_muon_offloaded_checkpoint_resumes_on_the_device(tmp_path):
     everything on the device it continues the offloaded run (FP32)."""
     ckpt = tmp_path / "ckpt"
     layout = ["parallel=single", DISTRIBUTED, *MUON]
-    offloaded = run_job(2, [*layout, OFFLOAD, "checkpoint.save_interval=2",
-                            "checkpoint.keep_last=null", f"checkpoint.save={ckpt}"],
-                        str(tmp_path / "offloaded")).records
+    overrides = [*layout, OFFLOAD, "checkpoint.save_interval=2", "checkpoint.keep_last=null",
+                 f"checkpoint.save={ckpt}"]
+    result = run_job(2, overrides, str(tmp_path / "offloaded"))
+    offloaded = result.records
     problems = compare(one_process(["parallel=single", *MUON]).records, offloaded, FP32)
     assert not problems, "\n".join(problems)
+    assert_layout_ran(result, 2, overrides)  # DP2: distributed Muon's group sizes
     assert all(b > 0 for b in offloaded[-1]["optimizer_host_bytes"])
     (ckpt / "latest_iteration.txt").write_text("2\n")
     resumed = run_job(2, [*layout, f"checkpoint.load={ckpt}"], str(tmp_path / "resumed")).records
