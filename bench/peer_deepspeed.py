@@ -26,7 +26,7 @@ router's expert-bias update is off (Hugging Face keeps the bias fixed).
 Bytes per rank, counted exactly:
 
 - ours: ``grad_buffer_bytes`` (megatron-core's fp32 gradient buffers; with ZeRO2 the slices,
-  the two accumulation buffers and pinned embedding copies) and ``optimizer_state_bytes``
+  its accumulation buffers and pinned embedding copies) and ``optimizer_state_bytes``
   (AdamW's moments; with fp32 parameters the parameter is its own master) from metrics.jsonl;
 - DeepSpeed: gradients at their peak during the last step's backward passes (the distinct
   storages of every live ``param.grad`` and of the optimizer's gradient partitions and reduce

@@ -754,7 +754,7 @@ def buffer_bytes(chunks: list, optimizer, zero2=None) -> dict[str, int]:
     ``grad_buffer_bytes``: megatron-core DDP's contiguous grad buffers (fp32 here,
     ``grad_reduce_in_fp32``). The distributed optimizer does not shrink them: every rank keeps
     the full buffer and reduce-scatters into its own shard of it, so this equals plain DDP's.
-    With Pipeline ZeRO2 (``zero2``): its slices, two accumulation buffers (which the DDP buffers
+    With Pipeline ZeRO2 (``zero2``): its slices, its accumulation buffers (which the DDP buffers
     now view) and pinned embedding gradients; also each part on its own
     (``zero2_slice_bytes``, ``zero2_accum_bytes``, ``zero2_pinned_bytes``).
     ``optimizer_state_bytes``: ``optimizer_tensors`` (state is created by the first step) on
@@ -775,7 +775,7 @@ def buffer_bytes(chunks: list, optimizer, zero2=None) -> dict[str, int]:
     }
     if any(getattr(inner, "state_on_host", False) for inner in _inner_optimizers(optimizer)):
         held["optimizer_host_bytes"] = _unique_bytes(host)
-    if zero2 is not None:  # its parts: slices, the two accumulation buffers, pinned copies
+    if zero2 is not None:  # its parts: slices, the accumulation buffers, pinned copies
         held.update({f"zero2_{name}_bytes": _unique_bytes(tensors)
                      for name, tensors in zero2.held_by_kind().items()})
     return held

@@ -25,6 +25,7 @@ from typing import Protocol
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 
 from parallel.layout import LayoutError
+from parallel.pipeline_zero2 import accumulation_buffers
 
 LAYOUT_FIELD = "parallel.pipeline_model_parallel_layout"
 
@@ -165,6 +166,12 @@ class StageCosts:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
 
+def zero2_accum_bytes(mine: list[StageCosts]) -> int:
+    """Pipeline ZeRO2's accumulation buffers on a rank holding the stages ``mine``: two as
+    large as its largest stage (one for a single stage), parallel.pipeline_zero2."""
+    return accumulation_buffers(len(mine)) * max(c.accum_grad_bytes for c in mine)
+
+
 class StageCostModel(Protocol):
     """Per-stage costs of a layout shape (stage count, MTP stage) for any layer counts."""
 
@@ -247,9 +254,9 @@ class PipelineSchedule:
 
     def rank_bytes(self, rank: int, costs: list[StageCosts]) -> tuple[int, int]:
         """(static, peak activation) bytes of ``rank`` given every stage's costs. Pipeline
-        ZeRO2's two accumulation buffers are per rank: each as large as its largest stage."""
+        ZeRO2's accumulation buffers are per rank: each as large as its largest stage."""
         mine = costs[rank::self.pp]
-        accum = 2 * max(c.accum_grad_bytes for c in mine)
+        accum = zero2_accum_bytes(mine)
         peak = self.peak_activation_bytes(rank, [c.activation_bytes_per_microbatch for c in mine])
         if any(c.transient_activation_bytes for c in mine):
             peak = max(peak, self.peak_during_forwards(rank, mine))

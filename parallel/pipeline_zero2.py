@@ -4,7 +4,8 @@ report, sec. 2.4), on megatron-core's DDP and distributed optimizer.
 megatron-core's distributed optimizer (ZeRO-1) shards optimizer state but every rank keeps the
 full fp32 gradient buffer of every model chunk, G bytes. Here each rank keeps, per chunk, only
 its own 1/dp slice of the gradients (the slice megatron's optimizer steps) and two full-size
-accumulation buffers, each as large as the largest chunk, shared by all chunks:
+accumulation buffers, each as large as the largest chunk, shared by all chunks (one buffer where
+the rank holds a single chunk: nothing then runs while its reduce-scatter is in flight):
 
 - the interleaved 1F1B backward runs a chunk for a group of consecutive micro-batches, then
   another chunk. When a chunk's backward begins (a hook on the chunk's forward output fires),
@@ -13,7 +14,8 @@ accumulation buffers, each as large as the largest chunk, shared by all chunks:
   group asynchronously (overlapping the next chunk's backward) and, once done, added into the
   chunk's persistent slice and zeroed for reuse.
 
-Persistent gradient bytes per rank: G/dp + 2 x (largest chunk) ~ G/dp + 2G/v for v chunks. The
+Persistent gradient bytes per rank: G/dp + 2 x (largest chunk) ~ G/dp + 2G/v for v > 1 chunks,
+G/dp + G for one (a pipeline without virtual stages, or none: ZeRO2 then saves nothing). The
 price: a chunk is reduce-scattered once per group of consecutive micro-batches instead of once
 per step (M / (PP x v) times for M micro-batches per rank).
 
@@ -84,7 +86,7 @@ class PipelineZero2:
 
     def __init__(self) -> None:
         self.chunks: list[ChunkGrads] = []
-        self.accum: list[torch.Tensor] = [torch.empty(0), torch.empty(0)]
+        self.accum: list[torch.Tensor] = []  # accumulation_buffers(chunks) of them
         self.pending: list[_Flush | None] = [None, None]
         self.active: tuple[int, int] | None = None  # (chunk, accumulation buffer)
         self.pinned: dict[torch.nn.Parameter, torch.Tensor] = {}
@@ -114,14 +116,18 @@ class PipelineZero2:
             self.pinned[param] = torch.zeros(param.shape, dtype=torch.float32,
                                              device=param.device)
             param.main_grad = self.pinned[param]
-        if offset > self.accum[0].numel():
-            self._grow(offset)
+        if offset > self._accum_numel() or len(self.accum) < accumulation_buffers(index + 1):
+            self._grow(max(offset, self._accum_numel()))
         self._bind(index, 0)
         chunk.register_forward_hook(partial(self._watch_output, index))
 
+    def _accum_numel(self) -> int:
+        return self.accum[0].numel() if self.accum else 0
+
     def _grow(self, numel: int) -> None:
         device = self.chunks[-1].buffers[0].buffer.grad_data.device
-        self.accum = [torch.zeros(numel, dtype=torch.float32, device=device) for _ in range(2)]
+        self.accum = [torch.zeros(numel, dtype=torch.float32, device=device)
+                      for _ in range(accumulation_buffers(len(self.chunks)))]
         for index in range(len(self.chunks)):
             self._bind(index, 0)
 
@@ -145,7 +151,7 @@ class PipelineZero2:
     # ---- per step ----------------------------------------------------------------------------
 
     def begin_step(self) -> None:
-        for which in range(2):
+        for which in range(len(self.accum)):
             self._complete(which)
         for chunk in self.chunks:
             for shard in chunk.buffers:
@@ -208,7 +214,7 @@ class PipelineZero2:
         if self.active is not None:
             self._launch(*self.active)
             self.active = None
-        for which in range(2):
+        for which in range(len(self.accum)):
             self._complete(which)
 
     # ---- after the reduction (the finalize steps, on slices) ------------------------------
@@ -271,6 +277,13 @@ class PipelineZero2:
 
     def held_tensors(self) -> list[torch.Tensor]:
         return [t for tensors in self.held_by_kind().values() for t in tensors]
+
+
+def accumulation_buffers(chunks: int) -> int:
+    """Accumulation buffers a rank holding ``chunks`` model chunks needs: two, so that one
+    chunk's backward accumulates while the previous chunk's reduce-scatter runs; one for a
+    single chunk, whose reduce-scatter runs only after its last backward."""
+    return min(2, chunks)
 
 
 def _buffer_shard(buffer, offset: int) -> BufferShard:

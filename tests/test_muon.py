@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from glm5_train import plan_check
+from glm5_train.job_config import compose_job
 from parallel.distributed_muon import MatrixSlot, _subtract, assign_owners
 from parallel.muon import MatrixLayout, newton_schulz, orthogonal_update
-from tests.parity import BF16, assert_layout_ran, compare, run_job
+from tests.parity import BASE_OVERRIDES, BF16, assert_layout_ran, compare, run_job
 
 MUON = ["train.optimizer=muon"]
 
@@ -143,3 +145,24 @@ def test_bf16_distributed_muon_on_zero2_matches_one_process(tmp_path):
     assert_layout_ran(result, 4, overrides)
     problems = compare(reference, result.records, BF16)
     assert not problems, "\n".join(problems)
+
+
+def test_the_planner_gives_muon_state_and_the_check_catches_a_wrong_one(tmp_path):
+    """Muon's optimizer bytes as planned (glm5_train.plan_check): one process exactly (fp32
+    momentum per matrix element, AdamW's moments on the rest); distributed Muon at DP2 as
+    the DP group's total, which a state 2% larger on one rank (a matrix's momentum kept
+    twice) breaks, though each rank alone stays within the uneven per-rank tolerance."""
+    plain = ["parallel=single", *MUON, "train.train_iters=1"]
+    record = run_job(1, plain, str(tmp_path / "plain")).records[-1]
+    (row,) = [r for r in plan_check.rank_bytes(compose_job([*BASE_OVERRIDES, *plain]), record)
+              if r.field == "optimizer"]
+    assert row.rel < 1e-4, row  # the 4-byte step counters of the AdamW tensors only
+
+    owners = ["parallel=single", DISTRIBUTED, *MUON, "train.train_iters=1"]
+    job, record = compose_job([*BASE_OVERRIDES, *owners]), run_job(
+        2, owners, str(tmp_path / "owners")).records[-1]
+    assert not plan_check.problems(job, record)
+    state = record["optimizer_state_bytes"]
+    wrong = dict(record, optimizer_state_bytes=[state[0] * 102 // 100, state[1]])
+    found = plan_check.problems(job, wrong)
+    assert found and all("optimizer, mean over its 2 ranks" in line for line in found), found

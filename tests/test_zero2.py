@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.parity import assert_layout_ran, compare, run_job
+from tests.parity import assert_layout_ran, compare, one_process, run_job
 
 BATCH = ["train.global_batch_size=16"]
 ZERO2 = ["parallel.use_distributed_optimizer=true", "parallel.pipeline_zero2=true"]
@@ -65,18 +65,34 @@ def test_larger_microbatch_groups_reduce_scatter_once(plain_ddp, tmp_path):
     assert last["comm_by_op"]["reduce_scatter:2"]["bytes"] == last["zero2_slice_bytes"]  # dp-1=1
 
 
+def test_one_chunk_per_rank_holds_one_accumulation_buffer(tmp_path):
+    """PP2 without virtual stages: each rank holds one chunk, reduce-scattered once, after its
+    last backward, so nothing needs a second buffer while it runs. One accumulation buffer,
+    the chunk's whole (padded) gradients, beside the slices; the same training as one process."""
+    overrides = ["parallel=pp2", "parallel.data_parallel_size=2", *BATCH, *ZERO2]
+    result = run_job(4, overrides, str(tmp_path / "zero2_pp2"))
+    problems = compare(one_process(["parallel=single", *BATCH]).records, result.records)
+    assert not problems, "\n".join(problems)
+    assert_layout_ran(result, 4, overrides)  # incl. the planner's gradient bytes (one buffer)
+    last, dp = result.records[-1], 2
+    assert last["zero2_accum_bytes"] == [dp * s for s in last["zero2_slice_bytes"]]
+    scattered = last["comm_by_op"]["reduce_scatter:2"]["bytes"]
+    assert scattered == [s * (dp - 1) for s in last["zero2_slice_bytes"]]  # once per step
+
+
 def planned_zero2_grad_bytes() -> list[int]:
     """Per pipeline rank: the planner's ZeRO2 gradient bytes for the balanced PP2 x VPP2 split
     layout of the tiny model (its slices plus two accumulation buffers)."""
+    from glm5_train.job_config import compose_job
     from glm5_train.model.stage_costs import inputs_from_job
     from glm5_train.pipeline_plan import parse_layout, plan_report
-    from glm5_train.job_config import compose_job
     from tests.parity import BASE_OVERRIDES
 
     job = compose_job([*BASE_OVERRIDES, "parallel=pp2_vpp2", *BATCH, *ZERO2])
     layout = parse_layout("Et|ttt|m|L", 2, 2, job.model.num_hidden_layers, job.model.mtp_sets)
     inputs = inputs_from_job(job, 2, weight_bytes=4, grad_bytes=4, optimizer_bytes=8)
     stages = plan_report(job.model, layout, inputs).stages
+    # Two accumulation buffers each: every rank holds two chunks (VPP2).
     return [sum(s.costs.grad_bytes for s in stages if s.rank == r)
             + 2 * max(s.costs.accum_grad_bytes for s in stages if s.rank == r)
             for r in range(2)]

@@ -21,8 +21,8 @@ placement balanced. With MTP off (``model.mtp_num_steps=0``) there is one plan, 
 The memory is a closed-form estimate (see ``glm5_train/pipeline_plan.py``): weights, gradients and
 optimizer state of each rank's stages, plus the activations its pipeline schedule keeps in flight
 at its peak. The config's memory options count: ``parallel.use_distributed_optimizer`` (state
-sharded), ``parallel.pipeline_zero2`` (gradient slices plus two accumulation buffers per rank),
-``parallel.microbatch_group_size_per_vp_stage`` (the interleaved schedule's group size),
+sharded), ``parallel.pipeline_zero2`` (gradient slices plus two accumulation buffers per rank,
+one with a single chunk), ``parallel.microbatch_group_size_per_vp_stage`` (the interleaved schedule's group size),
 ``parallel.context_parallel_size`` (seq_length / CP tokens per rank; the rank table then adds the
 bytes each rank sends per step for context parallelism). ``tools/plan_fit.py`` checks a job
 against H100 / H200 memory and shows what each memory technique saves. The last lines are one summary per plan::

@@ -6,7 +6,7 @@ its ``hydra/overrides.yaml`` composes:
 
 Measured and planned as ``glm5_train.plan_check`` pairs them (the parity harness checks
 the same pairs on every layout it runs), of step N (default: the last logged): parameters,
-gradients (Pipeline ZeRO2: its slices plus two accumulation buffers), optimizer state (AdamW)
+gradients (Pipeline ZeRO2: its slices plus its accumulation buffers), optimizer state (AdamW)
 and the peak of bytes saved for backward; with frozen parameters (dense warm-up) parameters
 and activations only; then the bytes sent per step where the planner models them (gradient
 reduction, parameter all-gather, pipeline sends). The last line gives the largest relative

@@ -14,13 +14,14 @@ them on stages and replays the pipeline schedule to find each rank's peak.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 
 from glm5_train.model.config import GLM5Config
-from glm5_train.model.param_count import layer_terms, top_terms
+from glm5_train.model.param_count import Term, layer_terms, top_terms
 from parallel.layout import LayoutError
 from parallel.recompute import Recompute
 from parallel.pipeline_layout import Comm, StageCosts, comm_of, comm_sum, comm_times
@@ -62,6 +63,10 @@ class MemoryInputs:
     optimizer_bytes: int = 12
     activation_bytes: int = 2
     distributed_optimizer: bool = False  # optimizer state sharded over data-parallel ranks
+    # train.optimizer=muon (parallel/muon.py): None (AdamW), "plain" (every rank steps its
+    # whole parameters), "owners" (distributed Muon: each matrix's state on one DP rank) or
+    # "naive" (distributed Muon's reference: every matrix's state on every DP rank).
+    muon: str | None = None
     # parallel.optimizer_cpu_offload: this share of the optimizer's parameter elements keeps
     # its state in host memory (0: none). There each element holds HOST_OPTIMIZER_BYTES.
     optimizer_offload_fraction: float = 0.0
@@ -114,6 +119,15 @@ class MemoryInputs:
         return self.tokens // self.tp if self.sequence_parallel else self.tokens
 
 
+def muon_mode(job) -> str | None:
+    """``MemoryInputs.muon`` of a job."""
+    if job.train.optimizer != "muon":
+        return None
+    if not job.parallel.use_distributed_optimizer:
+        return "plain"
+    return "owners" if job.train.muon_zero_redundant else "naive"
+
+
 def inputs_from_job(job, dp: int | None = None, **changes) -> MemoryInputs:
     """MemoryInputs of a JobConfig; ``dp`` defaults to parallel.data_parallel_size or 1. The
     job runs where it is planned (the training job balances its own layout with this): SDPA's
@@ -139,6 +153,7 @@ def inputs_from_job(job, dp: int | None = None, **changes) -> MemoryInputs:
         weight_bytes=2 if bf16 else 4, optimizer_bytes=12 if bf16 else 8,
         activation_bytes=2 if bf16 else 4,
         distributed_optimizer=par.use_distributed_optimizer,
+        muon=muon_mode(job),
         optimizer_offload_fraction=(par.optimizer_offload_fraction
                                     if getattr(par, "optimizer_cpu_offload", False) else 0.0),
         shard_grads=getattr(par, "pipeline_zero2", False),
@@ -635,7 +650,8 @@ class Part:
     """One piece of a stage per rank: dense and expert parameters (they shard over different
     data-parallel groups), activation bytes and flops (forward + backward) per micro-batch,
     transient bytes (held only while one of its pieces runs: a stage's is its largest), and
-    the bytes it sends per micro-batch that the model counts (``dsa_context_parallel_comm``)."""
+    the bytes it sends per micro-batch that the model counts (``dsa_context_parallel_comm``).
+    ``adamw_params``: the dense parameters Muon leaves to AdamW (``adamw_elements``)."""
 
     dense_params: int = 0
     expert_params: int = 0
@@ -643,17 +659,31 @@ class Part:
     flops: int = 0
     transient_bytes: int = 0
     comm: Comm = ()
+    adamw_params: int = 0
 
     def __add__(self, other: Part) -> Part:
         return Part(self.dense_params + other.dense_params,
                     self.expert_params + other.expert_params,
                     self.activation_bytes + other.activation_bytes, self.flops + other.flops,
                     max(self.transient_bytes, other.transient_bytes),
-                    comm_sum(self.comm, other.comm))
+                    comm_sum(self.comm, other.comm), self.adamw_params + other.adamw_params)
 
     def times(self, k: int) -> Part:
         return Part(k * self.dense_params, k * self.expert_params, k * self.activation_bytes,
-                    k * self.flops, self.transient_bytes if k else 0, comm_times(self.comm, k))
+                    k * self.flops, self.transient_bytes if k else 0, comm_times(self.comm, k),
+                    k * self.adamw_params)
+
+
+# What Muon leaves to AdamW (parallel/muon.py): every tensor that is not a matrix (norms,
+# biases), and the embedding, output head and router matrices.
+ADAMW_MATRICES = frozenset({"embedding", "output_head", "router"})
+
+
+def adamw_elements(term: Term) -> int:
+    """Elements of ``term`` that Muon's optimizer steps with AdamW (whole, before TP)."""
+    if term.key in ADAMW_MATRICES:
+        return term.count
+    return term.repeat * sum(math.prod(s) for s in term.shapes if len(s) != 2)
 
 
 def _attention_flops(cfg: GLM5Config, inp: MemoryInputs) -> int:
@@ -680,19 +710,22 @@ def _attention_flops(cfg: GLM5Config, inp: MemoryInputs) -> int:
 
 
 def layer_part(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> Part:
-    dense = expert = active = 0
+    dense = expert = active = adamw = 0
     for term in layer_terms(cfg, moe):
         if term.key == "routed_experts":
             expert += term.count // (inp.ep * inp.expert_tp)
             active += term.count * cfg.num_experts_per_tok // cfg.n_routed_experts
         else:
-            dense += term.count // inp.tp if term.key in TP_SPLIT else term.count
+            split = inp.tp if term.key in TP_SPLIT else 1
+            dense += term.count // split
+            adamw += adamw_elements(term) // split
             active += term.count
     flops = (6 * active * inp.tokens // inp.tp + _attention_flops(cfg, inp)
              + selective_recompute_flops(cfg, inp))
     forwards = 2 if inp.recompute.selects("core_attn") else 1  # its checkpoint gathers again
     return Part(dense, expert, decoder_layer_activation_bytes(cfg, moe, inp), flops,
-                local_kl_transient_bytes(cfg, inp), dsa_context_parallel_comm(cfg, inp, forwards))
+                local_kl_transient_bytes(cfg, inp), dsa_context_parallel_comm(cfg, inp, forwards),
+                adamw)
 
 
 def local_kl_transient_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
@@ -724,7 +757,7 @@ def mtp_layer_params(cfg: GLM5Config) -> int:
 
 def vocab_part(cfg: GLM5Config, inp: MemoryInputs, key: str) -> Part:
     count = next(t.count for t in top_terms(cfg) if t.key == key)
-    return Part(dense_params=count // inp.tp)
+    return Part(dense_params=count // inp.tp, adamw_params=count // inp.tp)
 
 
 def mtp_part(cfg: GLM5Config, inp: MemoryInputs) -> Part:
@@ -732,7 +765,8 @@ def mtp_part(cfg: GLM5Config, inp: MemoryInputs) -> Part:
     layer = layer_part(cfg, True, inp)
     eh_proj = 2 * H * H // inp.tp
     params = Part(dense_params=layer.dense_params + eh_proj + 3 * H,
-                  expert_params=layer.expert_params).times(sets)
+                  expert_params=layer.expert_params,
+                  adamw_params=layer.adamw_params + 3 * H).times(sets)  # + its 3 norms
     flops = layer.flops + 6 * 2 * H * H * inp.tokens // inp.tp
     comm = comm_sum(layer.comm, mtp_roll_comm(inp))
     if inp.recompute.mtp_steps_recomputed:  # each step's forward once more in backward
@@ -761,13 +795,52 @@ def stage_costs(part: Part, inp: MemoryInputs) -> StageCosts:
     d, e = part.dense_params, part.expert_params
     sharded = -(-d // (inp.dp * inp.cp)) - (-e // inp.expert_dp)  # per rank, rounded up
     grads = sharded if inp.shard_grads else d + e
-    states = sharded if inp.distributed_optimizer else d + e
-    on_host = round(states * inp.optimizer_offload_fraction)
-    return StageCosts(inp.weight_bytes * (d + e), inp.grad_bytes * grads,
-                      inp.optimizer_bytes * (states - on_host), part.activation_bytes,
-                      part.flops, inp.grad_bytes * (d + e) if inp.shard_grads else 0,
+    if inp.muon:
+        device, host = muon_state_bytes(part, inp)
+    else:
+        states = sharded if inp.distributed_optimizer else d + e
+        on_host = round(states * inp.optimizer_offload_fraction)
+        device = inp.optimizer_bytes * (states - on_host)
+        host = HOST_OPTIMIZER_BYTES * on_host
+    return StageCosts(inp.weight_bytes * (d + e), inp.grad_bytes * grads, device,
+                      part.activation_bytes, part.flops,
+                      inp.grad_bytes * (d + e) if inp.shard_grads else 0,
                       part.transient_bytes, part.comm, dense_params=d, expert_params=e,
-                      host_bytes=HOST_OPTIMIZER_BYTES * on_host)
+                      host_bytes=host)
+
+
+# Muon's state per element (parallel/muon.py, parallel/distributed_muon.py): a matrix keeps an
+# fp32 momentum, what AdamW steps its two fp32 moments; bf16/fp16 parameters add an fp32
+# master of every element (megatron-core's, on the distributed optimizer's slices), and
+# distributed Muon's owner of a matrix keeps another of the whole matrix.
+MUON_MOMENTUM_BYTES = 4
+ADAMW_MOMENT_BYTES = 8
+MASTER_BYTES = 4
+
+
+def muon_state_bytes(part: Part, inp: MemoryInputs) -> tuple[int, int]:
+    """(device, host) bytes of Muon's optimizer state for one stage's part on one rank. Host:
+    the AdamW part's moments with its value and gradient copies (``optimizer_cpu_offload``,
+    all of it: Muon takes no other fraction). Distributed Muon's matrices are planned as an
+    even 1/dp share per rank: their owners are balanced by Newton-Schulz cost, not bytes
+    (the data-parallel group's total is exact)."""
+    d, e, a = part.dense_params, part.expert_params, part.adamw_params
+    matrices_d = d - a  # every expert parameter is a matrix
+    master = MASTER_BYTES if inp.weight_bytes < 4 else 0
+    dense_ranks = inp.dp * inp.cp if inp.distributed_optimizer else 1
+    expert_ranks = inp.expert_dp if inp.distributed_optimizer else 1
+    adamw = -(-a // dense_ranks)
+    slices = -(-d // dense_ranks) - (-e // expert_ranks)  # megatron-core's masters (bf16)
+    if inp.muon == "owners":
+        matrices = matrices_d / dense_ranks + e / expert_ranks
+    else:  # plain, or naive: every rank keeps every matrix's state
+        matrices = matrices_d + e
+    owner_master = master if inp.muon in ("owners", "naive") else 0
+    device = (master * slices + round((MUON_MOMENTUM_BYTES + owner_master) * matrices)
+              + ADAMW_MOMENT_BYTES * adamw)
+    if inp.optimizer_offload_fraction:
+        return device - ADAMW_MOMENT_BYTES * adamw, HOST_OPTIMIZER_BYTES * adamw
+    return device, 0
 
 
 class GLM5StageModel:
@@ -790,7 +863,8 @@ class GLM5StageModel:
         self.head = head_part(cfg, inp, 1 + steps)
         norm_bytes = 0 if dense_warmup(inp) else rms_norm_bytes(inp.sp_tokens, cfg.hidden_size,
                                                                  inp)
-        self.final_norm = Part(dense_params=cfg.hidden_size, activation_bytes=norm_bytes)
+        self.final_norm = Part(dense_params=cfg.hidden_size, activation_bytes=norm_bytes,
+                               adamw_params=cfg.hidden_size)
         self._cache: dict[tuple[int, int, int, bool], StageCosts] = {}
 
     def final_norm_stage(self, counts: list[int]) -> int:
