@@ -150,7 +150,8 @@ class StageCosts:
     optimizer_bytes: int
     activation_bytes_per_microbatch: int
     flops_per_microbatch: int
-    accum_grad_bytes: int = 0  # Pipeline ZeRO2: this stage's full gradients, accumulated
+    # Pipeline ZeRO2: this stage's gradients that go through its accumulation buffers
+    accum_grad_bytes: int = 0
     # Held only while one forward of this stage runs, on top of the micro-batches in flight
     # before it (e.g. a graph that forward builds and runs its backward on at once).
     transient_activation_bytes: int = 0

@@ -15,7 +15,10 @@ the rank holds a single chunk: nothing then runs while its reduce-scatter is in 
   chunk's persistent slice and zeroed for reuse.
 
 Persistent gradient bytes per rank: G/dp + 2 x (largest chunk) ~ G/dp + 2G/v for v > 1 chunks,
-G/dp + G for one (a pipeline without virtual stages, or none: ZeRO2 then saves nothing). The
+G/dp + G for one (a pipeline without virtual stages, or none: ZeRO2 then saves nothing).
+Gradients whose data-parallel group is this rank alone (routed experts at expert-data-parallel
+size 1, as in GLM-5's EP32 layouts) accumulate in place in their persistent copy and take no
+room in the accumulation buffers, so there ZeRO2 costs nothing over plain buffers. The
 price: a chunk is reduce-scattered once per group of consecutive micro-batches instead of once
 per step (M / (PP x v) times for M micro-batches per rank).
 
@@ -59,7 +62,11 @@ class BucketSlice:
 
 @dataclass
 class BufferShard:
-    """A megatron-core ``_ParamAndGradBuffer`` of a chunk, with this rank's persistent slices."""
+    """A megatron-core ``_ParamAndGradBuffer`` of a chunk, with this rank's persistent slices.
+
+    ``in_place``: its data-parallel group is this rank alone (experts at expert-data-parallel
+    size 1, say), so its slice is the whole buffer: the backward accumulates straight into it,
+    with no room in the accumulation buffers and nothing to reduce."""
 
     buffer: object
     group: object  # its data-parallel group (expert buffers: the expert-data-parallel group)
@@ -67,6 +74,7 @@ class BufferShard:
     numel: int
     buckets: list[BucketSlice]
     shard: torch.Tensor
+    in_place: bool = False
 
 
 @dataclass
@@ -108,7 +116,8 @@ class PipelineZero2:
         buffers, offset = [], 0
         for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
             buffers.append(_buffer_shard(buffer, offset))
-            offset += buffers[-1].numel
+            if not buffers[-1].in_place:
+                offset += buffers[-1].numel
             for param, (start, _, _) in buffer.param_index_map.items():
                 self.where[param] = (buffers[-1], start)
         self.chunks.append(ChunkGrads(buffers, offset))
@@ -136,7 +145,8 @@ class PipelineZero2:
         buffer ``which`` (megatron's backward hooks read ``param.main_grad`` at every call)."""
         region = self.accum[which]
         for shard in self.chunks[index].buffers:
-            data = region[shard.offset:shard.offset + shard.numel]
+            data = shard.shard if shard.in_place else region[shard.offset:
+                                                              shard.offset + shard.numel]
             shard.buffer.grad_data = data
             for bucket, piece in zip(shard.buffer.buckets, shard.buckets):
                 bucket.grad_data = data[piece.offset:piece.offset + piece.numel]
@@ -179,7 +189,7 @@ class PipelineZero2:
         flush = _Flush(index)
         region = self.accum[which]
         for shard in self.chunks[index].buffers:
-            if dist.get_world_size(shard.group) == 1:
+            if shard.in_place:
                 continue  # the slice is the whole buffer: nothing to reduce
             for piece in shard.buckets:
                 data = region[shard.offset + piece.offset:shard.offset + piece.offset + piece.numel]
@@ -202,6 +212,8 @@ class PipelineZero2:
         region = self.accum[which]
         chunk = self.chunks[flush.chunk]
         for shard in chunk.buffers:
+            if shard.in_place:
+                continue  # accumulated there already
             for piece in shard.buckets:
                 local = shard.offset + piece.slice_start
                 shard.shard[piece.shard_offset:piece.shard_offset + piece.size] += \
@@ -289,16 +301,19 @@ def accumulation_buffers(chunks: int) -> int:
 def _buffer_shard(buffer, offset: int) -> BufferShard:
     group = buffer.data_parallel_group
     dp, rank = dist.get_world_size(group), dist.get_rank(group)
+    numel, in_place = buffer.grad_data.numel(), dp == 1
     buckets, shard_offset = [], 0
     for bucket in buffer.buckets:
-        numel = bucket.grad_data.numel()
-        size = numel // dp
-        buckets.append(BucketSlice(bucket.offset, numel, size, bucket.offset + rank * size,
-                                   shard_offset, float(bucket.gradient_scaling_factor)))
+        size = bucket.grad_data.numel() // dp
+        if in_place:  # the shard is laid out as the buffer itself
+            shard_offset = bucket.offset
+        buckets.append(BucketSlice(bucket.offset, bucket.grad_data.numel(), size,
+                                   bucket.offset + rank * size, shard_offset,
+                                   float(bucket.gradient_scaling_factor)))
         shard_offset += size
-    numel = buffer.grad_data.numel()
-    shard = torch.zeros(shard_offset, dtype=torch.float32, device=buffer.grad_data.device)
-    return BufferShard(buffer, group, offset, numel, buckets, shard)
+    shard = torch.zeros(numel if in_place else shard_offset, dtype=torch.float32,
+                        device=buffer.grad_data.device)
+    return BufferShard(buffer, group, offset, numel, buckets, shard, in_place)
 
 
 # ---- megatron-core glue ---------------------------------------------------------------------

@@ -80,6 +80,27 @@ def test_one_chunk_per_rank_holds_one_accumulation_buffer(tmp_path):
     assert scattered == [s * (dp - 1) for s in last["zero2_slice_bytes"]]  # once per step
 
 
+def test_gradients_without_data_parallel_peers_accumulate_in_place(tmp_path):
+    """EP2 over DP2: each expert has one data-parallel rank (expert-data-parallel size 1), so
+    its gradients accumulate straight into their persistent copy: the accumulation buffer
+    holds the dense gradients only (D), the slices half of them plus every expert gradient
+    (D/2 + E, against the distributed optimizer's D + E, padded alike); the same training as
+    one process."""
+    overrides = ["parallel=ep2", *BATCH, *ZERO2]
+    result = run_job(2, overrides, str(tmp_path / "zero2_ep2"))
+    problems = compare(one_process(["parallel=single", *BATCH]).records, result.records)
+    assert not problems, "\n".join(problems)
+    assert_layout_ran(result, 2, overrides)  # incl. the planner's (dense-only) buffer
+    zero1 = run_job(2, ["parallel=ep2", *BATCH, "parallel.use_distributed_optimizer=true",
+                        "train.train_iters=1"], str(tmp_path / "zero1"))
+    full = zero1.records[-1]["grad_buffer_bytes"]  # D + E
+    last = result.records[-1]
+    for rank, total in enumerate(full):
+        dense = last["zero2_accum_bytes"][rank]
+        assert 0 < dense < total
+        assert last["zero2_slice_bytes"][rank] == total - dense // 2
+
+
 def planned_zero2_grad_bytes() -> list[int]:
     """Per pipeline rank: the planner's ZeRO2 gradient bytes for the balanced PP2 x VPP2 split
     layout of the tiny model (its slices plus two accumulation buffers)."""

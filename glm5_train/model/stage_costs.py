@@ -803,10 +803,18 @@ def stage_costs(part: Part, inp: MemoryInputs) -> StageCosts:
         device = inp.optimizer_bytes * (states - on_host)
         host = HOST_OPTIMIZER_BYTES * on_host
     return StageCosts(inp.weight_bytes * (d + e), inp.grad_bytes * grads, device,
-                      part.activation_bytes, part.flops,
-                      inp.grad_bytes * (d + e) if inp.shard_grads else 0,
+                      part.activation_bytes, part.flops, zero2_accumulated_bytes(d, e, inp),
                       part.transient_bytes, part.comm, dense_params=d, expert_params=e,
                       host_bytes=host)
+
+
+def zero2_accumulated_bytes(dense: int, expert: int, inp: MemoryInputs) -> int:
+    """Pipeline ZeRO2: a stage's gradients that pass through the accumulation buffers, those
+    of parameters with more than one data-parallel rank (the others accumulate in place)."""
+    if not inp.shard_grads:
+        return 0
+    shared = dense * (inp.dp * inp.cp > 1) + expert * (inp.expert_dp > 1)
+    return inp.grad_bytes * shared
 
 
 # Muon's state per element (parallel/muon.py, parallel/distributed_muon.py): a matrix keeps an
