@@ -47,9 +47,10 @@ from parallel.pipeline_layout import (
 from parallel.recompute import Recompute
 
 __all__ = ["NO_MEMORY_LIMIT", "MemoryInputs", "PipelineLayout", "PipelineSchedule", "PlanReport",
-           "balance_layout", "inputs_from_job", "job_pipeline", "job_plan", "layout_from_counts",
-           "mtp_sets", "mtp_steps", "parse_layout", "plan_report", "recompute_working_set_bytes",
-           "resolve_pipeline_layout"]
+           "balance_layout", "frozen_parameters", "inputs_from_job", "job_pipeline", "job_plan", "layout_from_counts",
+           "mtp_sets", "mtp_steps", "parse_layout", "plan_report", "planned_traffic",
+           "recompute_working_set_bytes", "resolve_pipeline_layout", "routed_over_expert_ranks",
+           "traffic_modelled"]
 
 
 def plan_report(model_cfg: GLM5Config, layout: PipelineLayout, inputs: MemoryInputs,
@@ -165,3 +166,91 @@ def recompute_working_set_bytes(model_cfg: GLM5Config, inputs: MemoryInputs) -> 
     if rc.granularity == "selective":
         return max(selective_recompute_savings(model_cfg, moe, inputs) for moe in kinds)
     return 0
+
+
+# finalize_model_grads all-reduces the step's token count (int32); a variable-shape p2p
+# tensor's [s, b, h] travels first as three int64.
+TOKEN_COUNT_BYTES = 4
+SHAPE_MESSAGE_BYTES = 3 * 8
+
+
+def frozen_parameters(job) -> bool:
+    """The dense warm-up trains the indexer only: the rest has no gradient or optimizer state
+    (the planner counts the whole model's)."""
+    return job.dsa.stage == "dense_warmup" or job.dsa.freeze_indexer
+
+
+def traffic_modelled(job) -> tuple[str, ...]:
+    """The kinds of ``planned_traffic`` that hold for ``job``: the gradient reduction and the
+    parameter all-gather not under Muon (its pieces travel to their owners), Pipeline ZeRO2
+    (a reduce-scatter per group of micro-batches), flexible CP groups or frozen parameters;
+    the pipeline's sends with PP > 1."""
+    par = job.parallel
+    fields = []
+    if not (frozen_parameters(job) or job.train.optimizer == "muon" or par.pipeline_zero2
+            or par.cp_groups == "flexible"):
+        fields.append("grad_reduction")
+        if par.use_distributed_optimizer:
+            fields.append("param_gather")
+    if par.pipeline_model_parallel_size > 1:
+        fields.append("p2p")
+    return tuple(fields)
+
+
+def routed_over_expert_ranks(job) -> bool:
+    """Routed experts split over several expert-parallel ranks (tokens per rank data-driven)."""
+    return any(job.model.moe_layer_pattern) and job.parallel.expert_model_parallel_size > 1
+
+
+def planned_traffic(job, inputs: MemoryInputs, layout: PipelineLayout, stages: list,
+                    pipeline_rank: int) -> dict[str, int]:
+    """Bytes one rank of ``pipeline_rank`` sends per step (its ``stages``: the report's
+    StageReports of that rank), by kind: ``grad_reduction`` (the gradients' reduction over the
+    data-parallel and expert-data-parallel groups, plus the step's token count),
+    ``param_gather`` (the distributed optimizer's all-gather of the updated parameters) and
+    ``p2p`` (the pipeline's sends). ``traffic_modelled`` says which of them hold for a job;
+    glm5_train.plan_check checks them against measured runs."""
+    dense = sum(s.costs.dense_params for s in stages)
+    expert = sum(s.costs.expert_params for s in stages)
+    groups = ((inputs.dp * inputs.cp, dense), (inputs.expert_dp, expert))
+    distributed = job.parallel.use_distributed_optimizer
+    reduction = sum(_reduction_bytes(n, inputs.grad_bytes * count, distributed)
+                    for n, count in groups)
+    reduction += 2 * (inputs.dp * inputs.cp - 1) * TOKEN_COUNT_BYTES // (inputs.dp * inputs.cp)
+    # megatron-core chains a second distributed optimizer for expert-parallel parameters, and
+    # each one's step all-gathers every bucket of the model chunks (dense and expert).
+    optimizers = 2 if routed_over_expert_ranks(job) else 1
+    gather = optimizers * sum((n - 1) * inputs.weight_bytes * count // n for n, count in groups)
+    return {"grad_reduction": reduction, "param_gather": gather,
+            "p2p": _pipeline_send_bytes(job, inputs, layout, pipeline_rank)}
+
+
+def _reduction_bytes(n: int, grad_bytes: int, reduce_scatter: bool) -> int:
+    if reduce_scatter:
+        return (n - 1) * grad_bytes // n
+    return 2 * (n - 1) * grad_bytes // n
+
+
+def _pipeline_send_bytes(job, inputs, layout, pipeline_rank: int) -> int:
+    """Bytes this pipeline rank sends per step: for each of its virtual stages and each
+    micro-batch, the stage's output forward and its input's gradient backward."""
+    unit = inputs.activation_bytes * inputs.sp_tokens * job.model.hidden_size
+    last, mtp = len(layout.stages) - 1, layout.mtp_stage
+    own_mtp_stage = mtp is not None and mtp != last
+    widen = 1 + (job.model.mtp_num_steps if own_mtp_stage else 0)
+
+    def out_units(stage: int) -> int:  # the MTP stage and after carry every MTP step too
+        return widen if own_mtp_stage and stage >= mtp else 1
+
+    sends = 0
+    for stage in range(len(layout.stages)):
+        if layout.rank_of(stage) != pipeline_rank:
+            continue
+        per_micro = []
+        if stage < last:
+            per_micro.append(out_units(stage) * unit)
+        if stage > 0:
+            per_micro.append(out_units(stage - 1) * unit)
+        shapes = SHAPE_MESSAGE_BYTES * len(per_micro) if own_mtp_stage else 0
+        sends += inputs.num_microbatches * (sum(per_micro) + shapes)
+    return sends

@@ -51,7 +51,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from glm5_train.pipeline_plan import inputs_from_job, job_pipeline, plan_report
+from glm5_train.pipeline_plan import (
+    frozen_parameters,
+    inputs_from_job,
+    job_pipeline,
+    plan_report,
+    planned_traffic,
+    routed_over_expert_ranks,
+    traffic_modelled,
+)
 from parallel.pipeline_layout import zero2_accum_bytes
 
 STATE_RTOL = 5e-3
@@ -63,8 +71,6 @@ FIELDS = ("param", "grad", "optimizer", "activations")
 TRAFFIC = ("grad_reduction", "param_gather", "p2p")
 # megatron-core's names of the groups the gradients reduce over (dense, experts).
 DATA_PARALLEL_GROUPS = ("dp_cp", "intra_dp_cp", "dp", "expt_dp", "intra_expt_dp")
-TOKEN_COUNT_BYTES = 4  # finalize_model_grads all-reduces the step's token count (int32)
-SHAPE_MESSAGE_BYTES = 3 * 8  # a variable-shape p2p tensor's [s, b, h] as int64, sent first
 
 
 @dataclass(frozen=True)
@@ -82,12 +88,6 @@ class RankBytes:
         if not self.planned:
             return float(self.measured != 0)
         return abs(self.measured - self.planned) / self.planned
-
-
-def frozen_parameters(job) -> bool:
-    """The dense warm-up trains the indexer only: the rest has no gradient or optimizer state
-    (the planner counts the whole model's)."""
-    return job.dsa.stage == "dense_warmup" or job.dsa.freeze_indexer
 
 
 def compared_fields(job) -> tuple[str, ...]:
@@ -164,19 +164,12 @@ def rank_bytes(job, record: dict, plan: _Plan | None = None) -> list[RankBytes]:
 
 
 def traffic_fields(job) -> tuple[str, ...]:
-    """The per-step traffic the planner models for this job (module docstring)."""
+    """The per-step traffic compared: what the planner models (``pipeline_plan.
+    traffic_modelled``) less the pipeline's sends under context parallelism, whose group the
+    MTP inputs' roll shares (the meter's counts cannot tell them apart)."""
     par = job.parallel
-    fields = []
-    plain_gradients = not (frozen_parameters(job) or job.train.optimizer == "muon"
-                           or par.pipeline_zero2 or par.cp_groups == "flexible")
-    if plain_gradients:
-        fields.append("grad_reduction")
-        if par.use_distributed_optimizer:
-            fields.append("param_gather")
-    if par.pipeline_model_parallel_size > 1 and par.context_parallel_size == 1 \
-            and par.cp_groups != "flexible":
-        fields.append("p2p")
-    return tuple(fields)
+    shared = par.context_parallel_size > 1 or par.cp_groups == "flexible"
+    return tuple(f for f in traffic_modelled(job) if not (f == "p2p" and shared))
 
 
 def traffic_rows(job, record: dict, plan: _Plan | None = None) -> list[RankBytes]:
@@ -197,7 +190,7 @@ def traffic_rows(job, record: dict, plan: _Plan | None = None) -> list[RankBytes
     for g in range(world):
         p = g // (world // pp)
         stages = [s for s in report.stages if s.rank == p]
-        planned = _planned_traffic(job, inputs, layout, stages, p)
+        planned = planned_traffic(job, inputs, layout, stages, p)
         measured = {
             "grad_reduction": (sent("reduce_scatter", DATA_PARALLEL_GROUPS, g)
                                + sent("all_reduce", DATA_PARALLEL_GROUPS, g)),
@@ -208,62 +201,10 @@ def traffic_rows(job, record: dict, plan: _Plan | None = None) -> list[RankBytes
     return rows
 
 
-def _planned_traffic(job, inputs, layout, stages, pipeline_rank: int) -> dict[str, int]:
-    dense = sum(s.costs.dense_params for s in stages)
-    expert = sum(s.costs.expert_params for s in stages)
-    groups = ((inputs.dp * inputs.cp, dense), (inputs.expert_dp, expert))
-    distributed = job.parallel.use_distributed_optimizer
-    reduction = sum(_reduction_bytes(n, inputs.grad_bytes * count, distributed)
-                    for n, count in groups)
-    reduction += 2 * (inputs.dp * inputs.cp - 1) * TOKEN_COUNT_BYTES // (inputs.dp * inputs.cp)
-    # megatron-core chains a second distributed optimizer for expert-parallel parameters, and
-    # each one's step all-gathers every bucket of the model chunks (dense and expert).
-    optimizers = 2 if routed_over_expert_ranks(job) else 1
-    gather = optimizers * sum((n - 1) * inputs.weight_bytes * count // n for n, count in groups)
-    return {"grad_reduction": reduction, "param_gather": gather,
-            "p2p": _pipeline_send_bytes(job, inputs, layout, pipeline_rank)}
-
-
-def _reduction_bytes(n: int, grad_bytes: int, reduce_scatter: bool) -> int:
-    if reduce_scatter:
-        return (n - 1) * grad_bytes // n
-    return 2 * (n - 1) * grad_bytes // n
-
-
-def _pipeline_send_bytes(job, inputs, layout, pipeline_rank: int) -> int:
-    """Bytes this pipeline rank sends per step: for each of its virtual stages and each
-    micro-batch, the stage's output forward and its input's gradient backward."""
-    unit = inputs.activation_bytes * inputs.sp_tokens * job.model.hidden_size
-    last, mtp = len(layout.stages) - 1, layout.mtp_stage
-    own_mtp_stage = mtp is not None and mtp != last
-    widen = 1 + (job.model.mtp_num_steps if own_mtp_stage else 0)
-
-    def out_units(stage: int) -> int:  # the MTP stage and after carry every MTP step too
-        return widen if own_mtp_stage and stage >= mtp else 1
-
-    sends = 0
-    for stage in range(len(layout.stages)):
-        if layout.rank_of(stage) != pipeline_rank:
-            continue
-        per_micro = []
-        if stage < last:
-            per_micro.append(out_units(stage) * unit)
-        if stage > 0:
-            per_micro.append(out_units(stage - 1) * unit)
-        shapes = SHAPE_MESSAGE_BYTES * len(per_micro) if own_mtp_stage else 0
-        sends += inputs.num_microbatches * (sum(per_micro) + shapes)
-    return sends
-
-
 def comparison_rows(job, record: dict) -> list[RankBytes]:
     """``rank_bytes`` and ``traffic_rows`` from one plan of the run."""
     plan = _plan(job, record)
     return rank_bytes(job, record, plan) + traffic_rows(job, record, plan)
-
-
-def routed_over_expert_ranks(job) -> bool:
-    """Routed experts split over several expert-parallel ranks (tokens per rank data-driven)."""
-    return any(job.model.moe_layer_pattern) and job.parallel.expert_model_parallel_size > 1
 
 
 def problems(job, record: dict) -> list[str]:

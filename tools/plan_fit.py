@@ -12,7 +12,11 @@ optimizer state of its stages, the activations its pipeline schedule keeps in fl
 latent and indexer keys where the attention keeps them), plus the working set that recompute
 re-creates for one layer in backward; and the bytes each rank sends per step on its
 context-parallel group (the latent and indexer keys gathered, their gradients reduce-scattered;
-checked byte for byte against measured runs in tests/test_context_parallel_plan.py).
+checked byte for byte against measured runs in tests/test_context_parallel_plan.py), on its
+data-parallel groups (the gradient reduction and the distributed optimizer's parameter
+all-gather; n/a under Muon, Pipeline ZeRO2 or frozen parameters, which the planner does not
+model) and to its pipeline neighbours (checked against measured runs by glm5_train.plan_check,
+without context parallelism).
 
 It prints the per-rank table, the largest rank against an 80 GB H100 and a 141 GB H200 (counted
 as 80e9 and 141e9 bytes, below the devices' 85.5e9 and 150.8e9: the difference is left to the
@@ -47,8 +51,11 @@ from glm5_train.job_config import compose_job
 from glm5_train.pipeline_plan import (
     PlanReport,
     inputs_from_job,
+    job_pipeline,
     job_plan,
+    planned_traffic,
     recompute_working_set_bytes,
+    traffic_modelled,
 )
 
 # Runnable as a script from anywhere: make the repo root importable.
@@ -159,6 +166,9 @@ class Fit:
     cp_bytes: int
     gpus: int
     report: PlanReport
+    # Per pipeline rank: bytes sent per step by kind (pipeline_plan.planned_traffic), only
+    # the kinds the planner models for this job.
+    traffic: tuple[dict[str, int], ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -184,7 +194,19 @@ def plan_fit(overrides: list[str], dp: int | None, label: str = "plan") -> Fit:
     cp_sent = max(rank.comm_total for rank in report.ranks)  # all of it context parallelism's
     gpus = job.parallel.world_size_needed(dp)
     return Fit(label, worst.total_bytes, recompute_working_set_bytes(job.model, inputs),
-               cp_sent, gpus, report)
+               cp_sent, gpus, report, rank_traffic(job, dp, inputs, report))
+
+
+def rank_traffic(job, dp: int, inputs, report: PlanReport) -> tuple[dict[str, int], ...]:
+    """Per pipeline rank, the data-parallel and pipeline bytes it sends per step, where the
+    planner models them (``traffic_modelled``)."""
+    layout, kinds = job_pipeline(job, dp, **ON_GPU), traffic_modelled(job)
+    out = []
+    for rank in report.ranks:
+        stages = [s for s in report.stages if s.rank == rank.rank]
+        sent = planned_traffic(job, inputs, layout, stages, rank.rank)
+        out.append({kind: sent[kind] for kind in kinds})
+    return tuple(out)
 
 
 def variants(job, dp: int) -> list[Variant]:
@@ -226,14 +248,24 @@ def variants(job, dp: int) -> list[Variant]:
 
 
 def rank_lines(fit: Fit) -> list[str]:
+    """The per-rank table. Sent per step: context parallelism's exchange, the data-parallel
+    gradient reduction + parameter all-gather, the pipeline's sends; n/a where the planner
+    does not model them (Muon's and Pipeline ZeRO2's gradient traffic, frozen parameters)."""
     head = (f"{'rank':>4} {'static GiB':>11} {'peak act GiB':>13} {'total GiB':>10} "
-            f"{'CP sent GB/step':>16}")
+            f"{'CP sent GB/step':>16} {'DP sent GB/step':>16} {'PP sent GB/step':>16}")
     rows = [head, "-" * len(head)]
-    for rank in fit.report.ranks:
+    for rank, sent in zip(fit.report.ranks, fit.traffic):
         rows.append(f"{rank.rank:>4} {rank.static_bytes / GIB:>11.2f} "
                     f"{rank.peak_activation_bytes / GIB:>13.2f} {rank.total_bytes / GIB:>10.2f} "
-                    f"{rank.comm_total / GB:>16.1f}")
+                    f"{rank.comm_total / GB:>16.1f} "
+                    f"{_gb(sent, 'grad_reduction', 'param_gather'):>16} {_gb(sent, 'p2p'):>16}")
     return rows
+
+
+def _gb(sent: dict[str, int], *kinds: str) -> str:
+    if not all(kind in sent for kind in kinds):
+        return "n/a"
+    return f"{sum(sent[kind] for kind in kinds) / GB:.1f}"
 
 
 def device_lines(fit: Fit) -> list[str]:
