@@ -182,12 +182,11 @@ def frozen_parameters(job) -> bool:
 
 def traffic_modelled(job) -> tuple[str, ...]:
     """The kinds of ``planned_traffic`` that hold for ``job``: the gradient reduction and the
-    parameter all-gather not under Muon (its pieces travel to their owners), Pipeline ZeRO2
-    (a reduce-scatter per group of micro-batches), flexible CP groups or frozen parameters;
-    the pipeline's sends with PP > 1."""
+    parameter all-gather not under Muon (its pieces travel to their owners), flexible CP
+    groups or frozen parameters; the pipeline's sends with PP > 1."""
     par = job.parallel
     fields = []
-    if not (frozen_parameters(job) or job.train.optimizer == "muon" or par.pipeline_zero2
+    if not (frozen_parameters(job) or job.train.optimizer == "muon"
             or par.cp_groups == "flexible"):
         fields.append("grad_reduction")
         if par.use_distributed_optimizer:
@@ -214,8 +213,11 @@ def planned_traffic(job, inputs: MemoryInputs, layout: PipelineLayout, stages: l
     expert = sum(s.costs.expert_params for s in stages)
     groups = ((inputs.dp * inputs.cp, dense), (inputs.expert_dp, expert))
     distributed = job.parallel.use_distributed_optimizer
-    reduction = sum(_reduction_bytes(n, inputs.grad_bytes * count, distributed)
-                    for n, count in groups)
+    if job.parallel.pipeline_zero2:
+        reduction = _zero2_reduction_bytes(job, inputs, layout, stages, pipeline_rank)
+    else:
+        reduction = sum(_reduction_bytes(n, inputs.grad_bytes * count, distributed)
+                        for n, count in groups)
     reduction += 2 * (inputs.dp * inputs.cp - 1) * TOKEN_COUNT_BYTES // (inputs.dp * inputs.cp)
     # megatron-core chains a second distributed optimizer for expert-parallel parameters, and
     # each one's step all-gathers every bucket of the model chunks (dense and expert).
@@ -223,6 +225,33 @@ def planned_traffic(job, inputs: MemoryInputs, layout: PipelineLayout, stages: l
     gather = optimizers * sum((n - 1) * inputs.weight_bytes * count // n for n, count in groups)
     return {"grad_reduction": reduction, "param_gather": gather,
             "p2p": _pipeline_send_bytes(job, inputs, layout, pipeline_rank)}
+
+
+def _zero2_reduction_bytes(job, inputs: MemoryInputs, layout: PipelineLayout, stages: list,
+                           pipeline_rank: int) -> int:
+    """Pipeline ZeRO2's gradient traffic on one rank (parallel/pipeline_zero2.py): each chunk
+    is reduce-scattered once per group of consecutive micro-batches its backward runs (M / g
+    groups with several chunks, g = microbatch_group_size_per_vp_stage or PP; once with one
+    chunk), its gradients without data-parallel peers not at all; then every pinned embedding
+    copy (several stages hold the word embedding: MTP on a stage of its own, a tied head) is
+    all-reduced over the data-parallel group."""
+    flushes = 1
+    if len(stages) > 1:
+        flushes = inputs.num_microbatches // (inputs.microbatch_group
+                                              or job.parallel.pipeline_model_parallel_size)
+    dense_ranks, sent = inputs.dp * inputs.cp, 0
+    for stage in stages:
+        for n, count in ((dense_ranks, stage.costs.dense_params),
+                         (inputs.expert_dp, stage.costs.expert_params)):
+            sent += flushes * _reduction_bytes(n, inputs.grad_bytes * count, True)
+    last = len(layout.stages) - 1
+    holders = {0} | ({layout.mtp_stage} if layout.mtp_stage is not None else set())
+    holders |= {last} if job.model.tie_word_embeddings else set()
+    if len(holders) > 1:
+        copies = sum(1 for stage in holders if layout.rank_of(stage) == pipeline_rank)
+        embedding = job.model.vocab_size * job.model.hidden_size // inputs.tp
+        sent += copies * _reduction_bytes(dense_ranks, inputs.grad_bytes * embedding, False)
+    return sent
 
 
 def _reduction_bytes(n: int, grad_bytes: int, reduce_scatter: bool) -> int:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.parity import assert_layout_ran, compare, one_process, run_job
+from glm5_train import plan_check
+from glm5_train.job_config import compose_job
+from tests.parity import BASE_OVERRIDES, assert_layout_ran, compare, one_process, run_job
 
 BATCH = ["train.global_batch_size=16"]
 ZERO2 = ["parallel.use_distributed_optimizer=true", "parallel.pipeline_zero2=true"]
@@ -40,6 +42,11 @@ def test_zero2_matches_plain_ddp_and_reduces_once_per_group(plain_ddp, tmp_path)
     scattered = ours["comm_by_op"]["reduce_scatter:2"]["bytes"]
     assert scattered == [groups * s * (dp - 1) for s in ours["zero2_slice_bytes"]]
     assert "reduce_scatter:2" not in ddp["comm_by_op"]  # plain DDP all-reduces once instead
+    # The planner's model of that traffic (4 reduce-scatters per chunk, the pinned embedding
+    # copies' all-reduce): assert_layout_ran compared it; here that it really did.
+    job = compose_job([*BASE_OVERRIDES, *overrides])
+    rows = [r for r in plan_check.traffic_rows(job, ours) if r.field == "grad_reduction"]
+    assert len(rows) == 4 and all(r.rel < plan_check.STATE_RTOL for r in rows), rows
     # The slices are 1/dp of the (padded) full buffers plain DDP keeps.
     for full, slices in zip(ddp["grad_buffer_bytes"], ours["zero2_slice_bytes"]):
         assert full <= slices * dp < full + 4096
@@ -104,10 +111,8 @@ def test_gradients_without_data_parallel_peers_accumulate_in_place(tmp_path):
 def planned_zero2_grad_bytes() -> list[int]:
     """Per pipeline rank: the planner's ZeRO2 gradient bytes for the balanced PP2 x VPP2 split
     layout of the tiny model (its slices plus two accumulation buffers)."""
-    from glm5_train.job_config import compose_job
     from glm5_train.model.stage_costs import inputs_from_job
     from glm5_train.pipeline_plan import parse_layout, plan_report
-    from tests.parity import BASE_OVERRIDES
 
     job = compose_job([*BASE_OVERRIDES, "parallel=pp2_vpp2", *BATCH, *ZERO2])
     layout = parse_layout("Et|ttt|m|L", 2, 2, job.model.num_hidden_layers, job.model.mtp_sets)

@@ -14,8 +14,8 @@ re-creates for one layer in backward; and the bytes each rank sends per step on 
 context-parallel group (the latent and indexer keys gathered, their gradients reduce-scattered;
 checked byte for byte against measured runs in tests/test_context_parallel_plan.py), on its
 data-parallel groups (the gradient reduction and the distributed optimizer's parameter
-all-gather; n/a under Muon, Pipeline ZeRO2 or frozen parameters, which the planner does not
-model) and to its pipeline neighbours (checked against measured runs by glm5_train.plan_check,
+all-gather, Pipeline ZeRO2's reduce-scatters; n/a under Muon or frozen parameters, which the
+planner does not model) and to its pipeline neighbours (checked against measured runs by glm5_train.plan_check,
 without context parallelism).
 
 It prints the per-rank table, the largest rank against an 80 GB H100 and a 141 GB H200 (counted
@@ -250,7 +250,7 @@ def variants(job, dp: int) -> list[Variant]:
 def rank_lines(fit: Fit) -> list[str]:
     """The per-rank table. Sent per step: context parallelism's exchange, the data-parallel
     gradient reduction + parameter all-gather, the pipeline's sends; n/a where the planner
-    does not model them (Muon's and Pipeline ZeRO2's gradient traffic, frozen parameters)."""
+    does not model them (Muon's gradient traffic, frozen parameters)."""
     head = (f"{'rank':>4} {'static GiB':>11} {'peak act GiB':>13} {'total GiB':>10} "
             f"{'CP sent GB/step':>16} {'DP sent GB/step':>16} {'PP sent GB/step':>16}")
     rows = [head, "-" * len(head)]
