@@ -213,13 +213,14 @@ def comparison_rows(job, record: dict) -> list[RankBytes]:
 
 def problems(job, record: dict) -> list[str]:
     """What disagrees beyond the tolerances of the module docstring, one line each."""
-    rows = comparison_rows(job, record)
+    plan = _plan(job, record)
+    rows = rank_bytes(job, record, plan) + traffic_rows(job, record, plan)
     padded = STATE_RTOL if job.parallel.use_distributed_optimizer else 0.0
     tolerance = {"param": 0.0, "grad": STATE_RTOL, "optimizer": STATE_RTOL,
                  "optimizer_host": STATE_RTOL,
                  "activations": ROUTED_RTOL if routed_over_expert_ranks(job) else ACTIVATION_RTOL,
                  "grad_reduction": padded, "param_gather": STATE_RTOL, "p2p": 0.0}
-    uneven = muon_state_uneven(job, len(record["param_bytes"]))
+    uneven = muon_state_uneven(plan.inputs)
     if uneven:
         tolerance["optimizer"] = UNEVEN_STATE_RTOL
     found = [f"rank {r.rank} {r.field}: measured {r.measured:,} vs planned {r.planned:,} "
@@ -232,13 +233,10 @@ def problems(job, record: dict) -> list[str]:
     return found
 
 
-def muon_state_uneven(job, world: int) -> bool:
-    """Distributed Muon over several data-parallel ranks (of ``world``): its state per rank
-    is uneven where the planner's is even (module docstring)."""
-    par = job.parallel
-    dp = world // par.model_parallel_size
-    return (job.train.optimizer == "muon" and par.use_distributed_optimizer
-            and dp * par.context_parallel_size > 1)
+def muon_state_uneven(inputs) -> bool:
+    """Distributed Muon over several data-parallel ranks (the plan's ``MemoryInputs``): its
+    state per rank is uneven where the planner's is even (module docstring)."""
+    return inputs.muon in ("owners", "naive") and inputs.dp * inputs.cp > 1
 
 
 def _stage_mean_problems(rows: list[RankBytes], field: str, rtol: float) -> list[str]:

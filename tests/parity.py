@@ -168,15 +168,18 @@ def _run_ranks(argv: list[str], nprocs: int, log_path: str, timeout: int) -> lis
     deadline = time.monotonic() + timeout
     while any(rank.is_alive() for rank in ranks):
         if time.monotonic() > deadline:
-            _stop(ranks)
+            spawn.stop_processes(ranks, grace=RANK_STOP_GRACE)
             return [124]  # timeout(1)'s code
         if any(rank.exitcode not in (None, 0) for rank in ranks):
-            _stop(ranks)
+            spawn.stop_processes(ranks, grace=RANK_STOP_GRACE)
             break
         time.sleep(0.1)
     for rank in ranks:
         rank.join()
     return [rank.exitcode for rank in ranks]
+
+
+RANK_STOP_GRACE = 10.0  # seconds a terminated rank gets to exit before SIGKILL
 
 
 def _rank_main(argv: list[str], env: dict[str, str], log_path: str) -> None:
@@ -198,18 +201,6 @@ def _rank_main(argv: list[str], env: dict[str, str], log_path: str) -> None:
         train.main()
     finally:  # an interpreter's exit would run these; a forked process's os._exit does not
         atexit._run_exitfuncs()
-
-
-def _stop(ranks: list) -> None:
-    for rank in ranks:
-        if rank.is_alive():
-            rank.terminate()
-    for rank in ranks:
-        rank.join(timeout=10)
-    for rank in ranks:
-        if rank.is_alive():
-            rank.kill()
-            rank.join()
 
 
 def read_metrics(run_dir: str) -> list[dict]:

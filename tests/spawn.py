@@ -107,7 +107,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = DEFAUL
                 readers.append(reader)
         return _collect(procs, readers, root, _name(fn), timeout)
     finally:
-        _stop(procs)
+        stop_processes(procs)
         for reader in readers:
             reader.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -258,11 +258,12 @@ def _timeout_message(procs: list, pending: list[int], root: str, what: str, n: i
             "timeout: raise it); their stacks:\n" + "\n".join(stacks))
 
 
-def _stop(procs: list) -> None:
+def stop_processes(procs: list, grace: float = _KILL_GRACE) -> None:
+    """Terminate the processes still alive; SIGKILL those still there after ``grace`` s."""
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
-    deadline = time.monotonic() + _KILL_GRACE
+    deadline = time.monotonic() + grace
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
         if proc.is_alive():

@@ -565,13 +565,12 @@ def test_fit_tool_gives_each_ranks_data_parallel_and_pipeline_bytes():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = compose_job(overrides)
     gpu = {"fused_attention": True}
-    inputs, layout = plan.inputs_from_job(job, 1, **gpu), plan.job_pipeline(job, 1, **gpu)
-    report = plan.job_plan(job, 1, **gpu)
+    inputs, report = plan.inputs_from_job(job, 1, **gpu), plan.job_plan(job, 1, **gpu)
     rows = RANK_ROW.findall(proc.stdout)
     assert len(rows) == job.parallel.pipeline_model_parallel_size
     for rank, dp_sent, pp_sent in rows:
         stages = [s for s in report.stages if s.rank == int(rank)]
-        sent = plan.planned_traffic(job, inputs, layout, stages, int(rank))
+        sent = plan.planned_traffic(job, inputs, report.layout, stages, int(rank))
         assert dp_sent == f"{(sent['grad_reduction'] + sent['param_gather']) / 1e9:.1f}"
         assert pp_sent == f"{sent['p2p'] / 1e9:.1f}" and sent["p2p"] > 0
     muon = RANK_ROW.findall(_fit_tool(*overrides, "train.optimizer=muon").stdout)

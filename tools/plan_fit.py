@@ -51,7 +51,6 @@ from glm5_train.job_config import compose_job
 from glm5_train.pipeline_plan import (
     PlanReport,
     inputs_from_job,
-    job_pipeline,
     job_plan,
     planned_traffic,
     recompute_working_set_bytes,
@@ -194,17 +193,17 @@ def plan_fit(overrides: list[str], dp: int | None, label: str = "plan") -> Fit:
     cp_sent = max(rank.comm_total for rank in report.ranks)  # all of it context parallelism's
     gpus = job.parallel.world_size_needed(dp)
     return Fit(label, worst.total_bytes, recompute_working_set_bytes(job.model, inputs),
-               cp_sent, gpus, report, rank_traffic(job, dp, inputs, report))
+               cp_sent, gpus, report, rank_traffic(job, inputs, report))
 
 
-def rank_traffic(job, dp: int, inputs, report: PlanReport) -> tuple[dict[str, int], ...]:
+def rank_traffic(job, inputs, report: PlanReport) -> tuple[dict[str, int], ...]:
     """Per pipeline rank, the data-parallel and pipeline bytes it sends per step, where the
     planner models them (``traffic_modelled``)."""
-    layout, kinds = job_pipeline(job, dp, **ON_GPU), traffic_modelled(job)
+    kinds = traffic_modelled(job)
     out = []
     for rank in report.ranks:
         stages = [s for s in report.stages if s.rank == rank.rank]
-        sent = planned_traffic(job, inputs, layout, stages, rank.rank)
+        sent = planned_traffic(job, inputs, report.layout, stages, rank.rank)
         out.append({kind: sent[kind] for kind in kinds})
     return tuple(out)
 
