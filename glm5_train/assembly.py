@@ -43,14 +43,19 @@ from glm5_train.data import (
 from glm5_train.flexible_batches import FlexibleBatches
 from glm5_train.job_config import JobConfig
 from glm5_train.model.config import to_mcore_config
-from glm5_train.model.glm5 import apply_dsa_freezing, build_model_chunks
+from glm5_train.model.glm5 import (
+    apply_dsa_freezing,
+    build_model_chunks,
+    transformer_engine_available,
+)
 from glm5_train.model.head_parallel_cp import install as install_head_parallel_cp
 from glm5_train.model.init_weights import initialize_weights
 from glm5_train.optim import attach_schedule_hooks, build_optimizer, build_scheduler, wrap_ddp
 from glm5_train.pipeline_plan import resolve_pipeline_layout
 from glm5_train.tokenizer import build_tokenizer
-from parallel import mcore_compat, process_groups
+from parallel import deferred_wgrad, mcore_compat, process_groups
 from parallel.activation_offload import ActivationTracker
+from parallel.deferred_wgrad import WeightGradQueue
 from parallel.device import comm_device
 from parallel.distributed_muon import install_distributed_muon
 from parallel.embedding_tie import EmbeddingTie
@@ -79,6 +84,8 @@ class Runtime:
     # parallel.cp_groups=flexible: the CP groups every global batch is planned over
     cp_pool: GroupPool | None = None
     last_plan: FlexiblePlan | None = None  # the plan of the latest step's global batch
+    # parallel.defer_weight_grads: the queued weight-gradient GEMMs (parallel/deferred_wgrad.py)
+    wgrad: WeightGradQueue | None = None
 
     @property
     def dp_rank(self) -> int:
@@ -108,6 +115,11 @@ def assemble(job: JobConfig, validated: bool = False) -> Runtime:
         pinned = embedding_tie.holders(chunks) if embedding_tie.needs_sync(chunks) else []
     chunks = wrap_ddp(chunks, config, job.parallel.use_distributed_optimizer,
                       job.parallel.overlap_grad_reduce, zero2=zero2, pinned=pinned)
+    wgrad = WeightGradQueue() if job.parallel.defer_weight_grads else None
+    if wgrad is not None:
+        deferred_wgrad.install(chunks, wgrad)
+        if zero2 is not None:  # a chunk's reduce-scatter must see its last W GEMMs
+            zero2.before_launch = wgrad.run
     # Muon offloads its own AdamW part (install_muon): megatron-core's optimizer stays whole.
     optimizer = build_optimizer(chunks, job.train, job.parallel.use_distributed_optimizer,
                                 job.train.torch_dtype,
@@ -117,14 +129,14 @@ def assemble(job: JobConfig, validated: bool = False) -> Runtime:
     if job.train.optimizer == "muon":
         install_muon(optimizer, chunks, job, config, groups)
     scheduler = build_scheduler(optimizer, job.train, job.train.train_iters)
-    attach_schedule_hooks(chunks, config, optimizer, groups, embedding_tie, zero2)
+    attach_schedule_hooks(chunks, config, optimizer, groups, embedding_tie, zero2, wgrad)
     norms = ParamGradNorms(chunks, optimizer, zero2) if job.train.log_param_grad_norms else None
     # After DDP: its buffers hold the parameters the meter must leave out.
     activations = build_activation_tracker(job, chunks, groups, num_microbatches(job, groups))
     pool = (GroupPool(groups.dp, job.parallel.flexible_cp_max_size, groups.cp)
             if job.parallel.cp_groups == "flexible" else None)  # collective: every rank
     return Runtime(job, config, groups, chunks, optimizer, scheduler, dataset, zero2, norms,
-                   activations, pool)
+                   activations, pool, wgrad=wgrad)
 
 
 def validate_job(job: JobConfig) -> int:
@@ -134,6 +146,12 @@ def validate_job(job: JobConfig) -> int:
     dp = validate_layout(job.parallel, job.model, world, job.train.global_batch_size,
                          job.train.micro_batch_size, job.train.seq_length)
     _check_muon_offload(job)
+    if job.parallel.defer_weight_grads and transformer_engine_available():
+        raise ValueError("parallel.defer_weight_grads=true with Transformer Engine installed: "
+                         "the model is then built from Transformer Engine layers, whose weight "
+                         "gradients Transformer Engine computes itself, and deferral covers "
+                         "megatron-core's local layers only; set parallel.defer_weight_grads="
+                         "false, or run where transformer_engine is not installed")
     if (job.parallel.optimizer_cpu_offload and job.train.params_dtype != "fp32"
             and job.train.optimizer == "adamw" and not job.parallel.use_distributed_optimizer):
         raise ValueError(f"parallel.optimizer_cpu_offload=true with train.params_dtype="

@@ -13,6 +13,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from parallel import mcore_compat
+from parallel.deferred_wgrad import drain_first
 from parallel.host_optimizer import provide_init_state
 from parallel.pipeline_zero2 import finalize_zero2_grads
 
@@ -46,9 +47,11 @@ def wrap_ddp(chunks: list[torch.nn.Module], config: TransformerConfig,
 
 
 def attach_schedule_hooks(chunks: list, config: TransformerConfig, optimizer, groups,
-                          embedding_tie=None, zero2=None) -> None:
+                          embedding_tie=None, zero2=None, wgrad=None) -> None:
     """Tell the pipeline schedules how to sync and finalise grads (megatron-core's contract).
-    ``groups``: this rank's ProcessGroupCollection, handed to megatron-core's finalize."""
+    ``groups``: this rank's ProcessGroupCollection, handed to megatron-core's finalize.
+    ``wgrad``: a ``WeightGradQueue`` whose deferred GEMMs must run before gradients are
+    finalised."""
     config.grad_scale_func = optimizer.scale_loss
     if zero2 is not None:
         config.finalize_model_grads_func = partial(finalize_zero2_grads, zero2=zero2,
@@ -56,6 +59,8 @@ def attach_schedule_hooks(chunks: list, config: TransformerConfig, optimizer, gr
     else:
         config.finalize_model_grads_func = partial(finalize_grads, groups=groups,
                                                    embedding_tie=embedding_tie)
+    if wgrad is not None:
+        config.finalize_model_grads_func = drain_first(wgrad, config.finalize_model_grads_func)
     config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
     if chunks[0].ddp_config.overlap_grad_reduce:
         config.grad_sync_func = ([c.start_grad_sync for c in chunks] if len(chunks) > 1

@@ -17,11 +17,12 @@ import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.utils import unwrap_model
+from megatron.core.utils import get_model_config, unwrap_model
 
 from glm5_train.profiling import ScheduleLabels, backward_range, labelled_forward, profiling_now
 from parallel.activation_offload import ActivationTracker
 from parallel.context_parallel import group_size, shard_sequence
+from parallel.deferred_wgrad import WeightGradQueue, WgradFillingP2P
 from parallel.device import comm_device
 from parallel.flexible_cp import in_group_for_backward, switch_context_group
 
@@ -128,14 +129,21 @@ def to_device(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def run_step(chunks: list[torch.nn.Module], iterators: list[Iterator], num_microbatches: int,
              seq_length: int, micro_batch_size: int, groups: ProcessGroupCollection,
              forward_only: bool = False,
-             activations: ActivationTracker | None = None) -> list[Any]:
+             activations: ActivationTracker | None = None,
+             wgrad: WeightGradQueue | None = None) -> list[Any]:
     """Run the pipeline schedule for one global batch; returns the last stage's loss reports.
-    ``activations``: meter (and offload) every micro-batch's forward (training steps only)."""
+    ``activations``: meter (and offload) every micro-batch's forward (training steps only).
+    ``wgrad``: deferred weight gradients, run inside the schedule's p2p exchanges."""
     schedule = get_forward_backward_func(pp_size=groups.pp.size(),
                                          vp_size=len(chunks) if len(chunks) > 1 else None)
     step = partial(forward_step, cp_group=groups.cp,
                    activations=None if forward_only else activations,
                    labels=ScheduleLabels(chunks) if profiling_now() else None)
+    extra = {}
+    if wgrad is not None and groups.pp.size() > 1:
+        extra = {"p2p_communicator": WgradFillingP2P(groups.pp, get_model_config(chunks[0]),
+                                                     wgrad),
+                 "pg_collection": groups}
     return schedule(
         forward_step_func=step,
         data_iterator=iterators if len(chunks) > 1 else iterators[0],
@@ -144,6 +152,7 @@ def run_step(chunks: list[torch.nn.Module], iterators: list[Iterator], num_micro
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
         forward_only=forward_only,
+        **extra,
     )
 
 

@@ -55,6 +55,7 @@ from glm5_train.profiling import StepProfiler
 from glm5_train.run_dir import register_resolvers
 from glm5_train.step import global_loss, global_mtp_losses, run_step
 from parallel.comm_meter import CommMeter, buffer_bytes, gather_fields, names_of_groups
+from parallel.deferred_wgrad import FIGURE_NAMES as WGRAD_FIGURES
 from parallel.device import comm_device
 
 
@@ -156,8 +157,10 @@ def _forward_backward(rt: Runtime, iterators: list) -> list:
         rt.last_plan = planned.plan
     if rt.activations is not None:
         rt.activations.begin_step()
+    if rt.wgrad is not None:
+        rt.wgrad.begin_step()
     reports = run_step(rt.chunks, iterators, num_micro, seq_length, t.micro_batch_size,
-                       rt.groups, activations=rt.activations)
+                       rt.groups, activations=rt.activations, wgrad=rt.wgrad)
     if rt.activations is not None:  # this step's saved-for-backward figures
         rt.activations.end_step()
     return reports
@@ -218,6 +221,9 @@ def _log(rt: Runtime, logger: MetricsLogger, record: dict, meter: CommMeter,
     record.update(gather_fields(meter, buffer_bytes(rt.chunks, rt.optimizer, rt.zero2)))
     if rt.activations is not None:
         record.update(gather_saved_bytes(rt.activations.figures))
+    if rt.wgrad is not None:  # deferred weight gradients: queued, run in p2p, bytes held
+        ranks = gather_per_rank(rt.wgrad.figures())
+        record.update({name: [r[i] for r in ranks] for i, name in enumerate(WGRAD_FIGURES)})
     logger.log(record)
 
 

@@ -120,6 +120,10 @@ class ParallelConfig:
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
     overlap_cpu_optimizer_d2h_h2d: bool = False
+    # Deferred weight gradients (parallel/deferred_wgrad.py, ZB-H1 style): linear layers'
+    # weight-gradient GEMMs leave the backward and run inside the pipeline p2p waits, so a
+    # stage's input gradient reaches the stage before it sooner. Needs PP > 1.
+    defer_weight_grads: bool = False
 
     @property
     def model_parallel_size(self) -> int:
@@ -182,6 +186,7 @@ def validate_layout(par: ParallelConfig, model: ModelShape, world_size: int,
     _check_widths(par, model)
     _check_pipeline(par, model)
     _check_zero2(par)
+    _check_deferred_wgrad(par)
     _check_optimizer_offload(par)
     _check_experts(par, model, dp)
     _check_dispatcher(par)
@@ -360,6 +365,22 @@ def _check_zero2(par: ParallelConfig) -> None:
         raise LayoutError(
             "parallel.pipeline_zero2=true with parallel.overlap_grad_reduce=true: ZeRO2 runs "
             "its own reduce-scatters, overlapped with the next chunk's backward; set "
+            "parallel.overlap_grad_reduce=false")
+
+
+def _check_deferred_wgrad(par: ParallelConfig) -> None:
+    if not par.defer_weight_grads:
+        return
+    if par.pipeline_model_parallel_size == 1:
+        raise LayoutError(
+            "parallel.defer_weight_grads=true with pipeline_model_parallel_size=1: deferred "
+            "weight gradients fill pipeline waits, and without a pipeline there are none; set "
+            "pipeline_model_parallel_size > 1 or parallel.defer_weight_grads=false")
+    if par.overlap_grad_reduce:
+        raise LayoutError(
+            "parallel.defer_weight_grads=true with parallel.overlap_grad_reduce=true: "
+            "megatron-core's overlapped reduction starts a bucket when autograd hands it every "
+            "weight gradient, and deferred ones arrive later, outside autograd; set "
             "parallel.overlap_grad_reduce=false")
 
 

@@ -275,6 +275,12 @@ OVERRIDES: tuple[Patch, ...] = (
           "Muon: megatron allocates a fresh optimizer's state through init_state_fn before "
           "loading a checkpoint into it", uses=r"self\.init_state_fn\(",
           callers=(f"{_OPT}.optimizer", f"{_OPT}.distrib_optimizer"), on_instances=True),
+    *(Patch(f"{_MC}.tensor_parallel.layers.{cls}", "_forward_impl", OVERRIDE,
+            "deferred weight gradients: the layer's GEMM becomes one whose backward queues its "
+            "weight-gradient GEMM (parallel/deferred_wgrad.py); forward passes megatron's "
+            "linear_with_grad_accumulation_and_async_allreduce arguments by keyword",
+            fingerprint="6042a461a2e654e9", signature="(self, input, weight, *args, **kwargs)")
+      for cls in ("ColumnParallelLinear", "RowParallelLinear")),
 )
 
 _DATA = f"{_MC}.datasets"

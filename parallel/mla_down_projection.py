@@ -34,7 +34,12 @@ class MLADownProjection(MegatronModule):
 
     Installed as ``multi_latent_attention.Linear`` (see ``parallel/mcore_compat.py``) because MLA
     only accepts that class, TELinear or ColumnParallelLinear for these projections.
+
+    ``linear_impl``: the GEMM (``F.linear``), swappable per instance (deferred weight
+    gradients, ``parallel/deferred_wgrad.py``).
     """
+
+    linear_impl = staticmethod(F.linear)
 
     def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig,
                  init_method, bias: bool = False, skip_bias_add: bool = False,
@@ -52,7 +57,7 @@ class MLADownProjection(MegatronModule):
         self.rope_dims = config.qk_pos_emb_head_dim if tp_comm_buffer_name == "kv_down_proj" else 0
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
-        out = F.linear(x, self.weight)
+        out = self.linear_impl(x, self.weight)
         if self.rope_dims and not self.config.sequence_parallel and _world(self.tp_group) > 1:
             latent, rope = out.split([out.shape[-1] - self.rope_dims, self.rope_dims], dim=-1)
             out = torch.cat([latent, _SumGradOverTP.apply(rope, self.tp_group)], dim=-1)

@@ -100,6 +100,9 @@ class PipelineZero2:
         self.pinned: dict[torch.nn.Parameter, torch.Tensor] = {}
         self.where: dict[torch.nn.Parameter, tuple[BufferShard, int]] = {}  # param -> (buf, start)
         self.flushes = 0  # reduce-scatter rounds this step (one per chunk per group)
+        # Run before a finished chunk's reduce-scatter starts: whatever still owes gradients
+        # to the accumulation buffer (deferred weight gradients, parallel/deferred_wgrad.py).
+        self.before_launch = None
 
     # ---- setup -------------------------------------------------------------------------------
 
@@ -186,6 +189,8 @@ class PipelineZero2:
         self.active = (index, which)
 
     def _launch(self, index: int, which: int) -> None:
+        if self.before_launch is not None:
+            self.before_launch()
         flush = _Flush(index)
         region = self.accum[which]
         for shard in self.chunks[index].buffers:
