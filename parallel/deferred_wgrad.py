@@ -59,7 +59,7 @@ class WeightGradQueue:
     peak_bytes: int = 0
     deferred: int = 0  # W GEMMs queued this step
     run_in_p2p: int = 0  # of them, run while a p2p exchange was in flight
-    drain_seconds: float = 0.0  # time spent running W GEMMs inside p2p exchanges
+    seconds: float = 0.0  # time spent running W GEMMs this step
 
     def push(self, work: Callable[[], None], tensors: tuple[torch.Tensor, ...]) -> None:
         size = sum(t.numel() * t.element_size() for t in tensors)
@@ -76,22 +76,21 @@ class WeightGradQueue:
             work()
             self.held_bytes -= size
             self.run_in_p2p += int(in_p2p)
-        if in_p2p:
-            self.drain_seconds += time.perf_counter() - started
+        self.seconds += time.perf_counter() - started
 
     def begin_step(self) -> None:
         if self.pending:
             raise RuntimeError(f"{len(self.pending)} weight-gradient GEMMs of the previous step "
                                "never ran: a schedule ended without finalising gradients")
         self.held_bytes = self.peak_bytes = self.deferred = self.run_in_p2p = 0
-        self.drain_seconds = 0.0
+        self.seconds = 0.0
 
     def figures(self) -> list[int]:
         """This step's per-rank figures, in ``FIGURE_NAMES`` order (integers, for gathering)."""
-        return [self.deferred, self.run_in_p2p, self.peak_bytes]
+        return [self.deferred, self.run_in_p2p, self.peak_bytes, round(self.seconds * 1e6)]
 
 
-FIGURE_NAMES = ("wgrad_deferred", "wgrad_run_in_p2p", "wgrad_queue_peak_bytes")
+FIGURE_NAMES = ("wgrad_deferred", "wgrad_run_in_p2p", "wgrad_queue_peak_bytes", "wgrad_us")
 
 
 # ---- the deferred GEMM ----------------------------------------------------------------------

@@ -7,7 +7,7 @@ device layer (``parallel/device.py``): megatron-core on CPU + gloo.
 * ``install()`` is idempotent and applies exactly what ``installed_patches()`` lists; a change
   outside the list is refused;
 * 2 training steps on 4 ranks (PP2 x VPP2 x DP2, EP2, distributed optimizer, distributed Muon,
-  Pipeline ZeRO2), with every CUDA entry point that is not redirected poisoned and a
+  Pipeline ZeRO2, deferred weight gradients), with every CUDA entry point that is not redirected poisoned and a
   TorchFunctionMode watching for CUDA devices, reach no CUDA-only call, and exercise every torch
   view and every override (the gloo all-to-all view alone: tests/test_spawned_units.py).
 
@@ -161,7 +161,7 @@ def test_staleness_checks_fail_on_changed_code():
 _POISON_SCRIPT = r'''
 """Train the tiny model for 2 steps with every non-redirected CUDA entry point poisoned, on
 every rank of a torchrun job: PP2 x VPP2 x DP2, EP2, distributed optimizer, distributed Muon,
-Pipeline ZeRO2 (the paths of every technique that changes megatron-core's behaviour)."""
+Pipeline ZeRO2, deferred weight gradients (the paths of every technique that changes megatron-core's behaviour)."""
 import inspect, json, os, sys, traceback
 
 REPO, RUN_DIR = sys.argv[1], sys.argv[2]
@@ -328,7 +328,7 @@ try:
         tree = compose("config", overrides=[
             "model=glm5_tiny", "parallel=pp2_vpp2", "parallel.expert_model_parallel_size=2",
             "parallel.use_distributed_optimizer=true", "parallel.pipeline_zero2=true",
-            "train.optimizer=muon", "train.train_iters=2", "train.warmup_iters=1",
+            "parallel.defer_weight_grads=true", "train.optimizer=muon", "train.train_iters=2", "train.warmup_iters=1",
             "train.global_batch_size=4", "train.seq_length=32", "checkpoint.save=null"])
     job = JobConfig.from_hydra(tree)
     with CudaDeviceRecorder():
