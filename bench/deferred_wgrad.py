@@ -12,8 +12,9 @@ MTP layer with the loss so both stages hold decoder layers, glm5_tiny at 4x its 
 widths (so that GEMMs, not the tiny model's elementwise work, make most of a step), alternating baseline / deferred
 ``--rounds`` times; prints each run's median step time (steps after the first two), the ratio
 deferred / baseline (the median over rounds), and, from the deferred run's own metrics, the
-weight-gradient GEMMs each rank deferred, how many ran inside a p2p exchange and the most
-bytes the queue held at once (exact: inputs + output gradients of the queued GEMMs).
+weight-gradient GEMMs each rank deferred, how many ran inside a p2p exchange, the most bytes
+the queue held at once (exact: inputs + output gradients of the queued GEMMs) beside the peak
+of the step's saved activations, and the time the W GEMMs took.
 
     python bench/deferred_wgrad.py [--rounds 3] [--steps 12] [--seq 512] [--micro 2] [--width 4]
 
@@ -68,7 +69,8 @@ def main() -> None:
                 last = records[-1]
     ratios = [d / b for d, b in zip(times[True], times[False])]
     print(f"per-round ratios deferred/baseline: {' '.join(f'{r:.3f}' for r in ratios)}")
-    for name in ("wgrad_deferred", "wgrad_run_in_p2p", "wgrad_queue_peak_bytes", "wgrad_us"):
+    for name in ("wgrad_deferred", "wgrad_run_in_p2p", "wgrad_queue_peak_bytes", "wgrad_us",
+                 "saved_bytes_peak"):
         print(f"{name} per rank (last step): {last[name]}")
     ours, base = statistics.median(times[True]), statistics.median(times[False])
     print(f"ours={ours:.4f} baseline={base:.4f} ratio={statistics.median(ratios):.3f}")
