@@ -14,7 +14,8 @@ widths (so that GEMMs, not the tiny model's elementwise work, make most of a ste
 deferred / baseline (the median over rounds), and, from the deferred run's own metrics, the
 weight-gradient GEMMs each rank deferred, how many ran inside a p2p exchange, the most bytes
 the queue held at once (exact: inputs + output gradients of the queued GEMMs) beside the peak
-of the step's saved activations, and the time the W GEMMs took.
+of the step's saved activations, the time the W GEMMs took, and each rank's process peak
+memory with and without deferral.
 
     python bench/deferred_wgrad.py [--rounds 3] [--steps 12] [--seq 512] [--micro 2] [--width 4]
 
@@ -57,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     tokens = args.seq * args.micro
     times: dict[bool, list[float]] = {False: [], True: []}
-    last = None
+    last, peaks = None, {}
     for round_index in range(args.rounds):
         for deferred in (False, True):
             label = "deferred" if deferred else "baseline"
@@ -65,6 +66,7 @@ def main() -> None:
             times[deferred].append(median_step_seconds(records, tokens))
             print(f"round {round_index + 1} {label}: median step {times[deferred][-1]:.4f} s",
                   flush=True)
+            peaks[deferred] = records[-1]["mem_peak_bytes"]
             if deferred:
                 last = records[-1]
     ratios = [d / b for d, b in zip(times[True], times[False])]
@@ -72,6 +74,9 @@ def main() -> None:
     for name in ("wgrad_deferred", "wgrad_run_in_p2p", "wgrad_queue_peak_bytes", "wgrad_us",
                  "saved_bytes_peak"):
         print(f"{name} per rank (last step): {last[name]}")
+    print(f"process peak memory per rank (last round): deferred {peaks[True]}, baseline "
+          f"{peaks[False]}, ratio "
+          f"{' '.join(f'{d / b:.3f}' for d, b in zip(peaks[True], peaks[False]))}")
     ours, base = statistics.median(times[True]), statistics.median(times[False])
     print(f"ours={ours:.4f} baseline={base:.4f} ratio={statistics.median(ratios):.3f}")
 

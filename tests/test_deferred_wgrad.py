@@ -108,7 +108,7 @@ def test_with_overlapped_gradient_reduction_deferral_is_refused(monkeypatch):
 
 
 def test_with_transformer_engine_deferral_is_refused(monkeypatch):
-    import glm5_train.assembly as assembly
+    from glm5_train import assembly
 
     monkeypatch.setattr(assembly, "transformer_engine_available", lambda: True)
     with pytest.raises(ValueError, match="Transformer Engine"):
@@ -128,16 +128,23 @@ def _assert_deferred_in_p2p(record: dict, ranks: int) -> None:
     assert all(b > 0 for b in peak), peak
 
 
+def _matches_one_process(nprocs: int, overrides: list[str], run_dir: str):
+    """Run the layout, compare it with one process, prove from its metrics that the layout
+    ran with deferral on every rank; the run's result."""
+    result = run_job(nprocs, overrides, run_dir)
+    problems = compare(one_process(["parallel=single", *BATCH]).records, result.records)
+    assert not problems, "\n".join(problems)
+    assert_layout_ran(result, nprocs, overrides)
+    for record in result.records:
+        _assert_deferred_in_p2p(record, nprocs)
+    return result
+
+
 def test_pipeline_with_deferred_weight_gradients_matches_one_process(tmp_path):
     """PP2, MTP with the loss (both stages hold decoder layers)."""
     overrides = ["parallel=pp2", "parallel.mtp_placement=with_loss", *BATCH,
                  "parallel.defer_weight_grads=true"]
-    result = run_job(2, overrides, str(tmp_path / "pp2"))
-    problems = compare(one_process(["parallel=single", *BATCH]).records, result.records)
-    assert not problems, "\n".join(problems)
-    assert_layout_ran(result, 2, overrides)
-    for record in result.records:
-        _assert_deferred_in_p2p(record, 2)
+    result = _matches_one_process(2, overrides, str(tmp_path / "pp2"))
     # The last stage's backward ends in a send each time: all its W GEMMs fill p2p waits.
     assert all(r["wgrad_run_in_p2p"][1] == r["wgrad_deferred"][1] for r in result.records)
 
@@ -149,9 +156,4 @@ def test_interleaved_zero2_with_sequence_parallel_and_deferral_matches_one_proce
     overrides = ["parallel=tp2_pp2_vpp2_ep2_dp2", *BATCH,
                  "parallel.use_distributed_optimizer=true", "parallel.pipeline_zero2=true",
                  "parallel.defer_weight_grads=true"]
-    result = run_job(8, overrides, str(tmp_path / "zero2"))
-    problems = compare(one_process(["parallel=single", *BATCH]).records, result.records)
-    assert not problems, "\n".join(problems)
-    assert_layout_ran(result, 8, overrides)
-    for record in result.records:
-        _assert_deferred_in_p2p(record, 8)
+    _matches_one_process(8, overrides, str(tmp_path / "zero2"))
