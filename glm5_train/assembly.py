@@ -31,6 +31,7 @@ from functools import partial
 
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.moe.experts import SequentialMLP
 
 from glm5_train.activation_memory import build_activation_tracker
 from glm5_train.data import (
@@ -53,7 +54,7 @@ from glm5_train.model.init_weights import initialize_weights
 from glm5_train.optim import attach_schedule_hooks, build_optimizer, build_scheduler, wrap_ddp
 from glm5_train.pipeline_plan import resolve_pipeline_layout
 from glm5_train.tokenizer import build_tokenizer
-from parallel import deferred_wgrad, mcore_compat, process_groups
+from parallel import deferred_wgrad, int4_qat, mcore_compat, process_groups
 from parallel.activation_offload import ActivationTracker
 from parallel.deferred_wgrad import WeightGradQueue
 from parallel.device import comm_device
@@ -61,6 +62,7 @@ from parallel.distributed_muon import install_distributed_muon
 from parallel.embedding_tie import EmbeddingTie
 from parallel.flexible_cp import FlexiblePlan, GroupPool, Workload
 from parallel.grad_norms import ParamGradNorms
+from parallel.int4_qat import Int4QAT
 from parallel.layout import validate_layout
 from parallel.muon import MuonConfig, install_on_fp32_optimizer, matrix_layouts
 from parallel.pipeline_zero2 import PipelineZero2, attach_to_optimizer
@@ -86,6 +88,8 @@ class Runtime:
     last_plan: FlexiblePlan | None = None  # the plan of the latest step's global batch
     # parallel.defer_weight_grads: the queued weight-gradient GEMMs (parallel/deferred_wgrad.py)
     wgrad: WeightGradQueue | None = None
+    # train.int4_qat: the fake-quantised routed experts (parallel/int4_qat.py)
+    qat: Int4QAT | None = None
 
     @property
     def dp_rank(self) -> int:
@@ -115,6 +119,8 @@ def assemble(job: JobConfig, validated: bool = False) -> Runtime:
         pinned = embedding_tie.holders(chunks) if embedding_tie.needs_sync(chunks) else []
     chunks = wrap_ddp(chunks, config, job.parallel.use_distributed_optimizer,
                       job.parallel.overlap_grad_reduce, zero2=zero2, pinned=pinned)
+    # INT4 QAT first: deferred W GEMMs then multiply with its quantised weights too.
+    qat = install_int4_qat(chunks, job.train.int4_group_size) if job.train.int4_qat else None
     wgrad = WeightGradQueue() if job.parallel.defer_weight_grads else None
     if wgrad is not None:
         deferred_wgrad.install(chunks, wgrad)
@@ -136,7 +142,28 @@ def assemble(job: JobConfig, validated: bool = False) -> Runtime:
     pool = (GroupPool(groups.dp, job.parallel.flexible_cp_max_size, groups.cp)
             if job.parallel.cp_groups == "flexible" else None)  # collective: every rank
     return Runtime(job, config, groups, chunks, optimizer, scheduler, dataset, zero2, norms,
-                   activations, pool, wgrad=wgrad)
+                   activations, pool, wgrad=wgrad, qat=qat)
+
+
+def routed_expert_linears(chunks: list) -> list:
+    """The routed experts' linear layers (megatron-core's SequentialMLP experts, the MTP
+    layer's included) of this rank's chunks."""
+    return [linear for chunk in chunks for module in chunk.modules()
+            if isinstance(module, SequentialMLP)
+            for expert in module.local_experts
+            for linear in (expert.linear_fc1, expert.linear_fc2)]
+
+
+def install_int4_qat(chunks: list, group_size: int) -> Int4QAT:
+    """train.int4_qat: fake-quantise the routed experts (parallel/int4_qat.py)."""
+    linears = routed_expert_linears(chunks)
+    if not linears and any(module.__class__.__name__.endswith("GroupedMLP")
+                           for chunk in chunks for module in chunk.modules()):
+        raise ValueError("train.int4_qat=true covers experts built as megatron-core's "
+                         "SequentialMLP; this model's experts are grouped GEMMs (Transformer "
+                         "Engine or moe_grouped_gemm): build it without them, or set "
+                         "train.int4_qat=false")
+    return int4_qat.install(linears, group_size)
 
 
 def validate_job(job: JobConfig) -> int:

@@ -48,6 +48,7 @@ from megatron.core.dist_checkpointing.mapping import (
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from glm5_train import int4_checkpoint
 from glm5_train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from glm5_train.hf_mapping import (
     check_config_matches,
@@ -248,11 +249,19 @@ class _SliceReader:
             self._open[fname] = self._stack.enter_context(safe_open(path, framework="pt"))
         return self._open[fname].get_slice(name)
 
+    def _stored(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        return self._slice(name)[index]
+
     def shape(self, name: str) -> tuple[int, ...]:
+        if int4_checkpoint.is_packed(name, self.files):
+            return int4_checkpoint.packed_shape(self._stored, name)
         return tuple(self._slice(name).get_shape())
 
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
-        return self._slice(name)[index]
+        """A slice of tensor ``name``; an INT4 weight's dequantised (its packed triple)."""
+        if int4_checkpoint.is_packed(name, self.files):
+            return int4_checkpoint.read_packed(self._stored, name, index)
+        return self._stored(name, index)
 
 
 def import_hf(job, hf_dir: str, save_dir: str) -> dict[str, Any]:
@@ -263,7 +272,8 @@ def import_hf(job, hf_dir: str, save_dir: str) -> dict[str, Any]:
     hf_dict = read_hf_config(hf_dir)
     hf_cfg = hf_config_to_glm5(hf_dict)
     check_config_matches(hf_cfg, job.model)
-    files = hf_weight_files(hf_dir)
+    stored = hf_weight_files(hf_dir)
+    files = int4_checkpoint.logical_names(stored)  # INT4 weights under their own names
     layers, nextn = hf_cfg.num_hidden_layers, hf_cfg.num_nextn_predict_layers
     # A job training without MTP skips the checkpoint's MTP layers (and says so).
     mtp = [] if job.model.mtp_sets else sorted(n for n in files if is_mtp_name(n, layers, nextn))
@@ -275,7 +285,7 @@ def import_hf(job, hf_dir: str, save_dir: str) -> dict[str, Any]:
     used: dict[str, list] = {}
     errors: list[str] = []
     casts: Counter = Counter()
-    with _SliceReader(hf_dir, files) as reader, torch.no_grad():
+    with _SliceReader(hf_dir, stored) as reader, torch.no_grad():
         for tensor in local_tensors(chunks):
             try:
                 pieces = pieces_of(tensor, layers)
@@ -379,9 +389,11 @@ def _shard_of(name: str, layers: int) -> int:
     return 1 + layer
 
 
-def export_hf(job, load_dir: str, out_dir: str) -> dict[str, Any]:
+def export_hf(job, load_dir: str, out_dir: str, int4: bool = False) -> dict[str, Any]:
     """Write the checkpoint under ``load_dir`` (newest iteration) as an HF GLM-5 checkpoint in
-    ``out_dir``. Collective: call on every rank. Returns a report (complete on rank 0)."""
+    ``out_dir``; ``int4``: the routed experts as INT4 at ``train.int4_group_size``
+    (glm5_train/int4_checkpoint.py). Collective: call on every rank. Returns a report
+    (complete on rank 0)."""
     started = time.perf_counter()
     check_exportable(job.model)
     _ensure_distributed(job)
@@ -419,12 +431,14 @@ def export_hf(job, load_dir: str, out_dir: str) -> dict[str, Any]:
                 box = None
         problems += assembler.problems()
         fname = shard_file(shard, shards)
-
-        save_file(assembler.tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
-        for name, tensor in assembler.tensors.items():
+        tensors = assembler.tensors
+        if int4:
+            tensors = int4_checkpoint.quantize_tensors(tensors, job.train.int4_group_size)
+        save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        for name, tensor in tensors.items():
             weight_map[name] = fname
             total_bytes += tensor.numel() * tensor.element_size()
-        del assembler
+        del assembler, tensors
 
     problems = _broadcast(problems)
     if problems:
@@ -435,8 +449,11 @@ def export_hf(job, load_dir: str, out_dir: str) -> dict[str, Any]:
         _write_json(os.path.join(out_dir, INDEX_FILE),
                     {"metadata": {"total_size": total_bytes},
                      "weight_map": dict(sorted(weight_map.items()))})
-        _write_json(os.path.join(out_dir, "config.json"),
-                    glm5_to_hf_config(job.model, job.train.torch_dtype))
+        hf_config = glm5_to_hf_config(job.model, job.train.torch_dtype)
+        if int4:
+            hf_config["quantization_config"] = int4_checkpoint.quantization_config(
+                job.train.int4_group_size)
+        _write_json(os.path.join(out_dir, "config.json"), hf_config)
     dist.barrier()
     report["seconds"] = time.perf_counter() - started
     _log(f"exported {len(weight_map)} tensors in {shards} shards ({total_bytes / 2**20:.1f} MiB) "

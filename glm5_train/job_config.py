@@ -23,6 +23,7 @@ from glm5_train.data import DataConfig
 from glm5_train.model.config import GLM5Config
 from glm5_train.model.dsa_loss import DSATrainingConfig
 from glm5_train.run_dir import register_resolvers, run_id
+from parallel.int4_qat import check_group_size
 from parallel.layout import ParallelConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -88,6 +89,12 @@ class TrainConfig:
     profile_steps: list[int] | None = None
     profile_shapes: bool = False
     profile_memory: bool = False
+    # INT4 quantisation-aware training (parallel/int4_qat.py): the routed experts' weights
+    # enter every forward as weight-only symmetric INT4, one bfloat16 scale per
+    # int4_group_size inputs of a row (the weights export as that INT4 checkpoint bit for bit:
+    # tools/hf_checkpoint.py export --int4).
+    int4_qat: bool = False
+    int4_group_size: int = 32
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -165,6 +172,28 @@ class JobConfig:
         self.activations.check_offload_for(self.model.num_hidden_layers, self.model.mtp_sets)
         _check_checkpoint(self.checkpoint)
         _check_flexible_cp(self)
+        _check_int4_qat(self)
+
+
+def _check_int4_qat(job: JobConfig) -> None:
+    """INT4 QAT quantises the routed experts: they must exist, and their weights' groups must
+    not straddle tensor-parallel shards."""
+    if not job.train.int4_qat:
+        return
+    g, model = job.train.int4_group_size, job.model
+    check_group_size(g, "train.int4_group_size")
+    if not any(model.moe_layer_pattern) or not model.n_routed_experts:
+        raise ValueError("train.int4_qat=true quantises the routed experts, and this model has "
+                         "none (no MoE layer): set train.int4_qat=false")
+    etp = job.parallel.expert_tp
+    widths = {"model.hidden_size (the experts' fc1 input)": model.hidden_size,
+              f"model.moe_intermediate_size / expert TP {etp} (fc2's input per rank)":
+                  model.moe_intermediate_size // etp}
+    for name, width in widths.items():
+        if width % g:
+            raise ValueError(f"train.int4_group_size={g} does not divide {name} = {width}: "
+                             "a group would straddle shards; pick a group size dividing it "
+                             "(e.g. 32)")
 
 
 def _check_flexible_cp(job: JobConfig) -> None:

@@ -57,6 +57,7 @@ from glm5_train.step import global_loss, global_mtp_losses, run_step
 from parallel.comm_meter import CommMeter, buffer_bytes, gather_fields, names_of_groups
 from parallel.deferred_wgrad import FIGURE_NAMES as WGRAD_FIGURES
 from parallel.device import comm_device
+from parallel.int4_qat import FIGURE_NAMES as QAT_FIGURES
 
 
 @dataclass
@@ -159,6 +160,8 @@ def _forward_backward(rt: Runtime, iterators: list) -> list:
         rt.activations.begin_step()
     if rt.wgrad is not None:
         rt.wgrad.begin_step()
+    if rt.qat is not None:  # the optimizer moved the weights: requantise at first use
+        rt.qat.begin_step()
     reports = run_step(rt.chunks, iterators, num_micro, seq_length, t.micro_batch_size,
                        rt.groups, activations=rt.activations, wgrad=rt.wgrad)
     if rt.activations is not None:  # this step's saved-for-backward figures
@@ -224,6 +227,9 @@ def _log(rt: Runtime, logger: MetricsLogger, record: dict, meter: CommMeter,
     if rt.wgrad is not None:  # deferred weight gradients: queued, run in p2p, bytes held
         ranks = gather_per_rank(rt.wgrad.figures())
         record.update({name: [r[i] for r in ranks] for i, name in enumerate(WGRAD_FIGURES)})
+    if rt.qat is not None:  # INT4 QAT: layers requantised, their buffers, the rounding error
+        ranks = gather_per_rank(rt.qat.figures())
+        record.update({name: [r[i] for r in ranks] for i, name in enumerate(QAT_FIGURES)})
     logger.log(record)
 
 

@@ -28,7 +28,9 @@ backward step's worth (one micro-batch of one chunk) between two p2p exchanges.
 Covered: megatron-core's ``ColumnParallelLinear`` / ``RowParallelLinear`` (attention
 projections, dense, shared and routed expert MLPs with megatron-core's SequentialMLP) and any
 module taking its GEMM from ``linear_impl`` or a ``torch.nn.Linear`` (the DSA indexer, MLA's
-replicated down projections). Not covered: Transformer Engine layers (``install`` refuses
+replicated down projections). A megatron-core layer's ``weight_transform`` (INT4 QAT's
+quantised weight, parallel/int4_qat.py; installed first) is what both GEMMs multiply with; W
+still accumulates into the parameter's gradient (straight through). Not covered: Transformer Engine layers (``install`` refuses
 them), the output head under the chunked loss, the MoE router and the word embedding.
 """
 
@@ -128,21 +130,21 @@ class DeferredLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, inputs, weight, bias, allreduce_dgrad: bool, sequence_parallel: bool,
-                tp_group, queue: WeightGradQueue):
+                tp_group, queue: WeightGradQueue, transform: Callable | None = None):
         ctx.save_for_backward(inputs)
         # The parameter itself, not a saved copy: saved tensors come back through the
         # saved-tensor hooks (accounting, offloading) as other objects, without ``main_grad``.
-        ctx.weight = weight
+        ctx.weight, ctx.transform = weight, transform
         ctx.use_bias, ctx.queue, ctx.tp_group = bias is not None, queue, tp_group
         ctx.allreduce_dgrad, ctx.sequence_parallel = allreduce_dgrad, sequence_parallel
         total = _gather_sequence(inputs, tp_group) if sequence_parallel else inputs
-        out = torch.matmul(total, weight.t())
+        out = torch.matmul(total, _gemm_weight(weight, transform).t())
         return out + bias if bias is not None else out
 
     @staticmethod
     def backward(ctx, grad_output):
         (inputs,), weight = ctx.saved_tensors, ctx.weight
-        grad_input, handle = grad_output.matmul(weight), None
+        grad_input, handle = grad_output.matmul(_gemm_weight(weight, ctx.transform)), None
         if ctx.sequence_parallel:
             shard = torch.empty(inputs.shape, dtype=grad_input.dtype, device=grad_input.device)
             handle = dist.reduce_scatter_tensor(shard, grad_input.contiguous(),
@@ -157,10 +159,17 @@ class DeferredLinear(torch.autograd.Function):
                        (inputs, grad_output))
         if handle is not None:
             handle.wait()
-        return grad_input, None, grad_bias, None, None, None, None
+        return grad_input, None, grad_bias, None, None, None, None, None
 
 
-def _megatron_linear_impl(queue: WeightGradQueue, original, input, weight, bias=None,
+def _gemm_weight(weight: torch.Tensor, transform: Callable | None) -> torch.Tensor:
+    """The weight the GEMMs multiply with: the layer's ``weight_transform`` of the parameter
+    (INT4 QAT's quantised copy; its gradient goes straight to the parameter) or itself."""
+    return weight if transform is None else transform()
+
+
+def _megatron_linear_impl(queue: WeightGradQueue, original, transform, input, weight,
+                          bias=None,
                           gradient_accumulation_fusion=False, allreduce_dgrad=False,
                           sequence_parallel=False, grad_output_buffer=None,
                           wgrad_deferral_limit=None, tp_group=None):
@@ -174,7 +183,7 @@ def _megatron_linear_impl(queue: WeightGradQueue, original, input, weight, bias=
                         grad_output_buffer=grad_output_buffer,
                         wgrad_deferral_limit=wgrad_deferral_limit, tp_group=tp_group)
     return DeferredLinear.apply(input, weight, bias, allreduce_dgrad, sequence_parallel,
-                                tp_group, queue)
+                                tp_group, queue, transform)
 
 
 def _plain_linear(queue: WeightGradQueue, inputs: torch.Tensor, weight: torch.Tensor,
@@ -193,11 +202,6 @@ def _nn_linear_forward(module: torch.nn.Linear, queue: WeightGradQueue,
 # ---- installation ---------------------------------------------------------------------------
 
 
-def _is_transformer_engine(module: torch.nn.Module) -> bool:
-    path = type(module).__module__
-    return path.startswith("transformer_engine") or ".extensions.transformer_engine" in path
-
-
 def install(modules: list[torch.nn.Module], queue: WeightGradQueue) -> int:
     """Defer W for every covered linear layer under ``modules`` (per-instance overrides, no
     global patch); returns how many layers were switched. Raises ValueError, before any step,
@@ -205,12 +209,13 @@ def install(modules: list[torch.nn.Module], queue: WeightGradQueue) -> int:
     switched, refused = 0, []
     for root in modules:
         for name, module in root.named_modules():
-            if _is_transformer_engine(module) and any(
+            if mcore_compat.is_transformer_engine(module) and any(
                     p.requires_grad for p in module.parameters(recurse=False)):
                 refused.append(f"{name} ({type(module).__name__})")
             elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 mcore_compat.override_method(module, "_forward_impl", partial(
-                    _megatron_linear_impl, queue, module._forward_impl))
+                    _megatron_linear_impl, queue, module._forward_impl,
+                    getattr(module, "weight_transform", None)))
                 switched += 1
             elif hasattr(module, "linear_impl"):
                 module.linear_impl = partial(_plain_linear, queue)

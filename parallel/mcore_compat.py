@@ -469,6 +469,12 @@ def _listed(cls: type, attr: str, kind: str) -> Patch:
                        "parallel/mcore_compat.py PATCHES: add one (reason, staleness check)")
 
 
+def is_transformer_engine(module: Any) -> bool:
+    """A Transformer Engine layer, or megatron-core's wrapper of one (its GEMMs are TE's)."""
+    path = type(module).__module__
+    return path.startswith("transformer_engine") or ".extensions.transformer_engine" in path
+
+
 def override_method(obj: Any, name: str, replacement: Callable) -> None:
     """Replace the bound method ``obj.name`` with ``replacement`` (already bound to ``obj``),
     checking that the original is the one the listed entry was written against."""

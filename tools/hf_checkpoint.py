@@ -44,6 +44,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     exp.add_argument("--load", required=True, help="checkpoint directory (checkpoint.save of "
                      "a training run or an import)")
     exp.add_argument("--hf-dir", required=True, help="output directory")
+    exp.add_argument("--int4", action="store_true", help="write the routed experts as INT4 "
+                     "(compressed-tensors pack-quantized, train.int4_group_size inputs per "
+                     "scale), bit for bit the weights an INT4 QAT run trained with")
     for p in (imp, exp):
         p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=glm5_tiny "
                        "parallel=tp2_pp2_vpp2_ep2")
@@ -58,7 +61,7 @@ def main(argv: list[str]) -> int:
         if args.command == "import":
             import_hf(job, args.hf_dir, args.save)
         else:
-            export_hf(job, args.load, args.hf_dir)
+            export_hf(job, args.load, args.hf_dir, int4=args.int4)
     except (ValueError, TypeError, FileNotFoundError) as err:
         if _rank() == 0:
             print(f"hf_checkpoint: error: {err}", file=sys.stderr, flush=True)

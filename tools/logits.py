@@ -20,7 +20,7 @@ if REPO not in sys.path:  # runnable as `torchrun tools/logits.py` from anywhere
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from glm5_train.assembly import build_model  # noqa: E402
+from glm5_train.assembly import build_model, install_int4_qat  # noqa: E402
 from glm5_train.checkpoint import load_checkpoint  # noqa: E402
 from glm5_train.inference import compute_logits  # noqa: E402
 from glm5_train.job_config import compose_job  # noqa: E402
@@ -44,6 +44,8 @@ def main(argv: list[str]) -> None:
     process_groups.init_distributed(job.parallel, job.train.seed)
     groups = process_groups.groups()
     _, chunks = build_model(job, groups)
+    if job.train.int4_qat:  # the logits the INT4 QAT forward computes
+        install_int4_qat(chunks, job.train.int4_group_size)
     load_checkpoint(args.load, chunks, None, None, job.model)
     logits = compute_logits(chunks, tokens, groups)
     writer = logits is not None and groups.tp.rank() == 0 and groups.dp.rank() == 0
