@@ -14,7 +14,15 @@ import torch
 from glm5_train.job_config import compose_job
 from parallel import int4_qat
 from parallel.int4_qat import FIGURE_NAMES
-from tests.parity import BASE_OVERRIDES, assert_layout_ran, compare, one_process, run_job
+from tests.parity import (
+    BASE_OVERRIDES,
+    FP32,
+    Tolerances,
+    assert_layout_ran,
+    compare,
+    one_process,
+    run_job,
+)
 from tests.test_hf_checkpoint import read_hf_dir, run_tool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,6 +110,15 @@ def test_impossible_quantisation_is_refused(overrides, message):
 
 # ---- parity ----------------------------------------------------------------------------------
 
+# Where a layout sums an expert's GEMMs in another order (experts split by TP), the updated
+# weights differ from one process's by fp32 rounding, and a weight that close to a rounding
+# boundary of its INT4 grid lands on the other side: a jump of one step in one weight. Step 1
+# (the same weights) is fp32 parity; measured over 5 steps at TP2: losses 3.3e-6 relative,
+# per-expert gradient norms up to 2.2% from step 4 on. With the experts whole on their ranks
+# (EP) the weights stay bit-identical and FP32 holds throughout.
+INT4_SPLIT_EXPERTS = Tolerances(loss=1e-4, grad_norm=1e-3, indexer_kl=1e-3, param=2e-3,
+                                param_steps=1)
+
 
 def _assert_quantised(record: dict, ranks: int) -> None:
     """Every rank quantised its experts this step, with a buffer and a real rounding error."""
@@ -120,12 +137,13 @@ def test_qat_changes_training_and_every_layout_matches_one_process(tmp_path):
     plain = one_process(["parallel=single", *BATCH])
     assert reference.records[0]["loss"] != plain.records[0]["loss"]
     assert abs(reference.records[-1]["loss"] - plain.records[-1]["loss"]) > 1e-4
-    for nprocs, layout in ((8, ["parallel=tp2_pp2_vpp2_ep2_dp2",
-                                "parallel.defer_weight_grads=true"]),
-                           (2, ["parallel=tp2"])):
+    for nprocs, layout, tol in ((8, ["parallel=tp2_pp2_vpp2_ep2_dp2",
+                                     "parallel.defer_weight_grads=true"], FP32),
+                                (2, ["parallel=tp2"], INT4_SPLIT_EXPERTS)):
         overrides = [*layout, *BATCH, *QAT]
         result = run_job(nprocs, overrides, str(tmp_path / f"run{nprocs}"))
-        problems = compare(reference.records, result.records)
+        problems = compare(reference.records[:1], result.records[:1])  # same weights: fp32
+        problems += compare(reference.records, result.records, tol)
         assert not problems, f"{layout}:\n" + "\n".join(problems)
         assert_layout_ran(result, nprocs, overrides)
         for record in result.records:
@@ -182,7 +200,7 @@ def test_int4_export_is_the_qat_forward_bit_for_bit(tmp_path):
     imported = tmp_path / "imported"
     run_tool(2, "import", "--hf-dir", str(out), "--save", str(imported), "model=glm5_tiny",
              "parallel=tp2")
-    tokens = torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(3))
+    tokens = torch.randint(0, 320, (2, 64), generator=torch.Generator().manual_seed(3))
     torch.save(tokens, tmp_path / "tokens.pt")
     for name, load, extra in (("qat", ckpt, QAT), ("int4", imported, [])):
         _torchrun(1, "tools/logits.py", "--load", str(load), "--tokens",
