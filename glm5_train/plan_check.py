@@ -8,7 +8,7 @@ Planned: ``pipeline_plan.plan_report`` for the job's layout; a global rank's pip
 rank // (world / PP), megatron-core's default order "tp-cp-ep-dp-pp".
 
 How close each must be (``problems``):
-- parameters: exactly;
+- parameters: exactly; likewise INT4 QAT's quantised expert copies (``int4_qat_buffer_bytes``);
 - gradients and optimizer state (AdamW, nothing frozen; with ``parallel.optimizer_cpu_offload``
   at fraction 0 or 1 also the host-resident state, ``optimizer_host_bytes``): within
   STATE_RTOL; the planner leaves out megatron-core's padding (distributed optimizer: buckets
@@ -96,6 +96,8 @@ class RankBytes:
 
 def compared_fields(job) -> tuple[str, ...]:
     fields = _state_fields(job)
+    if job.train.int4_qat:
+        fields = (*fields, "int4_qat_buffer")
     par = job.parallel
     # The planner prices context parallelism's all-gather exchange; head-parallel CP's
     # all-to-all buffers saved for backward are not modelled (measured 7-9% off).
@@ -162,6 +164,8 @@ def rank_bytes(job, record: dict, plan: _Plan | None = None) -> list[RankBytes]:
                             record["saved_bytes_peak"][g]),
             "optimizer_host": (stage_sum(p, "host_bytes"),
                                record.get("optimizer_host_bytes", [0] * world)[g]),
+            "int4_qat_buffer": (stage_sum(p, "buffer_bytes"),
+                                record.get("int4_qat_buffer_bytes", [0] * world)[g]),
         }
         rows += [RankBytes(g, p, name, *values[name]) for name in compared_fields(job)]
     return rows
@@ -216,7 +220,7 @@ def problems(job, record: dict) -> list[str]:
     plan = _plan(job, record)
     rows = rank_bytes(job, record, plan) + traffic_rows(job, record, plan)
     padded = STATE_RTOL if job.parallel.use_distributed_optimizer else 0.0
-    tolerance = {"param": 0.0, "grad": STATE_RTOL, "optimizer": STATE_RTOL,
+    tolerance = {"param": 0.0, "int4_qat_buffer": 0.0, "grad": STATE_RTOL, "optimizer": STATE_RTOL,
                  "optimizer_host": STATE_RTOL,
                  "activations": ROUTED_RTOL if routed_over_expert_ranks(job) else ACTIVATION_RTOL,
                  "grad_reduction": padded, "param_gather": STATE_RTOL, "p2p": 0.0}

@@ -161,10 +161,13 @@ class StageCosts:
     dense_params: int = 0
     expert_params: int = 0
     host_bytes: int = 0  # held in host memory (e.g. optimizer state there): not on the device
+    # Device buffers held for the whole run besides parameters, gradients and optimizer state
+    # (e.g. quantised copies of weights).
+    buffer_bytes: int = 0
 
     @cached_property  # read in the balancer's inner loop
     def static_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.buffer_bytes
 
 
 def zero2_accum_bytes(mine: list[StageCosts]) -> int:

@@ -74,6 +74,7 @@ class MemoryInputs:
     # accumulation buffers per rank the size of its largest stage's gradients; without it
     # megatron-core keeps every gradient whole.
     shard_grads: bool = False
+    int4_qat: bool = False  # train.int4_qat: an INT4 copy of every routed expert weight
     dsa_kl: bool = True  # the indexer trains with the KL
     # dsa.stage: "dense_warmup" freezes all but the indexer, attends densely and runs the
     # model without autograd (``dense_indexer_kl_bytes``); "sparse": everything trains.
@@ -157,6 +158,7 @@ def inputs_from_job(job, dp: int | None = None, **changes) -> MemoryInputs:
         optimizer_offload_fraction=(par.optimizer_offload_fraction
                                     if getattr(par, "optimizer_cpu_offload", False) else 0.0),
         shard_grads=getattr(par, "pipeline_zero2", False),
+        int4_qat=getattr(train, "int4_qat", False),
         dsa_kl=bool(getattr(dsa, "trains_indexer", True)),
         dsa_stage=getattr(dsa, "stage", "sparse"),
         fused_attention=torch.cuda.is_available(),
@@ -805,7 +807,9 @@ def stage_costs(part: Part, inp: MemoryInputs) -> StageCosts:
     return StageCosts(inp.weight_bytes * (d + e), inp.grad_bytes * grads, device,
                       part.activation_bytes, part.flops, zero2_accumulated_bytes(d, e, inp),
                       part.transient_bytes, part.comm, dense_params=d, expert_params=e,
-                      host_bytes=host)
+                      host_bytes=host,
+                      # train.int4_qat: each routed expert weight's dequantised INT4 copy
+                      buffer_bytes=inp.weight_bytes * e if inp.int4_qat else 0)
 
 
 def zero2_accumulated_bytes(dense: int, expert: int, inp: MemoryInputs) -> int:
