@@ -126,13 +126,15 @@ class Int4QAT:
     step: int = 0
     _fresh: dict = field(default_factory=dict)  # id(layer) -> step its buffer was computed
     refreshed: int = 0  # layers requantised this step
-    error_sq: float = 0.0  # this step's sum of squared (quantised - weight)
-    norm_sq: float = 0.0  # and of squared weights
+    # this step's sums of squared (quantised - weight) and of squared weights, kept on the
+    # device (no host sync per layer) until ``figures`` reads them
+    error_sq: list = field(default_factory=list)
+    norm_sq: list = field(default_factory=list)
 
     def begin_step(self) -> None:
         """The weights may have changed: every layer requantises at its next forward."""
         self.step += 1
-        self.refreshed, self.error_sq, self.norm_sq = 0, 0.0, 0.0
+        self.refreshed, self.error_sq, self.norm_sq = 0, [], []
 
     def quantized_weight(self, layer: torch.nn.Module) -> torch.Tensor:
         """The layer's dequantised INT4 weight for this step (computed at its first use)."""
@@ -141,8 +143,8 @@ class Int4QAT:
             with torch.no_grad():
                 buffer.copy_(fake_quantize(layer.weight, self.group_size))
                 weight = layer.weight.detach().float()
-                self.error_sq += (buffer.float() - weight).square().sum().item()
-                self.norm_sq += weight.square().sum().item()
+                self.error_sq.append((buffer.float() - weight).square().sum())
+                self.norm_sq.append(weight.square().sum())
             self._fresh[id(layer)] = self.step
             self.refreshed += 1
         return buffer
@@ -155,7 +157,8 @@ class Int4QAT:
         """This step's per-rank figures in ``FIGURE_NAMES`` order (integers, for gathering):
         layers requantised, the buffers' bytes, and the relative quantisation error
         ||q(W) - W|| / ||W|| over them in parts per million."""
-        error = (self.error_sq / self.norm_sq) ** 0.5 if self.norm_sq else 0.0
+        norm_sq = float(sum(self.norm_sq)) if self.norm_sq else 0.0
+        error = (float(sum(self.error_sq)) / norm_sq) ** 0.5 if norm_sq else 0.0
         return [self.refreshed, self.buffer_bytes(), round(error * 1e6)]
 
 
