@@ -61,15 +61,10 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], group_size: int) -> dict[
 
 def logical_names(files: dict[str, str]) -> dict[str, str]:
     """HF tensor name -> file, with each packed triple under its weight's own name."""
-    out = {}
-    for name, fname in files.items():
-        if name.endswith("weight" + PACKED):
-            out[name[:-len(PACKED)]] = fname
-        elif not (name.endswith("weight" + SCALE) and name[:-len(SCALE)] + PACKED in files) \
-                and not (name.endswith("weight" + SHAPE)
-                         and name[:-len(SHAPE)] + PACKED in files):
-            out[name] = fname
-    return out
+    packed = {name[:-len(PACKED)] for name in files if name.endswith("weight" + PACKED)}
+    triple = {base + suffix for base in packed for suffix in (PACKED, SCALE, SHAPE)}
+    return {**{name: fname for name, fname in files.items() if name not in triple},
+            **{base: files[base + PACKED] for base in packed}}
 
 
 def is_packed(name: str, files: dict[str, str]) -> bool:

@@ -30,8 +30,9 @@ projections, dense, shared and routed expert MLPs with megatron-core's Sequentia
 module taking its GEMM from ``linear_impl`` or a ``torch.nn.Linear`` (the DSA indexer, MLA's
 replicated down projections). A megatron-core layer's ``weight_transform`` (INT4 QAT's
 quantised weight, parallel/int4_qat.py; installed first) is what both GEMMs multiply with; W
-still accumulates into the parameter's gradient (straight through). Not covered: Transformer Engine layers (``install`` refuses
-them), the output head under the chunked loss, the MoE router and the word embedding.
+still accumulates into the parameter's gradient (straight through). Not covered: Transformer
+Engine layers (``install`` refuses them), the output head under the chunked loss, the MoE
+router and the word embedding.
 """
 
 from __future__ import annotations

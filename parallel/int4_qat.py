@@ -141,8 +141,8 @@ class Int4QAT:
         buffer = getattr(layer, BUFFER_NAME)
         if self._fresh.get(id(layer)) != self.step:
             with torch.no_grad():
-                buffer.copy_(fake_quantize(layer.weight, self.group_size))
-                weight = layer.weight.detach().float()
+                weight = layer.weight.detach().float()  # once, for the quantiser and the error
+                buffer.copy_(dequantize(*quantize(weight, self.group_size), buffer.dtype))
                 self.error_sq.append((buffer.float() - weight).square().sum())
                 self.norm_sq.append(weight.square().sum())
             self._fresh[id(layer)] = self.step
@@ -150,8 +150,8 @@ class Int4QAT:
         return buffer
 
     def buffer_bytes(self) -> int:
-        return sum(getattr(layer, BUFFER_NAME).numel() * getattr(layer, BUFFER_NAME).element_size()
-                   for layer in self.layers)
+        buffers = (getattr(layer, BUFFER_NAME) for layer in self.layers)
+        return sum(b.numel() * b.element_size() for b in buffers)
 
     def figures(self) -> list[int]:
         """This step's per-rank figures in ``FIGURE_NAMES`` order (integers, for gathering):

@@ -46,9 +46,10 @@ MTP_OWN = {
 }
 
 
-def run_tool(nprocs: int, *args: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
+def run_tool(nprocs: int, *args: str, expect_ok: bool = True,
+             script: str = TOOL) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nprocs}", TOOL, *args]
+           f"--nproc-per-node={nprocs}", script, *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
                           check=False)

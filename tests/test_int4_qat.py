@@ -6,9 +6,6 @@ and the export imported back giving bit for bit the QAT forward's logits."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,7 +24,6 @@ from tests.parity import (
 )
 from tests.test_hf_checkpoint import read_hf_dir, run_tool
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH = ["train.global_batch_size=16"]
 QAT = ["train.int4_qat=true"]
 
@@ -53,7 +49,7 @@ def test_values_and_scales_follow_the_format():
 def test_zero_groups_get_unit_scale_and_the_groups_are_independent():
     w = torch.zeros(2, 16)
     w[1, 8:] = torch.linspace(-1, 1, 8)
-    values, scale = int4_qat.quantize(w, 8)
+    _, scale = int4_qat.quantize(w, 8)
     assert scale[0].tolist() == [1.0, 1.0] and scale[1, 0].item() == 1.0
     assert torch.equal(int4_qat.fake_quantize(w, 8)[0], torch.zeros(16))
     # the second row's second group alone decides its scale
@@ -155,15 +151,6 @@ def test_qat_changes_training_and_every_layout_matches_one_process(tmp_path):
 # ---- export ----------------------------------------------------------------------------------
 
 
-def _torchrun(nprocs: int, *args: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nprocs}", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-
-
 def test_int4_export_is_the_qat_forward_bit_for_bit(tmp_path):
     """Train with QAT, export the routed experts as INT4, import that into TP2 (each rank
     unpacks its rows and cuts its columns): the plain model's logits there are exactly the
@@ -202,8 +189,8 @@ def test_int4_export_is_the_qat_forward_bit_for_bit(tmp_path):
     tokens = torch.randint(0, 320, (2, 64), generator=torch.Generator().manual_seed(3))
     torch.save(tokens, tmp_path / "tokens.pt")
     for name, load, extra in (("qat", ckpt, QAT), ("int4", imported, [])):
-        _torchrun(1, "tools/logits.py", "--load", str(load), "--tokens",
-                  str(tmp_path / "tokens.pt"), "--out", str(tmp_path / f"{name}.pt"),
-                  "model=glm5_tiny", "parallel=single", *extra)
+        run_tool(1, "--load", str(load), "--tokens", str(tmp_path / "tokens.pt"), "--out",
+                 str(tmp_path / f"{name}.pt"), "model=glm5_tiny", "parallel=single", *extra,
+                 script="tools/logits.py")
     qat, int4 = torch.load(tmp_path / "qat.pt"), torch.load(tmp_path / "int4.pt")
     assert torch.equal(qat, int4), (qat - int4).abs().max()
