@@ -20,6 +20,7 @@ import dataclasses
 from functools import partial
 
 from glm5_train.activation_config import ActivationsConfig
+from glm5_train.model import tensor_parallel_comm
 from glm5_train.model.config import GLM5Config
 from glm5_train.model.stage_costs import (
     GLM5StageModel,
@@ -39,6 +40,9 @@ from parallel.pipeline_layout import (
     PipelineSchedule,
     PlanReport,
     balance,
+    comm_of,
+    comm_sum,
+    comm_times,
     layout_from_counts,
     mtp_stage_for,
     parse_layout,
@@ -46,11 +50,30 @@ from parallel.pipeline_layout import (
 )
 from parallel.recompute import Recompute
 
-__all__ = ["NO_MEMORY_LIMIT", "MemoryInputs", "PipelineLayout", "PipelineSchedule", "PlanReport",
-           "balance_layout", "frozen_parameters", "inputs_from_job", "job_pipeline", "job_plan", "layout_from_counts",
-           "mtp_sets", "mtp_steps", "parse_layout", "plan_report", "planned_traffic",
-           "recompute_working_set_bytes", "resolve_pipeline_layout", "routed_over_expert_ranks",
-           "traffic_modelled"]
+__all__ = [
+    "NO_MEMORY_LIMIT",
+    "MemoryInputs",
+    "PipelineLayout",
+    "PipelineSchedule",
+    "PlanReport",
+    "balance_layout",
+    "context_parallel_sent",
+    "frozen_parameters",
+    "inputs_from_job",
+    "job_pipeline",
+    "job_plan",
+    "layout_from_counts",
+    "mtp_sets",
+    "mtp_steps",
+    "parse_layout",
+    "plan_report",
+    "planned_traffic",
+    "recompute_working_set_bytes",
+    "resolve_pipeline_layout",
+    "routed_over_expert_ranks",
+    "tensor_parallel_unmodelled",
+    "traffic_modelled",
+]
 
 
 def plan_report(model_cfg: GLM5Config, layout: PipelineLayout, inputs: MemoryInputs,
@@ -183,7 +206,8 @@ def frozen_parameters(job) -> bool:
 def traffic_modelled(job) -> tuple[str, ...]:
     """The kinds of ``planned_traffic`` that hold for ``job``: the gradient reduction and the
     parameter all-gather not under Muon (its pieces travel to their owners), flexible CP
-    groups or frozen parameters; the pipeline's sends with PP > 1."""
+    groups or frozen parameters; the pipeline's sends with PP > 1; the tensor-parallel and
+    expert-tensor-parallel exchanges where ``tensor_parallel_unmodelled`` gives no reason."""
     par = job.parallel
     fields = []
     if not (frozen_parameters(job) or job.train.optimizer == "muon"
@@ -193,7 +217,32 @@ def traffic_modelled(job) -> tuple[str, ...]:
             fields.append("param_gather")
     if par.pipeline_model_parallel_size > 1:
         fields.append("p2p")
+    if tensor_parallel_unmodelled(job) is None:
+        tp, ep = par.tensor_model_parallel_size, par.expert_model_parallel_size
+        etp = par.expert_tensor_parallel_size or (1 if ep > 1 else tp)
+        if tp > 1:
+            fields.append("tensor_parallel")
+        if etp * ep > 1 and any(job.model.moe_layer_pattern):
+            fields.append("expert_tensor_parallel")
     return tuple(fields)
+
+
+def tensor_parallel_unmodelled(job) -> str | None:
+    """Why the planner does not model this job's tensor-parallel traffic (None: it does)."""
+    par, dsa = job.parallel, job.dsa
+    if job.train.optimizer == "muon":
+        return "Muon gathers TP-split matrices for its Newton-Schulz iterations"
+    if par.cp_groups == "flexible":
+        return "flexible context-parallel groups re-form per batch"
+    return tensor_parallel_comm.unmodelled(job.model, dsa.stage, dsa.sparse_attention == "absorbed",
+                                           job.train.seq_length, par.cp_comm)
+
+
+def context_parallel_sent(rank) -> int:
+    """Of a RankReport's planned bytes per step, context parallelism's (its exchange and the
+    MTP rolls): all but the tensor-parallel groups'."""
+    tensor = tensor_parallel_comm.TP_KEYS + tensor_parallel_comm.EXPERT_TP_KEYS
+    return sum(sent for key, sent in rank.comm_bytes if key not in tensor)
 
 
 def routed_over_expert_ranks(job) -> bool:
@@ -223,8 +272,35 @@ def planned_traffic(job, inputs: MemoryInputs, layout: PipelineLayout, stages: l
     # each one's step all-gathers every bucket of the model chunks (dense and expert).
     optimizers = 2 if routed_over_expert_ranks(job) else 1
     gather = optimizers * sum((n - 1) * inputs.weight_bytes * count // n for n, count in groups)
+    per_step = comm_times(comm_sum(*(s.costs.comm_bytes_per_microbatch for s in stages)),
+                          inputs.num_microbatches)
+    tensor = sum(comm_of(per_step, key) for key in tensor_parallel_comm.TP_KEYS)
+    tensor += _tp_grad_sync_bytes(job, inputs, layout, pipeline_rank)
     return {"grad_reduction": reduction, "param_gather": gather,
-            "p2p": _pipeline_send_bytes(job, inputs, layout, pipeline_rank)}
+            "p2p": _pipeline_send_bytes(job, inputs, layout, pipeline_rank),
+            "tensor_parallel": tensor,
+            "expert_tensor_parallel": sum(comm_of(per_step, key)
+                                          for key in tensor_parallel_comm.EXPERT_TP_KEYS)}
+
+
+def _tp_grad_sync_bytes(job, inputs: MemoryInputs, layout: PipelineLayout,
+                        pipeline_rank: int) -> int:
+    """Finalize's all-reduce over TP of the replicated gradients this pipeline rank holds
+    (``tensor_parallel_comm.grad_sync_bytes``), once per step."""
+    cfg = job.model
+    final_norm = GLM5StageModel(cfg, inputs, len(layout.stages), layout.mtp_stage
+                                ).final_norm_stage(list(layout.layers_per_stage))
+    moe_flags, mtp, holds_norm, layer = [], False, False, 0
+    for stage, kinds in enumerate(layout.stages):
+        mine = layout.rank_of(stage) == pipeline_rank
+        for kind in kinds:
+            if kind == "t":
+                if mine:
+                    moe_flags.append(layer >= cfg.first_k_dense_replace)
+                layer += 1
+        mtp |= mine and "m" in kinds
+        holds_norm |= mine and stage == final_norm
+    return tensor_parallel_comm.grad_sync_bytes(cfg, inputs, moe_flags, mtp, holds_norm)
 
 
 def _zero2_reduction_bytes(job, inputs: MemoryInputs, layout: PipelineLayout, stages: list,

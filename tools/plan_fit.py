@@ -50,10 +50,12 @@ from omegaconf.errors import OmegaConfBaseException
 from glm5_train.job_config import compose_job
 from glm5_train.pipeline_plan import (
     PlanReport,
+    context_parallel_sent,
     inputs_from_job,
     job_plan,
     planned_traffic,
     recompute_working_set_bytes,
+    tensor_parallel_unmodelled,
     traffic_modelled,
 )
 
@@ -190,16 +192,19 @@ def plan_fit(overrides: list[str], dp: int | None, label: str = "plan") -> Fit:
     inputs = inputs_from_job(job, dp, **ON_GPU)
     report = job_plan(job, dp, **ON_GPU)
     worst = max(report.ranks, key=lambda rank: rank.total_bytes)
-    cp_sent = max(rank.comm_total for rank in report.ranks)  # all of it context parallelism's
+    cp_sent = max(context_parallel_sent(rank) for rank in report.ranks)
     gpus = job.parallel.world_size_needed(dp)
     return Fit(label, worst.total_bytes, recompute_working_set_bytes(job.model, inputs),
                cp_sent, gpus, report, rank_traffic(job, inputs, report))
 
 
 def rank_traffic(job, inputs, report: PlanReport) -> tuple[dict[str, int], ...]:
-    """Per pipeline rank, the data-parallel and pipeline bytes it sends per step, where the
-    planner models them (``traffic_modelled``)."""
-    kinds = traffic_modelled(job)
+    """Per pipeline rank, the data-parallel, pipeline and tensor-parallel bytes it sends per
+    step, where the planner models them (``traffic_modelled``; the tensor-parallel kinds at 0
+    without TP)."""
+    kinds = set(traffic_modelled(job))
+    if tensor_parallel_unmodelled(job) is None:
+        kinds |= {"tensor_parallel", "expert_tensor_parallel"}
     out = []
     for rank in report.ranks:
         stages = [s for s in report.stages if s.rank == rank.rank]
@@ -248,16 +253,19 @@ def variants(job, dp: int) -> list[Variant]:
 
 def rank_lines(fit: Fit) -> list[str]:
     """The per-rank table. Sent per step: context parallelism's exchange, the data-parallel
-    gradient reduction + parameter all-gather, the pipeline's sends; n/a where the planner
-    does not model them (Muon's gradient traffic, frozen parameters)."""
+    gradient reduction + parameter all-gather, the pipeline's sends, the tensor-parallel and
+    expert-tensor-parallel exchanges; n/a where the planner does not model them (Muon's
+    gradient traffic, frozen parameters, ``tensor_parallel_unmodelled``)."""
     head = (f"{'rank':>4} {'static GiB':>11} {'peak act GiB':>13} {'total GiB':>10} "
-            f"{'CP sent GB/step':>16} {'DP sent GB/step':>16} {'PP sent GB/step':>16}")
+            f"{'CP sent GB/step':>16} {'DP sent GB/step':>16} {'PP sent GB/step':>16} "
+            f"{'TP sent GB/step':>16}")
     rows = [head, "-" * len(head)]
     for rank, sent in zip(fit.report.ranks, fit.traffic):
         rows.append(f"{rank.rank:>4} {rank.static_bytes / GIB:>11.2f} "
                     f"{rank.peak_activation_bytes / GIB:>13.2f} {rank.total_bytes / GIB:>10.2f} "
-                    f"{rank.comm_total / GB:>16.1f} "
-                    f"{_gb(sent, 'grad_reduction', 'param_gather'):>16} {_gb(sent, 'p2p'):>16}")
+                    f"{context_parallel_sent(rank) / GB:>16.1f} "
+                    f"{_gb(sent, 'grad_reduction', 'param_gather'):>16} {_gb(sent, 'p2p'):>16} "
+                    f"{_gb(sent, 'tensor_parallel', 'expert_tensor_parallel'):>16}")
     return rows
 
 

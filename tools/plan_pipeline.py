@@ -47,6 +47,7 @@ from glm5_train.job_config import compose_job
 from glm5_train.pipeline_plan import (
     NO_MEMORY_LIMIT,
     balance_layout,
+    context_parallel_sent,
     inputs_from_job,
     mtp_sets,
     mtp_steps,
@@ -159,7 +160,7 @@ def stage_table(plans) -> list[str]:
 
 def rank_table(plans) -> list[str]:
     size, name = unit(plans)
-    sends = any(rank.comm_bytes for plan in plans for rank in plan.ranks)
+    sends = any(context_parallel_sent(rank) for plan in plans for rank in plan.ranks)
     head = f"{'rank':>4}" + "".join(
         f" | {p.layout.placement + ' static ' + name:>20} {'peak act ' + name:>12} "
         f"{'total ' + name:>9}" + (f" {'CP sent ' + name:>11}" if sends else "") for p in plans)
@@ -170,7 +171,7 @@ def rank_table(plans) -> list[str]:
             rank = plan.ranks[r]
             row += (f" | {rank.static_bytes / size:>20.2f} "
                     f"{rank.peak_activation_bytes / size:>12.2f} {rank.total_bytes / size:>9.2f}")
-            row += f" {rank.comm_total / size:>11.2f}" if sends else ""
+            row += f" {context_parallel_sent(rank) / size:>11.2f}" if sends else ""
         rows.append(row)
     note = ("(static: weights + grads + optimizer state; peak act: the most activations its "
             "pipeline schedule holds at once")

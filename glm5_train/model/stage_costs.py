@@ -22,6 +22,12 @@ import torch
 
 from glm5_train.model.config import GLM5Config
 from glm5_train.model.param_count import Term, layer_terms, top_terms
+from glm5_train.model.tensor_parallel_comm import (
+    embedding_comm,
+    head_comm,
+    layer_comm,
+    mtp_projection_comm,
+)
 from parallel.layout import LayoutError
 from parallel.recompute import Recompute
 from parallel.pipeline_layout import Comm, StageCosts, comm_of, comm_sum, comm_times
@@ -545,7 +551,7 @@ def chunk_layers_part(cfg: GLM5Config, layer: dict[bool, Part], moe_flags: list[
     dropped = sum(p.activation_bytes for p in redone)
     return part + Part(activation_bytes=units * recompute_unit_input_bytes(cfg, inp) - dropped,
                        flops=sum(p.flops for p in redone) // 3,
-                       comm=comm_sum(*(recomputed_forward_comm(p.comm) for p in redone)))
+                       comm=comm_sum(*(p.forward_comm for p in redone)))
 
 
 def loss_head_activation_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
@@ -652,8 +658,10 @@ class Part:
     """One piece of a stage per rank: dense and expert parameters (they shard over different
     data-parallel groups), activation bytes and flops (forward + backward) per micro-batch,
     transient bytes (held only while one of its pieces runs: a stage's is its largest), and
-    the bytes it sends per micro-batch that the model counts (``dsa_context_parallel_comm``).
-    ``adamw_params``: the dense parameters Muon leaves to AdamW (``adamw_elements``)."""
+    the bytes it sends per micro-batch that the model counts (``dsa_context_parallel_comm``,
+    ``glm5_train.model.tensor_parallel_comm``) and of those what one more forward sends again
+    (``forward_comm``: full recompute's). ``adamw_params``: the dense parameters Muon leaves to
+    AdamW (``adamw_elements``)."""
 
     dense_params: int = 0
     expert_params: int = 0
@@ -662,18 +670,20 @@ class Part:
     transient_bytes: int = 0
     comm: Comm = ()
     adamw_params: int = 0
+    forward_comm: Comm = ()
 
     def __add__(self, other: Part) -> Part:
         return Part(self.dense_params + other.dense_params,
                     self.expert_params + other.expert_params,
                     self.activation_bytes + other.activation_bytes, self.flops + other.flops,
                     max(self.transient_bytes, other.transient_bytes),
-                    comm_sum(self.comm, other.comm), self.adamw_params + other.adamw_params)
+                    comm_sum(self.comm, other.comm), self.adamw_params + other.adamw_params,
+                    comm_sum(self.forward_comm, other.forward_comm))
 
     def times(self, k: int) -> Part:
         return Part(k * self.dense_params, k * self.expert_params, k * self.activation_bytes,
                     k * self.flops, self.transient_bytes if k else 0, comm_times(self.comm, k),
-                    k * self.adamw_params)
+                    k * self.adamw_params, comm_times(self.forward_comm, k))
 
 
 # What Muon leaves to AdamW (parallel/muon.py): every tensor that is not a matrix (norms,
@@ -725,9 +735,11 @@ def layer_part(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> Part:
     flops = (6 * active * inp.tokens // inp.tp + _attention_flops(cfg, inp)
              + selective_recompute_flops(cfg, inp))
     forwards = 2 if inp.recompute.selects("core_attn") else 1  # its checkpoint gathers again
+    cp = dsa_context_parallel_comm(cfg, inp, forwards)
+    tp, tp_again = layer_comm(cfg, moe, inp)
     return Part(dense, expert, decoder_layer_activation_bytes(cfg, moe, inp), flops,
-                local_kl_transient_bytes(cfg, inp), dsa_context_parallel_comm(cfg, inp, forwards),
-                adamw)
+                local_kl_transient_bytes(cfg, inp), comm_sum(cp, tp), adamw,
+                comm_sum(recomputed_forward_comm(cp), tp_again))
 
 
 def local_kl_transient_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
@@ -770,10 +782,11 @@ def mtp_part(cfg: GLM5Config, inp: MemoryInputs) -> Part:
                   expert_params=layer.expert_params,
                   adamw_params=layer.adamw_params + 3 * H).times(sets)  # + its 3 norms
     flops = layer.flops + 6 * 2 * H * H * inp.tokens // inp.tp
-    comm = comm_sum(layer.comm, mtp_roll_comm(inp))
+    projection = mtp_projection_comm(cfg, inp)  # its embedding lookup is not recomputed
+    comm = comm_sum(layer.comm, mtp_roll_comm(inp), *projection, embedding_comm(cfg, inp))
     if inp.recompute.mtp_steps_recomputed:  # each step's forward once more in backward
         flops += flops // 3
-        comm = comm_sum(comm, recomputed_forward_comm(layer.comm))
+        comm = comm_sum(comm, layer.forward_comm, projection[0])
     return params + Part(activation_bytes=mtp_step_activation_bytes(cfg, inp), flops=flops,
                          transient_bytes=layer.transient_bytes, comm=comm).times(steps)
 
@@ -784,7 +797,8 @@ def head_part(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> Part:
     gemms = 4 if inp.loss_chunk_tokens > 0 else 3
     flops = 2 * gemms * cfg.vocab_size * cfg.hidden_size * inp.tokens // inp.tp
     return vocab_part(cfg, inp, "output_head") + Part(
-        activation_bytes=loss_head_activation_bytes(cfg, inp), flops=flops).times(heads) + Part(
+        activation_bytes=loss_head_activation_bytes(cfg, inp), flops=flops,
+        comm=head_comm(cfg, inp)).times(heads) + Part(
         comm=mtp_targets_comm(inp) if heads > 1 else ())
 
 
@@ -867,7 +881,8 @@ class GLM5StageModel:
         self.layer = {moe: layer_part(cfg, moe, inp) for moe in (False, True)}
         self.embedding = vocab_part(cfg, inp, "embedding")
         # The embedding lookup's ids (int64), kept for its weight gradient: none when frozen.
-        self.token_ids = Part(activation_bytes=0 if dense_warmup(inp) else 8 * inp.tokens)
+        self.token_ids = Part(activation_bytes=0 if dense_warmup(inp) else 8 * inp.tokens,
+                              comm=embedding_comm(cfg, inp, trains=not dense_warmup(inp)))
         hidden = Part(activation_bytes=inp.activation_bytes * inp.sp_tokens * cfg.hidden_size)
         self.stage_input = hidden  # megatron keeps each received input until its backward
         self.concat_input = hidden.times(1 + steps)  # main + MTP hidden states, concatenated

@@ -1,0 +1,247 @@
+"""The bytes one rank sends on its tensor-parallel groups, per micro-batch, in closed form.
+
+Every collective below is one our model or megatron-core makes (counted with
+``parallel.comm_meter``'s rules: an all-gather sends (n-1) x its input, a reduce-scatter
+(n-1)/n of its input, an all-reduce floor(2 (n-1) S / n)). Under sequence parallelism each
+exchange moves a [tokens, width] tensor between the sequence-split and the whole-sequence form,
+so an all-gather of a rank's [t, w] shard and a reduce-scatter back to it cost the same,
+(n-1) t w a bytes (t = tokens / TP, a = bytes per activation value): ``_sp``.
+
+One decoder layer (absorbed sparse DSA, ``attention_comm`` + ``mlp_comm``), sequence parallel:
+- MLA: forward gathers the query latent for the column-parallel query up projection, the RoPE key
+  and the key-value latent (the replicated down projections' outputs every head reads), and the
+  indexer's two inputs (hidden states and query latent; detached: no backward); the output
+  projection reduce-scatters. Backward: the query up projection gathers its input again and
+  reduce-scatters its input's gradient, the RoPE key's and the latent's gradients are
+  reduce-scattered, the output projection's gradient gathered. The KL all-reduces the
+  attention summed over each rank's heads at the selected keys ([b, s, K] fp32).
+- The dense MLP or shared expert: fc1 gathers (forward and again in backward) and
+  reduce-scatters its input's gradient; fc2 reduce-scatters, its gradient is gathered.
+- Routed experts split over E = expert-TP ranks (megatron-core's all-to-all dispatcher): each
+  rank's dispatched rows (its t tokens x top-k, where experts are not split over EP ranks) and
+  their fp32 probabilities are gathered over the expert-TP group and the experts' output
+  reduce-scattered back, the reverse in backward; the per-expert token counts (int64) are
+  gathered over the TP x EP group once per forward.
+Without sequence parallelism the row-parallel outputs and the column-parallel inputs'
+gradients are all-reduced instead ([T, w], T the whole sequence's tokens), the latent's and the
+RoPE key's gradients too (parallel/mla_down_projection.py).
+Embedding lookups (the main one and one per MTP step): forward reduce-scatters (all-reduces
+without SP) the looked-up rows; backward gathers the gradient. An MTP step also runs
+``eh_proj`` (column-parallel over [hidden, embedding], 2H wide) and gathers its output along
+the hidden dimension before scattering it to the sequence shards. The output heads (the main
+one and one per MTP step): the chunked head gathers the tokens in forward and again in backward
+and reduce-scatters the hidden gradient, and all-reduces per chunk of c tokens the row max (c
+fp32) and two sums (2c fp32); megatron-core's whole-logits head gathers the same way (its
+column-parallel output layer) and all-reduces three [T] fp32 vectors.
+
+Once per step (``grad_sync_bytes``): megatron-core's finalize all-reduces, over TP, the
+gradients of the replicated parameters that saw only a rank's tokens (sequence parallel: the
+norms, MLA's down projections, the routers, MTP's norms; summed), or without SP the latent
+norms' (averaged: every rank holds the whole gradient). The DSA indexer (replicated, fed the
+gathered whole sequence) needs none. Pipeline ZeRO2 all-reduces only the slice of them its
+data-parallel rank owns (parallel/pipeline_zero2.py): planned as an even 1/(DP x CP) share
+(where megatron-core's slices cut decides each rank's; the group's total is exact).
+
+Checked per rank against the meter's counts of the training job's runs (glm5_train.plan_check:
+exact for the TP group; the expert-TP group's rows follow the routing where experts are split
+over EP ranks, so there the mean over a stage's ranks is exact). What ``unmodelled`` names is
+not modelled.
+"""
+
+from __future__ import annotations
+
+from glm5_train.model.config import GLM5Config
+from glm5_train.model.param_count import layer_terms, mtp_layer_terms
+from parallel.pipeline_layout import Comm, comm_sum
+
+TP_GATHER, TP_SCATTER, TP_REDUCE = "all_gather:tp", "reduce_scatter:tp", "all_reduce:tp"
+ETP_GATHER, ETP_SCATTER, TP_EP_GATHER = ("all_gather:expt_tp", "reduce_scatter:expt_tp",
+                                         "all_gather:tp_ep")
+TP_KEYS = (TP_GATHER, TP_SCATTER, TP_REDUCE)
+EXPERT_TP_KEYS = (ETP_GATHER, ETP_SCATTER, TP_EP_GATHER)
+
+FP32, INT64 = 4, 8
+# Replicated parameters whose gradients finalize sums over TP under sequence parallelism
+# (megatron-core's ``sequence_parallel`` attribute; ours on the MLA down projections), and the
+# latent norms it averages without (``average_gradients_across_tp_domain``, layers.py).
+SP_SYNCED = frozenset({"q_down", "q_norm", "kv_down", "kv_norm", "input_norm", "pre_mlp_norm",
+                       "router", "enorm", "hnorm", "mtp_final_norm", "final_norm"})
+AVERAGED = frozenset({"q_norm", "kv_norm"})
+
+
+def unmodelled(cfg: GLM5Config, dsa_stage: str, absorbed: bool, seq_length: int,
+               cp_comm: str) -> str | None:
+    """Why this module does not model a job's tensor-parallel traffic (None: it does); the
+    arguments are the job's dsa.stage, whether dsa.sparse_attention is absorbed,
+    train.seq_length and parallel.cp_comm."""
+    if dsa_stage != "sparse":
+        return "the dense warm-up's forward-only layers and chunked dense KL are not modelled"
+    if cfg.index_topk >= seq_length:
+        return "the dense fallback (index_topk >= seq_length) runs megatron-core's MLA"
+    if not absorbed:
+        return "the masked-dense reference attention runs megatron-core's MLA"
+    if cp_comm != "all_gather":
+        return "head-parallel context parallelism's exchange is not modelled"
+    if cfg.q_lora_rank is None:
+        return "MLA without a query latent is not modelled"
+    return None
+
+
+def _sp(inp, width: int) -> int:
+    """One sequence-parallel exchange of a [tokens, width] activation (module docstring)."""
+    return (inp.tp - 1) * inp.sp_tokens * width * inp.activation_bytes
+
+
+def _all_reduce(n: int, nbytes: int) -> int:
+    return 2 * (n - 1) * nbytes // n
+
+
+def _reduced(inp, width: int) -> int:
+    """All-reduce of a whole-sequence [T, width] activation (no sequence parallelism)."""
+    return _all_reduce(inp.tp, inp.tokens * width * inp.activation_bytes)
+
+
+def kl_comm(cfg: GLM5Config, inp) -> Comm:
+    """The sparse KL's all-reduce of the attention summed over each rank's heads at the
+    selected keys ([b, s, K] fp32), once per core-attention forward."""
+    if inp.tp == 1 or not inp.dsa_kl:
+        return ()
+    picks = inp.micro_batch_size * inp.seq * min(cfg.index_topk, inp.seq_length)
+    return ((TP_REDUCE, _all_reduce(inp.tp, FP32 * picks)),)
+
+
+def attention_comm(cfg: GLM5Config, inp) -> tuple[Comm, Comm]:
+    """(forward, backward) of one MLA + DSA application (absorbed sparse stage), the KL's
+    all-reduce aside (``kl_comm``)."""
+    if inp.tp == 1:
+        return (), ()
+    q, latent, rope, H = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.hidden_size
+    if inp.sequence_parallel:
+        forward = ((TP_GATHER, _sp(inp, q + rope + latent)), (TP_SCATTER, _sp(inp, H)),
+                   *indexer_inputs_comm(cfg, inp))
+        backward = ((TP_GATHER, _sp(inp, q + H)), (TP_SCATTER, _sp(inp, q + rope + latent)))
+    else:
+        forward = ((TP_REDUCE, _reduced(inp, H)),)
+        backward = ((TP_REDUCE, _reduced(inp, q) + _reduced(inp, latent) + _reduced(inp, rope)),)
+    return forward, backward
+
+
+def indexer_inputs_comm(cfg: GLM5Config, inp) -> Comm:
+    """The indexer's inputs (hidden states and query latent) gathered to the whole sequence
+    under SP, inside the core attention (detached: no backward)."""
+    if inp.tp == 1 or not inp.sequence_parallel:
+        return ()
+    return ((TP_GATHER, _sp(inp, cfg.hidden_size + cfg.q_lora_rank)),)
+
+
+def up_projection_forward_comm(cfg: GLM5Config, inp) -> Comm:
+    """What selective ``mla_up_proj`` recompute sends again: the query up projection's input
+    gather and the latent's (both inside its checkpoint)."""
+    if inp.tp == 1 or not inp.sequence_parallel:
+        return ()
+    return ((TP_GATHER, _sp(inp, cfg.q_lora_rank + cfg.kv_lora_rank)),)
+
+
+def mlp_comm(cfg: GLM5Config, moe: bool, inp) -> tuple[Comm, Comm]:
+    """(forward, backward) of one dense MLP, or one MoE block (shared expert + routed
+    experts)."""
+    H = cfg.hidden_size
+    forward = backward = ()
+    column_row = not moe or cfg.n_shared_experts
+    if column_row and inp.tp > 1:
+        if inp.sequence_parallel:
+            forward = ((TP_GATHER, _sp(inp, H)), (TP_SCATTER, _sp(inp, H)))
+            backward = ((TP_GATHER, _sp(inp, 2 * H)), (TP_SCATTER, _sp(inp, H)))
+        else:
+            forward, backward = ((TP_REDUCE, _reduced(inp, H)),), ((TP_REDUCE, _reduced(inp, H)),)
+    if moe:
+        expert_forward, expert_backward = routed_experts_comm(cfg, inp)
+        forward, backward = comm_sum(forward, expert_forward), comm_sum(backward, expert_backward)
+    return forward, backward
+
+
+def routed_experts_comm(cfg: GLM5Config, inp) -> tuple[Comm, Comm]:
+    """(forward, backward) of the routed experts' token exchange over expert-TP (module
+    docstring); the rows are the mean a rank receives."""
+    e, forward = inp.expert_tp, ()
+    if e * inp.ep > 1:
+        forward = ((TP_EP_GATHER, (e * inp.ep - 1) * cfg.n_routed_experts * INT64),)
+    if e == 1:
+        return forward, ()
+    rows = inp.sp_tokens * cfg.num_experts_per_tok
+    hidden = (e - 1) * rows * cfg.hidden_size * inp.activation_bytes
+    # The experts' output is scaled by the fp32 probabilities before it is combined: fp32.
+    combined = (e - 1) * rows * cfg.hidden_size * FP32
+    probs = (e - 1) * rows * FP32
+    forward = comm_sum(forward, ((ETP_GATHER, hidden + probs), (ETP_SCATTER, combined)))
+    return forward, ((ETP_GATHER, combined), (ETP_SCATTER, hidden + probs))
+
+
+def layer_comm(cfg: GLM5Config, moe: bool, inp) -> tuple[Comm, Comm]:
+    """One decoder layer (or MTP step's layer) application: (forward + backward + what its
+    selective recompute sends again, what a full recompute's second forward sends: the
+    forward's exchanges, the KL's all-reduce not, which runs once)."""
+    attention, mlp = attention_comm(cfg, inp), mlp_comm(cfg, moe, inp)
+    rc, again = inp.recompute, []
+    if rc.selects("mla_up_proj"):
+        again.append(up_projection_forward_comm(cfg, inp))
+    if rc.selects("core_attn"):
+        again += [indexer_inputs_comm(cfg, inp), kl_comm(cfg, inp)]
+    return (comm_sum(*attention, *mlp, kl_comm(cfg, inp), *again),
+            comm_sum(attention[0], mlp[0]))
+
+
+def embedding_comm(cfg: GLM5Config, inp, trains: bool = True) -> Comm:
+    """One embedding lookup: forward + (when the embedding trains) backward."""
+    if inp.tp == 1:
+        return ()
+    if not inp.sequence_parallel:
+        return ((TP_REDUCE, _reduced(inp, cfg.hidden_size)),)
+    rows = _sp(inp, cfg.hidden_size)
+    return ((TP_SCATTER, rows), (TP_GATHER, rows if trains else 0))
+
+
+def mtp_projection_comm(cfg: GLM5Config, inp) -> tuple[Comm, Comm]:
+    """One MTP step's eh_proj over [embedding, hidden] and its output's gather over the hidden
+    dimension: (forward, backward); sequence parallel (MTP's layer is MoE, which needs it)."""
+    if inp.tp == 1:
+        return (), ()
+    H = cfg.hidden_size
+    forward = ((TP_GATHER, _sp(inp, 2 * H) + _sp(inp, H)),)
+    return forward, ((TP_GATHER, _sp(inp, H) + _sp(inp, 2 * H)), (TP_SCATTER, _sp(inp, 2 * H)))
+
+
+def head_comm(cfg: GLM5Config, inp) -> Comm:
+    """One output head + loss: forward + backward."""
+    if inp.tp == 1:
+        return ()
+    H, T = cfg.hidden_size, inp.tokens
+    if inp.loss_chunk_tokens > 0:
+        c = inp.loss_chunk_tokens
+        chunks = [min(c, T - start) for start in range(0, T, c)]
+        reductions = sum(_all_reduce(inp.tp, FP32 * n) + _all_reduce(inp.tp, 2 * FP32 * n)
+                         for n in chunks)
+    else:
+        reductions = 3 * _all_reduce(inp.tp, FP32 * T)
+    if inp.sequence_parallel:
+        return ((TP_GATHER, _sp(inp, 2 * H)), (TP_SCATTER, _sp(inp, H)),
+                (TP_REDUCE, reductions))
+    return ((TP_REDUCE, _reduced(inp, H) + reductions),)
+
+
+def grad_sync_bytes(cfg: GLM5Config, inp, moe_flags: list[bool], mtp: bool,
+                    final_norm: bool) -> int:
+    """Once per step: finalize's all-reduce of the replicated gradients over TP for a rank
+    holding decoder layers of ``moe_flags``, the MTP parameters (``mtp``) and the final norm;
+    under Pipeline ZeRO2 (``inp.shard_grads``) this rank's even share of them."""
+    if inp.tp == 1:
+        return 0
+    keys = SP_SYNCED if inp.sequence_parallel else AVERAGED
+    terms = [t for moe in moe_flags for t in layer_terms(cfg, moe)]
+    if mtp:
+        terms += [t for _ in range(cfg.mtp_sets) for t in mtp_layer_terms(cfg)]
+    params = sum(t.count for t in terms if t.key in keys)
+    params += cfg.hidden_size if final_norm and "final_norm" in keys else 0
+    shards = inp.dp * inp.cp if inp.shard_grads else 1
+    return 2 * (inp.tp - 1) * inp.grad_bytes * params // (inp.tp * shards)
+
