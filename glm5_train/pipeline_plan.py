@@ -7,9 +7,10 @@ The memory model is closed-form: parameters from ``glm5_train.model.param_count`
 sharded as our model shards them; activations per micro-batch tensor by tensor as our
 implementation saves them for backward (checked against a measured forward in
 ``tests/test_pipeline_plan.py``); and the activations in flight from a replay of megatron-core's
-(interleaved) 1F1B order per rank. Under context parallelism each rank's report also carries the
-bytes it sends per step on its CP group (``RankReport.comm_bytes``; tests/
-test_context_parallel_plan.py checks both against measured runs). ``job_plan`` plans a composed
+(interleaved) 1F1B order per rank. Each rank's report also carries the bytes it sends per step
+on its CP group and its tensor-parallel groups (``RankReport.comm_bytes``; tests/
+test_context_parallel_plan.py and glm5_train.plan_check check them against measured runs;
+``context_parallel_sent`` is the CP part). ``job_plan`` plans a composed
 job as it would run; ``recompute_working_set_bytes`` is what recompute re-creates for one layer
 on top of a rank's peak.
 """
@@ -255,9 +256,12 @@ def planned_traffic(job, inputs: MemoryInputs, layout: PipelineLayout, stages: l
     """Bytes one rank of ``pipeline_rank`` sends per step (its ``stages``: the report's
     StageReports of that rank), by kind: ``grad_reduction`` (the gradients' reduction over the
     data-parallel and expert-data-parallel groups, plus the step's token count),
-    ``param_gather`` (the distributed optimizer's all-gather of the updated parameters) and
-    ``p2p`` (the pipeline's sends). ``traffic_modelled`` says which of them hold for a job;
-    glm5_train.plan_check checks them against measured runs."""
+    ``param_gather`` (the distributed optimizer's all-gather of the updated parameters),
+    ``p2p`` (the pipeline's sends), ``tensor_parallel`` (the ``tp`` group's exchanges, per
+    micro-batch from the stages' costs, plus finalize's all-reduce of the replicated gradients)
+    and ``expert_tensor_parallel`` (the ``expt_tp`` and ``tp_ep`` groups'). ``traffic_modelled``
+    says which of them hold for a job; glm5_train.plan_check checks them against measured
+    runs."""
     dense = sum(s.costs.dense_params for s in stages)
     expert = sum(s.costs.expert_params for s in stages)
     groups = ((inputs.dp * inputs.cp, dense), (inputs.expert_dp, expert))

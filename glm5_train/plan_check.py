@@ -45,10 +45,17 @@ the planner models them (``traffic_fields``):
   (unless it is the last) and its input's gradient backward (unless it is the first), each
   the hidden states of this rank's tokens, (1 + MTP steps) times as many from the MTP stage
   on when the MTP layer has a stage of its own (whose shapes then travel first: three int64).
-Not modelled: tensor-parallel and expert all-to-all traffic (checked as group sizes per
-collective by the parity harness), Muon's gradient traffic (its pieces travel to their
-owners), and the pipeline's sends under context parallelism (the MTP inputs' roll shares their
-group).
+- ``tensor_parallel``: every op on the ``tp`` group (glm5_train/model/tensor_parallel_comm.py:
+  the layers' sequence-parallel gathers and reduce-scatters, the KL's and the loss chunks'
+  all-reduces, finalize's all-reduce of the replicated gradients), exactly; under Pipeline
+  ZeRO2, which all-reduces only a data-parallel rank's slice of those gradients, each rank
+  within ZERO2_SLICE_RTOL of an even share and each pipeline stage's mean exactly;
+- ``expert_tensor_parallel``: every op on ``expt_tp`` and ``tp_ep`` (the routed experts'
+  rows, probabilities and combine, the per-expert token counts), exactly, except where experts
+  are split over EP and expert-TP ranks (``padded_expert_gathers``): within ROUTED_RTOL.
+Not modelled: the expert all-to-all, Muon's gradient traffic (its pieces travel to their
+owners), tensor-parallel traffic where ``pipeline_plan.tensor_parallel_unmodelled`` says why,
+and the pipeline's sends under context parallelism (the MTP inputs' roll shares their group).
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ the same pairs on every layout it runs), of step N (default: the last logged): p
 gradients (Pipeline ZeRO2: its slices plus its accumulation buffers), optimizer state (AdamW)
 and the peak of bytes saved for backward; with frozen parameters (dense warm-up) parameters
 and activations only; then the bytes sent per step where the planner models them (gradient
-reduction, parameter all-gather, pipeline sends). The last line gives the largest relative
-difference per field: ``max_rel param=<x> grad=<x> optimizer=<x> activations=<x> ...``.
+reduction, parameter all-gather, pipeline sends, tensor- and expert-tensor-parallel
+exchanges). The last line gives the largest relative difference per field:
+``max_rel param=<x> grad=<x> optimizer=<x> activations=<x> ...``.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def compare(run_dir: str, step: int | None = None) -> tuple[list[str], dict[str,
     job = compose_job(run_overrides(run_dir))
     record = step_record(run_dir, step)
     rows = plan_check.comparison_rows(job, record)
-    lines = [f"{'rank':>4} {'field':>12} {'planned':>14} {'measured':>14} {'rel':>9}"]
-    lines += [f"{r.rank:>4} {r.field:>12} {r.planned:>14,} {r.measured:>14,} {r.rel:>9.2%}"
+    lines = [f"{'rank':>4} {'field':>22} {'planned':>14} {'measured':>14} {'rel':>9}"]
+    lines += [f"{r.rank:>4} {r.field:>22} {r.planned:>14,} {r.measured:>14,} {r.rel:>9.2%}"
               for r in rows]
     return lines, plan_check.worst_by_field(rows)
 

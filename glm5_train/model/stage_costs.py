@@ -6,7 +6,9 @@ experts over EP x expert-TP); bytes per parameter follow the training precision 
 Activations are counted tensor by tensor as our implementation saves them for backward
 (checked against a measured forward in ``tests/test_pipeline_plan.py``). Compute is forward +
 backward FLOPs. Communication: the bytes a rank sends per micro-batch for context parallelism
-(``dsa_context_parallel_comm``; checked against the communication meter of measured runs).
+(``dsa_context_parallel_comm``) and on its tensor-parallel groups
+(``glm5_train.model.tensor_parallel_comm``), both checked against the communication meter of
+measured runs.
 ``GLM5StageModel`` gives a whole stage's costs for ``parallel.pipeline_layout``, which places
 them on stages and replays the pipeline schedule to find each rank's peak.
 """
