@@ -231,12 +231,10 @@ def traffic_modelled(job) -> tuple[str, ...]:
 def tensor_parallel_unmodelled(job) -> str | None:
     """Why the planner does not model this job's tensor-parallel traffic (None: it does)."""
     par, dsa = job.parallel, job.dsa
-    if job.train.optimizer == "muon":
-        return "Muon gathers TP-split matrices for its Newton-Schulz iterations"
     if par.cp_groups == "flexible":
         return "flexible context-parallel groups re-form per batch"
     return tensor_parallel_comm.unmodelled(job.model, dsa.stage, dsa.sparse_attention == "absorbed",
-                                           job.train.seq_length, par.cp_comm)
+                                           job.train.seq_length)
 
 
 def context_parallel_sent(rank) -> int:
@@ -276,10 +274,10 @@ def planned_traffic(job, inputs: MemoryInputs, layout: PipelineLayout, stages: l
     # each one's step all-gathers every bucket of the model chunks (dense and expert).
     optimizers = 2 if routed_over_expert_ranks(job) else 1
     gather = optimizers * sum((n - 1) * inputs.weight_bytes * count // n for n, count in groups)
-    per_step = comm_times(comm_sum(*(s.costs.comm_bytes_per_microbatch for s in stages)),
-                          inputs.num_microbatches)
+    per_step = comm_sum(comm_times(comm_sum(*(s.costs.comm_bytes_per_microbatch for s in stages)),
+                                   inputs.num_microbatches),
+                        _tensor_parallel_step_comm(job, inputs, layout, pipeline_rank))
     tensor = sum(comm_of(per_step, key) for key in tensor_parallel_comm.TP_KEYS)
-    tensor += _tp_grad_sync_bytes(job, inputs, layout, pipeline_rank)
     return {"grad_reduction": reduction, "param_gather": gather,
             "p2p": _pipeline_send_bytes(job, inputs, layout, pipeline_rank),
             "tensor_parallel": tensor,
@@ -287,10 +285,12 @@ def planned_traffic(job, inputs: MemoryInputs, layout: PipelineLayout, stages: l
                                           for key in tensor_parallel_comm.EXPERT_TP_KEYS)}
 
 
-def _tp_grad_sync_bytes(job, inputs: MemoryInputs, layout: PipelineLayout,
-                        pipeline_rank: int) -> int:
-    """Finalize's all-reduce over TP of the replicated gradients this pipeline rank holds
-    (``tensor_parallel_comm.grad_sync_bytes``), once per step."""
+def _tensor_parallel_step_comm(job, inputs: MemoryInputs, layout: PipelineLayout,
+                               pipeline_rank: int):
+    """What this pipeline rank sends on its TP groups once per step for the parameters it
+    holds: finalize's all-reduce of the replicated gradients
+    (``tensor_parallel_comm.grad_sync_bytes``) and Muon's gathers of its TP-split matrices
+    (``tensor_parallel_comm.muon_gather_comm``)."""
     cfg = job.model
     final_norm = GLM5StageModel(cfg, inputs, len(layout.stages), layout.mtp_stage
                                 ).final_norm_stage(list(layout.layers_per_stage))
@@ -304,7 +304,10 @@ def _tp_grad_sync_bytes(job, inputs: MemoryInputs, layout: PipelineLayout,
                 layer += 1
         mtp |= mine and "m" in kinds
         holds_norm |= mine and stage == final_norm
-    return tensor_parallel_comm.grad_sync_bytes(cfg, inputs, moe_flags, mtp, holds_norm)
+    sync = tensor_parallel_comm.grad_sync_bytes(cfg, inputs, moe_flags, mtp, holds_norm)
+    return comm_sum(((tensor_parallel_comm.TP_REDUCE, sync),),
+                    tensor_parallel_comm.muon_gather_comm(cfg, inputs, moe_flags, mtp,
+                                                          job.train.muon_split_mla))
 
 
 def _zero2_reduction_bytes(job, inputs: MemoryInputs, layout: PipelineLayout, stages: list,

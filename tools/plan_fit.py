@@ -255,7 +255,8 @@ def rank_lines(fit: Fit) -> list[str]:
     """The per-rank table. Sent per step: context parallelism's exchange, the data-parallel
     gradient reduction + parameter all-gather, the pipeline's sends, the tensor-parallel and
     expert-tensor-parallel exchanges; n/a where the planner does not model them (Muon's
-    gradient traffic, frozen parameters, ``tensor_parallel_unmodelled``)."""
+    data-parallel gradient traffic, frozen parameters,
+    ``tensor_parallel_unmodelled``)."""
     head = (f"{'rank':>4} {'static GiB':>11} {'peak act GiB':>13} {'total GiB':>10} "
             f"{'CP sent GB/step':>16} {'DP sent GB/step':>16} {'PP sent GB/step':>16} "
             f"{'TP sent GB/step':>16}")

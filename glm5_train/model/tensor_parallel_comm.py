@@ -40,7 +40,9 @@ norms, MLA's down projections, the routers, MTP's norms; summed), or without SP 
 norms' (averaged: every rank holds the whole gradient). The DSA indexer (replicated, fed the
 gathered whole sequence) needs none. Pipeline ZeRO2 all-reduces only the slice of them its
 data-parallel rank owns (parallel/pipeline_zero2.py): planned as an even 1/(DP x CP) share
-(where megatron-core's slices cut decides each rank's; the group's total is exact).
+(where megatron-core's slices cut decides each rank's; the group's total is exact). Under
+Muon (``muon_gather_comm``) the TP-split matrices' fp32 updates are all-gathered whole for
+Newton-Schulz, except those Muon Split orthogonalises per head.
 
 Checked per rank against the meter's counts of the training job's runs (glm5_train.plan_check:
 exact for the TP group; the expert-TP group's rows follow the routing where experts are split
@@ -69,19 +71,17 @@ SP_SYNCED = frozenset({"q_down", "q_norm", "kv_down", "kv_norm", "input_norm", "
 AVERAGED = frozenset({"q_norm", "kv_norm"})
 
 
-def unmodelled(cfg: GLM5Config, dsa_stage: str, absorbed: bool, seq_length: int,
-               cp_comm: str) -> str | None:
+def unmodelled(cfg: GLM5Config, dsa_stage: str, absorbed: bool, seq_length: int) -> str | None:
     """Why this module does not model a job's tensor-parallel traffic (None: it does); the
-    arguments are the job's dsa.stage, whether dsa.sparse_attention is absorbed,
-    train.seq_length and parallel.cp_comm."""
+    arguments are the job's dsa.stage, whether dsa.sparse_attention is absorbed and
+    train.seq_length. (Either context-parallel exchange leaves the TP traffic as it is: the
+    head-parallel one measured byte for byte as planned on CP2 x TP2.)"""
     if dsa_stage != "sparse":
         return "the dense warm-up's forward-only layers and chunked dense KL are not modelled"
     if cfg.index_topk >= seq_length:
         return "the dense fallback (index_topk >= seq_length) runs megatron-core's MLA"
     if not absorbed:
         return "the masked-dense reference attention runs megatron-core's MLA"
-    if cp_comm != "all_gather":
-        return "head-parallel context parallelism's exchange is not modelled"
     if cfg.q_lora_rank is None:
         return "MLA without a query latent is not modelled"
     return None
@@ -245,3 +245,32 @@ def grad_sync_bytes(cfg: GLM5Config, inp, moe_flags: list[bool], mtp: bool,
     shards = inp.dp * inp.cp if inp.shard_grads else 1
     return 2 * (inp.tp - 1) * inp.grad_bytes * params // (inp.tp * shards)
 
+
+
+# Muon's TP-split matrices (parallel/muon.py): the dense ones it gathers over TP, whole, to
+# orthogonalise (Muon Split orthogonalises the MLA up projections per head, locally).
+MUON_GATHERED = frozenset({"o_proj", "dense_mlp", "shared_expert", "eh_proj"})
+MUON_SPLIT = frozenset({"q_up", "kv_up"})
+
+
+def muon_gather_comm(cfg: GLM5Config, inp, moe_flags: list[bool], mtp: bool,
+                     split_mla: bool) -> Comm:
+    """Once per step under Muon (``inp.muon``): the fp32 updates of this rank's TP-split
+    matrices all-gathered to whole matrices for Newton-Schulz, over TP (dense) and over
+    expert-TP (routed experts; megatron-core marks them so only with EP > 1, below that the
+    expert-TP ranks are the TP ranks and the TP group is used). Distributed Muon
+    (``owners``) gathers a matrix on its owner's TP ranks only: planned as an even
+    1/(DP x CP) share (the owners are balanced by Newton-Schulz cost, not bytes)."""
+    if not inp.muon:
+        return ()
+    gathered = MUON_GATHERED | (frozenset() if split_mla else MUON_SPLIT)
+    terms = [t for moe in moe_flags for t in layer_terms(cfg, moe)]
+    if mtp:
+        terms += [t for _ in range(cfg.mtp_sets) for t in mtp_layer_terms(cfg)]
+    dense = sum(t.count for t in terms if t.key in gathered)
+    experts = sum(t.count for t in terms if t.key == "routed_experts") // inp.ep
+    e = inp.expert_tp
+    shares = inp.dp * inp.cp if inp.muon == "owners" else 1
+    expert_key = ETP_GATHER if inp.ep > 1 else TP_GATHER
+    return comm_sum(((TP_GATHER, (inp.tp - 1) * FP32 * dense // (inp.tp * shares)),),
+                    ((expert_key, (e - 1) * FP32 * experts // (e * shares)),))
