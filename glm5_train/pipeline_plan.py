@@ -233,8 +233,9 @@ def tensor_parallel_unmodelled(job) -> str | None:
     par, dsa = job.parallel, job.dsa
     if par.cp_groups == "flexible":
         return "flexible context-parallel groups re-form per batch"
-    return tensor_parallel_comm.unmodelled(job.model, dsa.stage, dsa.sparse_attention == "absorbed",
-                                           job.train.seq_length)
+    return tensor_parallel_comm.unmodelled(
+        job.model, dsa.stage, dsa.sparse_attention == "absorbed", job.train.seq_length,
+        par.context_parallel_size, job.activations.recompute().granularity is not None)
 
 
 def context_parallel_sent(rank) -> int:

@@ -5,8 +5,11 @@ Every parity run with TP > 1 already checks it (tests/parity.py ``assert_layout_
 ``plan_check.problems``: TP2, TP2 x PP2, TP2 x PP2 x VPP2 x EP2, expert TP, TP2 without
 sequence parallelism, CP2 x TP2, ZeRO2, the main job's layout). The runs here cover what those
 do not: bf16 (the experts' combine stays fp32), two sequences per micro-batch, megatron-core's
-whole-logits head, selective and full recompute (what each repeats), TP4, Muon's gathers
-without Muon Split; and a planted extra collective must be caught. (Distributed Muon's
+whole-logits head, selective and full recompute (what each repeats), TP4, megatron-core's MLA
+path (masked-dense, dense fallback), Muon's gathers without Muon Split; and a planted extra
+collective must be caught. The dense warm-up: tests/test_parity.py's TP2 x PP2 x VPP2 x EP2
+run (one KL chunk per layer at 64 tokens; 32 chunks of 2 rows, measured once with
+dsa.CHUNK_ELEMENTS patched to 2000, were exact too). (Distributed Muon's
 owner-only gathers: tests/test_muon.py's TP2 x DP2 parity layouts.) Exact for the tensor-parallel group: the measured maximum difference
 over these runs is 0 bytes.
 """
@@ -35,6 +38,10 @@ CASES = [  # (name, processes, overrides)
     ("tp2_full_recompute", 2, ["parallel=tp2", *FULL]),
     ("tp4_chunked", 4, ["parallel=tp2", "parallel.tensor_model_parallel_size=4",
                         "activations.loss_chunk_tokens=16"]),
+    # megatron-core's MLA (the masked-dense reference; the dense fallback, no indexer or KL):
+    # its column-parallel key-value up projection gathers the latent again in backward
+    ("tp2_masked_dense", 2, ["parallel=tp2", "dsa.sparse_attention=masked_dense"]),
+    ("tp2_dense_fallback", 2, ["parallel=tp2", "model.index_topk=64"]),
     # Muon gathers every TP-split matrix's fp32 update; without Muon Split the MLA up
     # projections too
     ("tp2_muon_unsplit_bf16", 2, ["parallel=tp2", "train.optimizer=muon",

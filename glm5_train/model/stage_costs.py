@@ -785,7 +785,8 @@ def mtp_part(cfg: GLM5Config, inp: MemoryInputs) -> Part:
                   adamw_params=layer.adamw_params + 3 * H).times(sets)  # + its 3 norms
     flops = layer.flops + 6 * 2 * H * H * inp.tokens // inp.tp
     projection = mtp_projection_comm(cfg, inp)  # its embedding lookup is not recomputed
-    comm = comm_sum(layer.comm, mtp_roll_comm(inp), *projection, embedding_comm(cfg, inp))
+    comm = comm_sum(layer.comm, mtp_roll_comm(inp), *projection,
+                    embedding_comm(cfg, inp, trains=not dense_warmup(inp)))
     if inp.recompute.mtp_steps_recomputed:  # each step's forward once more in backward
         flops += flops // 3
         comm = comm_sum(comm, layer.forward_comm, projection[0])

@@ -22,6 +22,10 @@ One decoder layer (absorbed sparse DSA, ``attention_comm`` + ``mlp_comm``), sequ
   their fp32 probabilities are gathered over the expert-TP group and the experts' output
   reduce-scattered back, the reverse in backward; the per-expert token counts (int64) are
   gathered over the TP x EP group once per forward.
+On megatron-core's MLA path (the masked-dense reference, the dense fallback when every key
+fits the top-k: no indexer, no KL there) the key-value up projection is column-parallel and
+gathers the latent again in backward. The dense warm-up runs all of it forward only, its KL
+all-reducing per chunk of query rows (``dense_kl_comm``).
 Without sequence parallelism the row-parallel outputs and the column-parallel inputs'
 gradients are all-reduced instead ([T, w], T the whole sequence's tokens), the latent's and the
 RoPE key's gradients too (parallel/mla_down_projection.py).
@@ -53,6 +57,7 @@ not modelled.
 from __future__ import annotations
 
 from glm5_train.model.config import GLM5Config
+from glm5_train.model.dsa import query_chunk
 from glm5_train.model.param_count import layer_terms, mtp_layer_terms
 from parallel.pipeline_layout import Comm, comm_sum
 
@@ -71,17 +76,20 @@ SP_SYNCED = frozenset({"q_down", "q_norm", "kv_down", "kv_norm", "input_norm", "
 AVERAGED = frozenset({"q_norm", "kv_norm"})
 
 
-def unmodelled(cfg: GLM5Config, dsa_stage: str, absorbed: bool, seq_length: int) -> str | None:
+def unmodelled(cfg: GLM5Config, dsa_stage: str, absorbed: bool, seq_length: int, cp: int,
+               recompute: bool) -> str | None:
     """Why this module does not model a job's tensor-parallel traffic (None: it does); the
-    arguments are the job's dsa.stage, whether dsa.sparse_attention is absorbed and
-    train.seq_length. (Either context-parallel exchange leaves the TP traffic as it is: the
-    head-parallel one measured byte for byte as planned on CP2 x TP2.)"""
-    if dsa_stage != "sparse":
-        return "the dense warm-up's forward-only layers and chunked dense KL are not modelled"
-    if cfg.index_topk >= seq_length:
-        return "the dense fallback (index_topk >= seq_length) runs megatron-core's MLA"
-    if not absorbed:
-        return "the masked-dense reference attention runs megatron-core's MLA"
+    arguments are the job's dsa.stage, whether dsa.sparse_attention is absorbed,
+    train.seq_length, parallel.context_parallel_size and whether anything is recomputed.
+    (Either context-parallel exchange leaves the TP traffic as it is: the head-parallel one
+    measured byte for byte as planned on CP2 x TP2.)"""
+    if dsa_stage == "dense_warmup":
+        if cp > 1:
+            return "the dense warm-up's KL chunks follow the CP shards' positions"
+        if recompute:
+            return "recompute in the dense warm-up is not modelled"
+    elif recompute and not (absorbed and cfg.index_topk < seq_length):
+        return "recompute on megatron-core's MLA path (masked-dense or dense fallback)"
     if cfg.q_lora_rank is None:
         return "MLA without a query latent is not modelled"
     return None
@@ -101,10 +109,44 @@ def _reduced(inp, width: int) -> int:
     return _all_reduce(inp.tp, inp.tokens * width * inp.activation_bytes)
 
 
+def _warmup(inp) -> bool:
+    """The dense warm-up runs the model forward only (nothing but the indexer trains)."""
+    return inp.dsa_stage == "dense_warmup"
+
+
+def _sparse(cfg: GLM5Config, inp) -> bool:
+    """The sparse stage selects keys (DSACoreAttention falls back to dense attention, no
+    indexer, no KL, when every key of the sequence fits the top-k)."""
+    return not _warmup(inp) and cfg.index_topk < inp.seq_length
+
+
+def _absorbed(cfg: GLM5Config, inp) -> bool:
+    """Our absorbed sparse MLA shares the latent; elsewhere megatron-core's MLA up-projects it
+    with a column-parallel linear, whose backward gathers its input again."""
+    return _sparse(cfg, inp) and inp.absorbed_attention
+
+
+def dense_kl_comm(cfg: GLM5Config, inp) -> Comm:
+    """The dense warm-up's KL (dsa_loss._DenseKL): per chunk of r query rows (dsa.query_chunk
+    of b x S x (heads per rank + indexer heads) elements per row) the head-summed attention
+    [b, rows, keys up to the chunk's last row] fp32 all-reduced over TP, in its forward and again
+    in its backward, which runs at once (without CP: the rows are positions 0..S-1)."""
+    if inp.tp == 1 or not inp.dsa_kl:
+        return ()
+    b, s = inp.micro_batch_size, inp.seq_length
+    rows = query_chunk(b * s * (cfg.num_attention_heads // inp.tp + cfg.index_n_heads))
+    sent = sum(_all_reduce(inp.tp, FP32 * b * (min(s, t0 + rows) - t0) * min(s, t0 + rows))
+               for t0 in range(0, s, rows))
+    return ((TP_REDUCE, 2 * sent),)
+
+
 def kl_comm(cfg: GLM5Config, inp) -> Comm:
     """The sparse KL's all-reduce of the attention summed over each rank's heads at the
-    selected keys ([b, s, K] fp32), once per core-attention forward."""
-    if inp.tp == 1 or not inp.dsa_kl:
+    selected keys ([b, s, K] fp32), once per core-attention forward (the dense warm-up's:
+    ``dense_kl_comm``)."""
+    if _warmup(inp):
+        return dense_kl_comm(cfg, inp)
+    if inp.tp == 1 or not inp.dsa_kl or not _sparse(cfg, inp):
         return ()
     picks = inp.micro_batch_size * inp.seq * min(cfg.index_topk, inp.seq_length)
     return ((TP_REDUCE, _all_reduce(inp.tp, FP32 * picks)),)
@@ -119,7 +161,8 @@ def attention_comm(cfg: GLM5Config, inp) -> tuple[Comm, Comm]:
     if inp.sequence_parallel:
         forward = ((TP_GATHER, _sp(inp, q + rope + latent)), (TP_SCATTER, _sp(inp, H)),
                    *indexer_inputs_comm(cfg, inp))
-        backward = ((TP_GATHER, _sp(inp, q + H)), (TP_SCATTER, _sp(inp, q + rope + latent)))
+        regathered = q + H + (0 if _absorbed(cfg, inp) else latent)
+        backward = ((TP_GATHER, _sp(inp, regathered)), (TP_SCATTER, _sp(inp, q + rope + latent)))
     else:
         forward = ((TP_REDUCE, _reduced(inp, H)),)
         backward = ((TP_REDUCE, _reduced(inp, q) + _reduced(inp, latent) + _reduced(inp, rope)),)
@@ -128,8 +171,9 @@ def attention_comm(cfg: GLM5Config, inp) -> tuple[Comm, Comm]:
 
 def indexer_inputs_comm(cfg: GLM5Config, inp) -> Comm:
     """The indexer's inputs (hidden states and query latent) gathered to the whole sequence
-    under SP, inside the core attention (detached: no backward)."""
-    if inp.tp == 1 or not inp.sequence_parallel:
+    under SP, inside the core attention (detached: no backward); no indexer runs in the
+    dense fallback."""
+    if inp.tp == 1 or not inp.sequence_parallel or not (_sparse(cfg, inp) or _warmup(inp)):
         return ()
     return ((TP_GATHER, _sp(inp, cfg.hidden_size + cfg.q_lora_rank)),)
 
@@ -182,6 +226,8 @@ def layer_comm(cfg: GLM5Config, moe: bool, inp) -> tuple[Comm, Comm]:
     selective recompute sends again, what a full recompute's second forward sends: the
     forward's exchanges, the KL's all-reduce not, which runs once)."""
     attention, mlp = attention_comm(cfg, inp), mlp_comm(cfg, moe, inp)
+    if _warmup(inp):  # forward only
+        return comm_sum(attention[0], mlp[0], kl_comm(cfg, inp)), comm_sum(attention[0], mlp[0])
     rc, again = inp.recompute, []
     if rc.selects("mla_up_proj"):
         again.append(up_projection_forward_comm(cfg, inp))
@@ -208,14 +254,17 @@ def mtp_projection_comm(cfg: GLM5Config, inp) -> tuple[Comm, Comm]:
         return (), ()
     H = cfg.hidden_size
     forward = ((TP_GATHER, _sp(inp, 2 * H) + _sp(inp, H)),)
+    if _warmup(inp):
+        return forward, ()
     return forward, ((TP_GATHER, _sp(inp, H) + _sp(inp, 2 * H)), (TP_SCATTER, _sp(inp, 2 * H)))
 
 
 def head_comm(cfg: GLM5Config, inp) -> Comm:
-    """One output head + loss: forward + backward."""
+    """One output head + loss: forward + backward (the dense warm-up: forward only)."""
     if inp.tp == 1:
         return ()
     H, T = cfg.hidden_size, inp.tokens
+    backward = 0 if _warmup(inp) else 1
     if inp.loss_chunk_tokens > 0:
         c = inp.loss_chunk_tokens
         chunks = [min(c, T - start) for start in range(0, T, c)]
@@ -224,9 +273,9 @@ def head_comm(cfg: GLM5Config, inp) -> Comm:
     else:
         reductions = 3 * _all_reduce(inp.tp, FP32 * T)
     if inp.sequence_parallel:
-        return ((TP_GATHER, _sp(inp, 2 * H)), (TP_SCATTER, _sp(inp, H)),
+        return ((TP_GATHER, (1 + backward) * _sp(inp, H)), (TP_SCATTER, backward * _sp(inp, H)),
                 (TP_REDUCE, reductions))
-    return ((TP_REDUCE, _reduced(inp, H) + reductions),)
+    return ((TP_REDUCE, backward * _reduced(inp, H) + reductions),)
 
 
 def grad_sync_bytes(cfg: GLM5Config, inp, moe_flags: list[bool], mtp: bool,
@@ -234,7 +283,7 @@ def grad_sync_bytes(cfg: GLM5Config, inp, moe_flags: list[bool], mtp: bool,
     """Once per step: finalize's all-reduce of the replicated gradients over TP for a rank
     holding decoder layers of ``moe_flags``, the MTP parameters (``mtp``) and the final norm;
     under Pipeline ZeRO2 (``inp.shard_grads``) this rank's even share of them."""
-    if inp.tp == 1:
+    if inp.tp == 1 or _warmup(inp):  # the warm-up trains the indexer alone: none
         return 0
     keys = SP_SYNCED if inp.sequence_parallel else AVERAGED
     terms = [t for moe in moe_flags for t in layer_terms(cfg, moe)]
