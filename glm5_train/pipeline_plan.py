@@ -219,11 +219,10 @@ def traffic_modelled(job) -> tuple[str, ...]:
     if par.pipeline_model_parallel_size > 1:
         fields.append("p2p")
     if tensor_parallel_unmodelled(job) is None:
-        tp, ep = par.tensor_model_parallel_size, par.expert_model_parallel_size
-        etp = par.expert_tensor_parallel_size or (1 if ep > 1 else tp)
-        if tp > 1:
+        if par.tensor_model_parallel_size > 1:
             fields.append("tensor_parallel")
-        if etp * ep > 1 and any(job.model.moe_layer_pattern):
+        if (par.expert_tp * par.expert_model_parallel_size > 1
+                and any(job.model.moe_layer_pattern)):
             fields.append("expert_tensor_parallel")
     return tuple(fields)
 
