@@ -32,20 +32,19 @@ FULL = ["activations.recompute_granularity=full", "activations.recompute_method=
         "activations.recompute_num_layers=1"]
 
 CASES = [  # (name, processes, overrides)
-    ("tp2_bf16_mb2_whole_head_selective", 2,
-     ["parallel=tp2", "train.params_dtype=bf16", "train.micro_batch_size=2",
-      "activations.loss_chunk_tokens=0", *SELECTIVE]),
-    ("tp2_full_recompute", 2, ["parallel=tp2", *FULL]),
-    ("tp4_chunked", 4, ["parallel=tp2", "parallel.tensor_model_parallel_size=4",
-                        "activations.loss_chunk_tokens=16"]),
-    # megatron-core's MLA (the masked-dense reference; the dense fallback, no indexer or KL):
-    # its column-parallel key-value up projection gathers the latent again in backward
-    ("tp2_masked_dense", 2, ["parallel=tp2", "dsa.sparse_attention=masked_dense"]),
-    ("tp2_dense_fallback", 2, ["parallel=tp2", "model.index_topk=64"]),
     # Muon gathers every TP-split matrix's fp32 update; without Muon Split the MLA up
     # projections too
-    ("tp2_muon_unsplit_bf16", 2, ["parallel=tp2", "train.optimizer=muon",
-                                  "train.muon_split_mla=false", "train.params_dtype=bf16"]),
+    ("tp2_bf16_mb2_whole_head_selective_muon", 2,
+     ["parallel=tp2", "train.params_dtype=bf16", "train.micro_batch_size=2",
+      "activations.loss_chunk_tokens=0", *SELECTIVE, "train.optimizer=muon",
+      "train.muon_split_mla=false"]),
+    ("tp2_full_recompute", 2, ["parallel=tp2", *FULL]),
+    # megatron-core's MLA (the dense fallback, no indexer or KL; the masked-dense reference):
+    # its column-parallel key-value up projection gathers the latent again in backward
+    ("tp4_chunked_dense_fallback", 4, ["parallel=tp2", "parallel.tensor_model_parallel_size=4",
+                                       "activations.loss_chunk_tokens=16",
+                                       "model.index_topk=64"]),
+    ("tp2_masked_dense", 2, ["parallel=tp2", "dsa.sparse_attention=masked_dense"]),
 ]
 
 
