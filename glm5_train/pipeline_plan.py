@@ -28,6 +28,7 @@ from glm5_train.model.stage_costs import (
     MemoryInputs,
     checkpoint_leaf_bytes,
     decoder_layer_activation_bytes,
+    final_norm_stage,
     inputs_from_job,
     mtp_sets,
     mtp_step_activation_bytes,
@@ -292,8 +293,7 @@ def _tensor_parallel_step_comm(job, inputs: MemoryInputs, layout: PipelineLayout
     (``tensor_parallel_comm.grad_sync_bytes``) and Muon's gathers of its TP-split matrices
     (``tensor_parallel_comm.muon_gather_comm``)."""
     cfg = job.model
-    final_norm = GLM5StageModel(cfg, inputs, len(layout.stages), layout.mtp_stage
-                                ).final_norm_stage(list(layout.layers_per_stage))
+    final_norm = final_norm_stage(list(layout.layers_per_stage), layout.mtp_stage)
     moe_flags, mtp, holds_norm, layer = [], False, False, 0
     for stage, kinds in enumerate(layout.stages):
         mine = layout.rank_of(stage) == pipeline_rank

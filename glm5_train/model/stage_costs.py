@@ -872,6 +872,14 @@ def muon_state_bytes(part: Part, inp: MemoryInputs) -> tuple[int, int]:
     return device, 0
 
 
+def final_norm_stage(counts: list[int], mtp_stage: int | None) -> int:
+    """The stage holding the final norm, for decoder layers per stage ``counts``: megatron-core
+    puts it after the last decoder layer with MTP, else on the output (last) stage."""
+    if mtp_stage is None:
+        return len(counts) - 1
+    return next((s for s in range(len(counts) - 1, -1, -1) if counts[s]), 0)
+
+
 class GLM5StageModel:
     """GLM-5's per-stage costs of a layout shape (stage count, MTP stage) for any layer counts:
     a ``parallel.pipeline_layout.StageCostModel``."""
@@ -898,11 +906,7 @@ class GLM5StageModel:
         self._cache: dict[tuple[int, int, int, bool], StageCosts] = {}
 
     def final_norm_stage(self, counts: list[int]) -> int:
-        """megatron-core: with MTP the final norm follows the last decoder layer, else it is
-        part of the output stage."""
-        if self.mtp_stage is None:
-            return self.last
-        return next((s for s in range(len(counts) - 1, -1, -1) if counts[s]), 0)
+        return final_norm_stage(counts, self.mtp_stage)
 
     def dense_layers(self, start: int, count: int) -> int:
         """Dense-MLP layers among decoder layers start .. start + count - 1."""

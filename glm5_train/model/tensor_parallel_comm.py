@@ -278,6 +278,15 @@ def head_comm(cfg: GLM5Config, inp) -> Comm:
     return ((TP_REDUCE, backward * _reduced(inp, H) + reductions),)
 
 
+def _held_terms(cfg: GLM5Config, moe_flags: list[bool], mtp: bool) -> list:
+    """The parameter terms of a rank holding decoder layers of ``moe_flags`` and, with
+    ``mtp``, every MTP parameter set."""
+    terms = [t for moe in moe_flags for t in layer_terms(cfg, moe)]
+    if mtp:
+        terms += [t for _ in range(cfg.mtp_sets) for t in mtp_layer_terms(cfg)]
+    return terms
+
+
 def grad_sync_bytes(cfg: GLM5Config, inp, moe_flags: list[bool], mtp: bool,
                     final_norm: bool) -> int:
     """Once per step: finalize's all-reduce of the replicated gradients over TP for a rank
@@ -286,10 +295,7 @@ def grad_sync_bytes(cfg: GLM5Config, inp, moe_flags: list[bool], mtp: bool,
     if inp.tp == 1 or _warmup(inp):  # the warm-up trains the indexer alone: none
         return 0
     keys = SP_SYNCED if inp.sequence_parallel else AVERAGED
-    terms = [t for moe in moe_flags for t in layer_terms(cfg, moe)]
-    if mtp:
-        terms += [t for _ in range(cfg.mtp_sets) for t in mtp_layer_terms(cfg)]
-    params = sum(t.count for t in terms if t.key in keys)
+    params = sum(t.count for t in _held_terms(cfg, moe_flags, mtp) if t.key in keys)
     params += cfg.hidden_size if final_norm and "final_norm" in keys else 0
     shards = inp.dp * inp.cp if inp.shard_grads else 1
     return 2 * (inp.tp - 1) * inp.grad_bytes * params // (inp.tp * shards)
@@ -313,9 +319,7 @@ def muon_gather_comm(cfg: GLM5Config, inp, moe_flags: list[bool], mtp: bool,
     if not inp.muon:
         return ()
     gathered = MUON_GATHERED | (frozenset() if split_mla else MUON_SPLIT)
-    terms = [t for moe in moe_flags for t in layer_terms(cfg, moe)]
-    if mtp:
-        terms += [t for _ in range(cfg.mtp_sets) for t in mtp_layer_terms(cfg)]
+    terms = _held_terms(cfg, moe_flags, mtp)
     dense = sum(t.count for t in terms if t.key in gathered)
     experts = sum(t.count for t in terms if t.key == "routed_experts") // inp.ep
     e = inp.expert_tp
