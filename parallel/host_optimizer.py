@@ -33,7 +33,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from megatron.core import tensor_parallel
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -176,10 +175,11 @@ def _tensors(state: dict) -> Iterator[torch.Tensor]:
 
 
 def _leaf_view(shard: torch.Tensor) -> torch.Tensor:
+    """A detached view carrying every attribute megatron-core set on the shard (its tensor-
+    parallel attributes, ``shared``; 0.19 adds ``allreduce`` and grad-norm groups): copied
+    whole, so whatever a release tags its shards with survives."""
     leaf = shard.detach()
-    tensor_parallel.copy_tensor_model_parallel_attributes(leaf, shard)
-    if hasattr(shard, "shared"):
-        leaf.shared = shard.shared
+    leaf.__dict__.update(shard.__dict__)
     return leaf
 
 

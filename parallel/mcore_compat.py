@@ -55,9 +55,11 @@ from parallel.mla_down_projection import MLADownProjection
 REDIRECT, TORCH_VIEW, FIX, OVERRIDE, SCOPED = "redirect", "torch_view", "fix", "override", "scoped"
 
 # The megatron-core releases the entries were written against and checked on (``Patch.
-# written_against``; an entry written for another release says so itself). GPU images carry
-# 0.17-0.19 (Python >= 3.12): ``entries_not_written_for`` lists what was never checked there.
-WRITTEN_AGAINST: tuple[str, ...] = ("0.16.1",)
+# written_against``; an entry written for another release says so itself): 0.16.1, and 0.19.2,
+# the release GPU images carry (Python >= 3.12). 0.17 and 0.18 were never checked:
+# ``entries_not_written_for`` lists what was not checked on a release.
+WRITTEN_AGAINST: tuple[str, ...] = ("0.16.1", "0.19.2")
+V0_19_2 = "0.19.2"
 
 
 @dataclass(frozen=True)
@@ -78,10 +80,21 @@ class Patch:
     binds_missing: bool = False  # fix: upstream forgot to bind the name; we bind it
     on_instances: bool = False  # override: an attribute megatron-core sets per object
     written_against: tuple[str, ...] = WRITTEN_AGAINST  # megatron-core releases checked on
+    # (release, fingerprint, signature) of the original on another release, re-read there and
+    # found to fit the same replacement (``fingerprint`` / ``signature`` are 0.16.1's).
+    other_fits: tuple[tuple[str, str, str], ...] = ()
+    # Releases where megatron-core itself no longer needs the entry (the bug fixed, the call
+    # gone): there it is neither applied nor checked.
+    not_needed_on: tuple[str, ...] = ()
 
     @property
     def target(self) -> str:
         return f"{self.module}.{self.attr}"
+
+
+def is_needed(patch: Patch, version: str | None = None) -> bool:
+    """Whether ``patch`` applies on megatron-core ``version`` (default: the installed one)."""
+    return (version or megatron_core_version()) not in patch.not_needed_on
 
 
 def fingerprint_of(fn: Callable) -> tuple[str, str]:
@@ -103,9 +116,10 @@ _TRAINING_PATH = tuple(f"{_MC}.{m}" for m in (
     "timers", "utils", "dist_checkpointing.strategies.torch", "parallel_state"))
 
 
-def _cuda(attr: str, replacement: Any, why: str, uses: str | None = None) -> Patch:
+def _cuda(attr: str, replacement: Any, why: str, uses: str | None = None,
+          **fields: Any) -> Patch:
     return Patch("torch.cuda", attr, REDIRECT, why, replacement, _TRAINING_PATH,
-                 uses or rf"cuda\.{attr}\b")
+                 uses or rf"cuda\.{attr}\b", **fields)
 
 
 CPU_REDIRECTS: tuple[Patch, ...] = (
@@ -130,7 +144,7 @@ CPU_REDIRECTS: tuple[Patch, ...] = (
     _cuda("empty_cache", device.no_op, "called between phases"),
     _cuda("current_stream", device.current_stream, "MoE dispatcher, p2p"),
     _cuda("default_stream", device.current_stream, "pipeline p2p and DDP streams",
-          r"default_stream\("),
+          r"default_stream\(", not_needed_on=(V0_19_2,)),  # 0.19: not called on our path
     _cuda("Stream", device.CpuStream, "MoE dispatcher, overlapped grad reduce"),
     _cuda("Event", device.CpuEvent, "timers, overlapped grad reduce"),
     _cuda("stream", device.stream_context, "`with torch.cuda.stream(s):`",
@@ -179,7 +193,8 @@ FIXES_WITHOUT_TE: tuple[Patch, ...] = (
     # moe_utils imports te_general_gemm inside a try block and never binds it on ImportError;
     # every router forward then raises NameError. None selects its torch fallback.
     Patch(f"{_MC}.transformer.moe.moe_utils", "te_general_gemm", FIX,
-          "unbound without TE: the router forward raises NameError", None, binds_missing=True),
+          "unbound without TE: the router forward raises NameError", None, binds_missing=True,
+          not_needed_on=(V0_19_2,)),  # 0.19 binds it (None) without TE
     # The TE extension module imports with MagicMock stand-ins, so MLA believes TE exists and
     # an isinstance(..., TELinear) check against a MagicMock raises TypeError.
     Patch(_MLA, "HAVE_TE", FIX, "a MagicMock TELinear breaks isinstance in MLA.__init__", False,
@@ -190,6 +205,10 @@ FIXES_WITHOUT_TE: tuple[Patch, ...] = (
     Patch(_MLA, "Linear", FIX, "replicated down projections: correct RoPE-key gradients under TP",
           MLADownProjection, uses=r"\[\s*Linear,"),
 )
+
+_BUILD_GROUPS_SIGNATURE = ("(gbuf_ranges: List[Dict], param_gbuf_map: Dict[torch.nn.parameter."
+                           "Parameter, Tuple], opt_group_ranges: List, config: megatron.core."
+                           "optimizer.optimizer_config.OptimizerConfig)")
 
 # parallel.optimizer_cpu_offload, on any device, applied when a job asks for it
 # (``install_host_optimizer``, before the optimizer is built): megatron-core's hybrid optimizer
@@ -208,19 +227,22 @@ HOST_OPTIMIZER_PATCHES: tuple[Patch, ...] = (
           "_build_model_and_main_param_groups", REDIRECT,
           "parallel.optimizer_cpu_offload with fp32 parameters: its shards are non-leaf views, "
           "which the hybrid optimizer's torch groups refuse", host_optimizer.leaf_fp32_shards,
-          fingerprint="1b9f0ec06718f817",
-          signature=("(gbuf_ranges: List[Dict], param_gbuf_map: Dict[torch.nn.parameter."
-                     "Parameter, Tuple], opt_group_ranges: List, config: megatron.core."
-                     "optimizer.optimizer_config.OptimizerConfig)")),
+          fingerprint="1b9f0ec06718f817", signature=_BUILD_GROUPS_SIGNATURE,
+          # 0.19: the shards get more of the parameter's attributes (copy_gtp_attributes,
+          # copy_optimizer_param_metadata), which the leaf views copy whole.
+          other_fits=((V0_19_2, "3fce9be2b6d1d143", _BUILD_GROUPS_SIGNATURE),)),
 )
 
 _OPT = f"{_MC}.optimizer"
 _DISTOPT = f"{_OPT}.distrib_optimizer.DistributedOptimizer"
 
 
-def _avoided(attr: str, why: str, fingerprint: str, signature: str, uses: str) -> Patch:
+def _avoided(attr: str, why: str, fingerprint: str, signature: str, uses: str,
+             fingerprint_0_19: str) -> Patch:
+    """``fingerprint_0_19``: the method on 0.19.2, re-read there: the bug (or limit) remains."""
     return Patch(_DISTOPT, attr, FIX, why, callers=(f"{_DISTOPT}.{attr}",), uses=uses,
-                 fingerprint=fingerprint, signature=signature)
+                 fingerprint=fingerprint, signature=signature,
+                 other_fits=((V0_19_2, fingerprint_0_19, signature),))
 
 
 # The distributed optimizer's checkpoint path with torch's Adam (no Transformer Engine or
@@ -232,41 +254,49 @@ DISTOPT_CHECKPOINT_BUGS: tuple[Patch, ...] = (
              "step; a fresh optimizer has no state yet, so sharded_state_dict(is_loading=True) "
              "fails before any load", "fe621ae6a622b587", "(self)",
              r'steps = list\(set\(\[s\["step"\]\.item\(\) for s in inner_state_dict\["state"\]'
-             r'\.values\(\)\]\)\)\s*assert len\(steps\) == 1'),
+             r'\.values\(\)\]\)\)\s*assert len\(steps\) == 1', "fe621ae6a622b587"),
     _avoided("load_state_dict", "torch's Adam: gives every parameter's state the same step "
              "tensor, which torch's Adam then advances in place once per parameter per step: "
              "after a resume the bias correction counts n_params steps per step",
              "15f257b4c4f9a7ef", "(self, state_dict)",
              r'step = torch\.tensor\(steps\[0\], dtype=torch\.float\)\s*for s in '
-             r'state_dict_state\.values\(\):\s*#[^\n]*\s*s\["step"\] = step'),
+             r'state_dict_state\.values\(\):\s*#[^\n]*\s*s\["step"\] = step', "7e5f988b86b48501"),
     _avoided("_set_main_param_and_optimizer_states", "copies every state key of the optimizer, "
              "torch Adam's step included, which the fully_reshardable and model-space loads "
              "leave out of the tensors: KeyError 'step'; and it lacks no_grad, which the "
              "dp_reshardable load does not add (in-place copy into a parameter view raises)",
              "93c254228283b2df", "(self, model_param, tensors)",
-             r'for key in dst_tensors:\s*dst_tensors\[key\]\.copy_\(tensors\[key\]\)'),
+             # 0.19 skips non-tensor values, but still indexes tensors[key] for every state key
+             r'for key in dst_tensors:\s*(if not isinstance\(tensors\[key\], torch\.Tensor\):'
+             r'\s*continue\s*)?dst_tensors\[key\]\.copy_\(tensors\[key\]\)', "40cab784659711a8"),
     _avoided("sharded_param_state_fs_model_space", "the default sharding type (model space) "
              "builds ShardedTensors with flattened_range, which this dist_checkpointing refuses "
              "(ShardedTensor.flattened_range is not supported)", "561fb1277ddb7492",
              "(self, model_sharded_state_dict: Dict[str, Any], is_loading: bool = False, "
-             "metadata: Optional[dict] = None)", r"flattened_range=item_slice"),
+             "metadata: Optional[dict] = None)", r"flattened_range=item_slice",
+             "561fb1277ddb7492"),
     _avoided("get_parameter_state_dp_zero", "not a bug, a limit: every format but model space "
-             "gathers the state through this, whose keys are param / exp_avg / exp_avg_sq only: "
-             "no place for distributed Muon's momentum", "812c52ea4568b0ff",
+             "gathers the state through this, whose keys are param / exp_avg / exp_avg_sq only "
+             "(0.19: the config's optimizer's keys, Adam's for ours): no place for distributed "
+             "Muon's momentum", "812c52ea4568b0ff",
              "(self, use_gloo_comm: bool = True, empty_data: bool = False, "
              "return_on_all_ranks: bool = False)",
-             r'for key in \("param", "exp_avg", "exp_avg_sq"\)'),
+             r'for key in \("param", "exp_avg", "exp_avg_sq"\)'
+             r'|for key in \("param",\) \+ self\.optimizer_state_keys', "14d11a75ad9ccd8b"),
 )
 
 OVERRIDES: tuple[Patch, ...] = (
     Patch(f"{_OPT}.distrib_optimizer.DistributedOptimizer", "_copy_model_grads_to_main_grads",
           OVERRIDE, "Pipeline ZeRO2: the optimizer reads its gradient slices from ZeRO2's "
           "persistent slices (parallel/pipeline_zero2.py), not from full main_grad views",
-          fingerprint="ffcdecd38d14405a", signature="(self)"),
+          fingerprint="ffcdecd38d14405a", signature="(self)",
+          other_fits=((V0_19_2, "b14b52f057fb4a96", "(self)"),)),  # 0.19: a comment added
     Patch(f"{_OPT}.distrib_optimizer.DistributedOptimizer", "step_with_ready_grads", OVERRIDE,
           "distributed Muon: megatron's mixed-precision step without its parameter all-gather, "
           "which distributed Muon's owner-aware all-gather replaces (parallel/distributed_muon.py)",
-          fingerprint="4883dadbf822eab8", signature="(self) -> bool"),
+          fingerprint="4883dadbf822eab8", signature="(self) -> bool",
+          # 0.19 changed only what the replacement leaves out: which buckets it all-gathers.
+          other_fits=((V0_19_2, "2350cce9dd8822dd", "(self) -> bool"),)),
     Patch(f"{_OPT}.optimizer.MegatronOptimizer", "optimizer", OVERRIDE,
           "Muon: the torch optimizer inside megatron's wrappers becomes MuonAdamW / distributed "
           "Muon (parallel/muon.py); megatron calls self.optimizer.step() in its step",
@@ -290,13 +320,15 @@ SCOPED_PATCHES: tuple[Patch, ...] = (
           "without checking is_initialized(); a single process without a group is rank 0",
           fingerprint="5823c03a5159d9eb", signature="(self) -> Tuple[numpy.ndarray, numpy.ndarray]",
           callers=(f"{_DATA}.blended_dataset.BlendedDataset._build_indices",),
-          uses=r"torch\.distributed\.get_rank\(\)"),
+          uses=r"torch\.distributed\.get_rank\(\)",
+          not_needed_on=(V0_19_2,)),  # 0.19 checks is_initialized() first
     Patch(f"{_MC}.dist_checkpointing.strategies.filesystem_async", "_results_queue", SCOPED,
           "the torch_dist writer creates its results queue with a spawned Manager process "
           "(10-15 s per rank, and a __main__ guard); we save synchronously, so a plain queue of "
           "this process carries the results",
-          callers=(
-              f"{_MC}.dist_checkpointing.strategies.filesystem_async._get_write_results_queue",),
+          callers=(  # 0.19 renamed the function (the Manager stays)
+              f"{_MC}.dist_checkpointing.strategies.filesystem_async._get_write_results_queue",
+              f"{_MC}.dist_checkpointing.strategies.filesystem_async.get_write_results_queue"),
           uses=r"_results_queue = ctx\.Manager\(\)\.Queue\(\)"),
 )
 
@@ -339,6 +371,8 @@ def stale_reason(patch: Patch) -> str | None:
         owner = resolve_owner(patch.module)
     except (ModuleNotFoundError, AttributeError) as err:
         return f"{patch.target}: {patch.module} does not resolve ({err})"
+    if not is_needed(patch):
+        return None
     installed = patch.target in _INSTALLED
     if patch.binds_missing:
         if not installed and hasattr(owner, patch.attr):
@@ -352,7 +386,8 @@ def stale_reason(patch: Patch) -> str | None:
         else:
             original = _INSTALLED[patch.target] if installed else getattr(owner, patch.attr)
         got = fingerprint_of(original)
-        if got != (patch.fingerprint, patch.signature):
+        fits = {(patch.fingerprint, patch.signature)} | {(f, s) for _, f, s in patch.other_fits}
+        if got not in fits:
             return (f"{patch.target}: the code it was written against changed (fingerprint, "
                     f"signature {got} != {(patch.fingerprint, patch.signature)}); re-read it, "
                     f"check the replacement still fits, then update the entry ({patch.why})")
@@ -389,6 +424,13 @@ def version_report(version: str | None = None) -> list[str]:
             for p in entries_not_written_for(version)]
 
 
+def not_needed_report(version: str | None = None) -> list[str]:
+    """The entries megatron-core ``version`` no longer needs (neither applied nor checked)."""
+    version = version or megatron_core_version()
+    return [f"{p.target} ({p.kind}): not needed on megatron-core {version}"
+            for p in PATCHES if not is_needed(p, version)]
+
+
 # --------------------------------------------------------------------------------- install
 
 _INSTALLED: dict[str, Any] = {}  # target -> original value (this process)
@@ -417,11 +459,12 @@ def installed_patches(force_cpu: bool | None = None) -> list[Patch]:
     """The entries ``install`` applies in this process (for tests and reports)."""
     on_cpu = (not torch.cuda.is_available()) if force_cpu is None else force_cpu
     fixes = [] if transformer_engine_installed() else list(FIXES_WITHOUT_TE)
-    return (list(CPU_REDIRECTS) + list(TORCH_VIEWS) if on_cpu else []) + fixes
+    return [p for p in (list(CPU_REDIRECTS) + list(TORCH_VIEWS) if on_cpu else []) + fixes
+            if is_needed(p)]
 
 
 def _apply(patch: Patch) -> None:
-    if patch.target in _INSTALLED:
+    if patch.target in _INSTALLED or not is_needed(patch):
         return
     problem = stale_reason(patch)
     if problem:
@@ -506,7 +549,7 @@ def single_process_rank_zero() -> Iterator[None]:
     BlendedDataset index build asks without checking); with a group nothing changes."""
     patch = _BY_TARGET["torch.distributed.get_rank"]
     dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
+    if not is_needed(patch) or (dist.is_available() and dist.is_initialized()):
         yield
         return
     problem = stale_reason(patch)

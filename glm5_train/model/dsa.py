@@ -392,6 +392,9 @@ class DSACoreAttention(MLACoreAttention):
     masked-dense reference."""
 
     supports_context_parallel = True  # queries stay local, keys gathered (_attend)
+    # megatron-core 0.19's MLA hands the core attention the hidden states and the query latent
+    # (``x``, ``qr``) when it says so; 0.16's when the config's attention variant is "dsa".
+    requires_dsa_inputs = True
 
     def __init__(self, config: TransformerConfig, *args, dsa_n_heads: int, dsa_head_dim: int,
                  dsa_topk: int, rope_theta: float, dsa_training: DSATrainingConfig | None = None,

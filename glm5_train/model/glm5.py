@@ -61,7 +61,7 @@ def decoder_block_spec(model_cfg: GLM5Config, config: MLATransformerConfig,
     """The layer specs of the decoder layers one pipeline chunk builds (``recompute``: the
     selective expert-activation recompute is a spec change, parallel/recompute.py)."""
     use_te = transformer_engine_available() if use_te is None else use_te
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+    block = get_gpt_decoder_block_spec(_plain_attention(config), use_transformer_engine=use_te,
                                        normalization="RMSNorm", vp_stage=vp_stage,
                                        pp_rank=pp_rank)
     layers = block.layer_specs if use_te else [_localize_layer(s) for s in block.layer_specs]
@@ -69,6 +69,15 @@ def decoder_block_spec(model_cfg: GLM5Config, config: MLATransformerConfig,
         layer_specs=[_with_recompute(_with_dsa(spec, model_cfg, dsa_training), recompute)
                      for spec in layers],
         layer_norm=block.layer_norm if use_te else RMSNorm)
+
+
+def _plain_attention(config: MLATransformerConfig) -> MLATransformerConfig:
+    """The config as megatron-core's GPT spec builders read it: MLA without its attention
+    variant. The specs are plain MLA layers whichever variant is set (``_with_dsa`` makes them
+    DSA); megatron-core 0.19 refuses to build specs from a config with a variant set."""
+    plain = copy.copy(config)
+    plain.experimental_attention_variant = None
+    return plain
 
 
 def _with_dsa(layer: ModuleSpec, model_cfg: GLM5Config,
@@ -171,7 +180,7 @@ def _mtp_spec(model_cfg: GLM5Config, config: MLATransformerConfig, use_te: bool 
               dsa_training: DSATrainingConfig | None, recompute: Recompute | None = None):
     """The MTP layers: each wraps a full MoE decoder layer (the model's last layer kind)."""
     use_te = transformer_engine_available() if use_te is None else use_te
-    layer = get_gpt_decoder_layer_specs(config, use_transformer_engine=use_te,
+    layer = get_gpt_decoder_layer_specs(_plain_attention(config), use_transformer_engine=use_te,
                                         normalization="RMSNorm")[-1]
     layer = _with_dsa(layer if use_te else _localize_layer(layer), model_cfg, dsa_training)
     layer = _with_recompute(layer, recompute)
@@ -244,7 +253,10 @@ class GLM5Model(GPTModel):
                      decoder_input=None, attention_mask=None, inference_params=None,
                      packed_seq_params=None, sequence_len_offset=None,
                      runtime_gather_output=None, extra_block_kwargs=None,
-                     inference_context=None):
+                     inference_context=None, **newer):
+        # ``newer``: the keywords later megatron-core releases add (0.19: padding_mask,
+        # output_processor, output_processor_context), handed on to its own _postprocess; our
+        # MTP and chunked-loss paths take no padding mask and no output processor.
         chunked_loss = labels is not None and self.loss_chunk_tokens > 0
         if not self.mtp_num_steps and not chunked_loss:
             return super()._postprocess(
@@ -254,7 +266,11 @@ class GLM5Model(GPTModel):
                 inference_params=inference_params, packed_seq_params=packed_seq_params,
                 sequence_len_offset=sequence_len_offset,
                 runtime_gather_output=runtime_gather_output,
-                extra_block_kwargs=extra_block_kwargs, inference_context=inference_context)
+                extra_block_kwargs=extra_block_kwargs, inference_context=inference_context,
+                **newer)
+        if any(value is not None for value in newer.values()):
+            raise NotImplementedError(f"{sorted(k for k, v in newer.items() if v is not None)}: "
+                                      "not supported with MTP or the chunked loss")
         # Without labels (inference) nothing predicts beyond the next token: skip MTP.
         with_mtp = labels is not None and self.mtp_num_steps > 0
         if mtp_in_postprocess and with_mtp:
@@ -299,7 +315,8 @@ class GLM5Model(GPTModel):
         ids, positions = input_ids, position_ids
         for step in range(self.mtp_num_steps):
             layer = self.mtp.layers[step % len(self.mtp.layers)]
-            hidden_states, ids, positions = layer(
+            # 0.19 also returns the rolled padding mask (None: we pass none)
+            hidden_states, ids, positions, *_ = layer(
                 input_ids=ids, position_ids=positions, hidden_states=hidden_states,
                 attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
                 packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,

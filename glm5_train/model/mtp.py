@@ -16,6 +16,9 @@ the copies equal by summing their gradients.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.multi_token_prediction import (
@@ -27,20 +30,49 @@ from megatron.core.transformer.multi_token_prediction import (
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 
+# The names megatron-core gives the decoder layer inside an MTP layer: ``transformer_layer`` up
+# to 0.16, ``mtp_model_layer`` from 0.17 (spec field and submodule alike). The project's
+# tensor names (checkpoints, initial weights by name, the Hugging Face mapping) keep 0.16's.
+LAYER_NAME = "transformer_layer"
+_SPEC_FIELD = next(f.name for f in dataclasses.fields(MultiTokenPredictionLayerSubmodules)
+                   if f.name in ("transformer_layer", "mtp_model_layer"))
+# 0.16 passes the config; 0.18 and later the pipeline layout and the MTP layer count.
+_PLACEMENT_TAKES_LAYOUT = "layout" in inspect.signature(mtp_on_this_rank).parameters
+
+
 def chunk_hosts_mtp(config, vp_stage: int | None) -> bool:
     """Whether the model chunk of this rank at ``vp_stage`` builds the MTP layers."""
     if not config.mtp_num_layers:
         return False
+    if _PLACEMENT_TAKES_LAYOUT:
+        return mtp_on_this_rank(config.pipeline_model_parallel_layout, config.mtp_num_layers,
+                                ignore_virtual=False, vp_stage=vp_stage)
     return mtp_on_this_rank(config, ignore_virtual=False, vp_stage=vp_stage)
+
+
+class GLM5MTPLayer(MultiTokenPredictionLayer):
+    """megatron-core's MTP layer, its decoder layer registered as ``transformer_layer`` on every
+    release (0.17+ name it ``mtp_model_layer``; the property keeps their forward working), so
+    that parameter names, checkpoints and the HF mapping are the same whichever runs."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if "mtp_model_layer" in self._modules:  # renamed in place: the parameter order stays
+            self._modules = {(LAYER_NAME if k == "mtp_model_layer" else k): v
+                             for k, v in self._modules.items()}
+
+    @property
+    def mtp_model_layer(self):
+        return self._modules.get(LAYER_NAME) or self._modules["mtp_model_layer"]
 
 
 def mtp_block_spec(layer_spec: ModuleSpec, norm: type, eh_proj: type,
                    num_sets: int) -> MultiTokenPredictionBlockSubmodules:
     """``num_sets`` MTP layers around ``layer_spec`` (a full MoE decoder layer, as released)."""
-    layer = ModuleSpec(module=MultiTokenPredictionLayer,
+    layer = ModuleSpec(module=GLM5MTPLayer,
                        submodules=MultiTokenPredictionLayerSubmodules(
-                           enorm=norm, hnorm=norm, eh_proj=eh_proj,
-                           transformer_layer=layer_spec, layer_norm=norm))
+                           enorm=norm, hnorm=norm, eh_proj=eh_proj, layer_norm=norm,
+                           **{_SPEC_FIELD: layer_spec}))
     return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * num_sets)
 
 

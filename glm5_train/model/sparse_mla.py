@@ -30,6 +30,8 @@ Shape legend: B batch, S sequence, T query chunk, K top-k, N heads (this rank), 
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
@@ -50,6 +52,13 @@ from parallel.context_parallel import group_size, zigzag_positions
 # matmuls per pass; chunks that stay near the cache size measured ~2x faster per row on CPU
 # than 64 MiB ones (and 4 MiB ones pay more per-chunk overhead).
 LATENT_CHUNK_ELEMENTS = 1 << 22
+
+
+# MLA's RoPE layout (DeepSeek's interleaved pairs): megatron-core 0.16 takes it from
+# config.multi_latent_attention, 0.19 only when asked (``mla_rotary_interleaved``, default off).
+MLA_ROPE = ({"mla_rotary_interleaved": True}
+            if "mla_rotary_interleaved" in inspect.signature(apply_rotary_pos_emb).parameters
+            else {})
 
 
 def latent_chunk_rows(batch: int, picks: int, width: int) -> int:
@@ -330,9 +339,10 @@ class GLM5MLASelfAttention(MLASelfAttention):
         q_no_pe, q_pos_emb = torch.split(q, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
         rotary = rotary[:q.shape[0]]
         q_pos_emb = apply_rotary_pos_emb(q_pos_emb, rotary, config=cfg, mscale=mscale,
-                                         cp_group=self.pg_collection.cp)
+                                         cp_group=self.pg_collection.cp, **MLA_ROPE)
         k_pos_emb = apply_rotary_pos_emb(k_pos_emb.unsqueeze(-2), rotary, config=cfg,
-                                         mscale=mscale, cp_group=self.pg_collection.cp)
+                                         mscale=mscale, cp_group=self.pg_collection.cp,
+                                         **MLA_ROPE)
         latent = self._share_latent(kv_compressed).unsqueeze(-2)
         query = torch.cat([q_no_pe, q_pos_emb], dim=-1)
         return query, torch.cat([latent, k_pos_emb], dim=-1)
