@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
+import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.experts import SequentialMLP
@@ -108,6 +109,9 @@ def assemble(job: JobConfig, validated: bool = False) -> Runtime:
     mcore_compat.install()
     process_groups.init_distributed(job.parallel, job.train.seed)
     groups = process_groups.groups()
+    if torch.distributed.get_rank() == 0:  # which releases ran, in the run's own log
+        print(f"glm5_train: megatron-core {mcore_compat.megatron_core_version()}, torch "
+              f"{torch.__version__}", flush=True)
     tokenizer = build_tokenizer(job.data.tokenizer)
     dataset = build_dataset(job, tokenizer)
     config, chunks = build_model(job, groups, tokenizer.eod)

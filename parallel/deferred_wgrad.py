@@ -173,16 +173,22 @@ def _megatron_linear_impl(queue: WeightGradQueue, original, transform, input, we
                           bias=None,
                           gradient_accumulation_fusion=False, allreduce_dgrad=False,
                           sequence_parallel=False, grad_output_buffer=None,
-                          wgrad_deferral_limit=None, tp_group=None):
+                          wgrad_deferral_limit=None, tp_group=None, **newer):
     """A replacement for ``ColumnParallelLinear._forward_impl`` / ``RowParallelLinear``'s
-    (megatron-core's ``linear_with_grad_accumulation_and_async_allreduce`` arguments)."""
+    (megatron-core's ``linear_with_grad_accumulation_and_async_allreduce`` arguments; ``newer``:
+    those later releases add, 0.19's ``gtp_remat_size``, 1 unless its weight sharding is on)."""
     if not weight.requires_grad or grad_output_buffer is not None:
         # frozen weights, and megatron's own deferred embedding wgrad: megatron-core's path
         return original(input=input, weight=weight, bias=bias,
                         gradient_accumulation_fusion=gradient_accumulation_fusion,
                         allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
                         grad_output_buffer=grad_output_buffer,
-                        wgrad_deferral_limit=wgrad_deferral_limit, tp_group=tp_group)
+                        wgrad_deferral_limit=wgrad_deferral_limit, tp_group=tp_group, **newer)
+    unsupported = {k: v for k, v in newer.items() if not (k == "gtp_remat_size" and v == 1)}
+    if unsupported:
+        raise ValueError(f"parallel.defer_weight_grads=true: megatron-core passes {unsupported} "
+                         "to this layer's GEMM, which the deferred GEMM does not implement "
+                         "(GTP weight sharding): set parallel.defer_weight_grads=false")
     return DeferredLinear.apply(input, weight, bias, allreduce_dgrad, sequence_parallel,
                                 tp_group, queue, transform)
 

@@ -29,7 +29,6 @@ from megatron.core.transformer.multi_token_prediction import (
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-
 # The names megatron-core gives the decoder layer inside an MTP layer: ``transformer_layer`` up
 # to 0.16, ``mtp_model_layer`` from 0.17 (spec field and submodule alike). The project's
 # tensor names (checkpoints, initial weights by name, the Hugging Face mapping) keep 0.16's.
