@@ -36,6 +36,7 @@ The pitfalls behind the entries are explained in ``docs/megatron_core_notes.md``
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import importlib.metadata
@@ -403,8 +404,10 @@ def stale_reasons(patches: tuple[Patch, ...] = PATCHES) -> list[str]:
     return [reason for p in patches if (reason := stale_reason(p))]
 
 
+@functools.cache
 def megatron_core_version() -> str:
-    """The installed megatron-core release (its package metadata)."""
+    """The installed megatron-core release (its package metadata; read once per process:
+    every entry's check asks)."""
     return importlib.metadata.version("megatron-core")
 
 
