@@ -21,6 +21,9 @@ import json
 import math
 import os
 import re
+import runpy
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -119,10 +122,12 @@ _ONE_PROCESS_RUNS: dict[tuple[str, ...], JobResult] = {}
 
 def one_process(overrides: list[str]) -> JobResult:
     """``run_job(1, overrides)``, run once per test session for the same overrides (in any
-    order; ``checkpoint.load=null`` is the default's behaviour here: the harness saves none)."""
+    order; ``checkpoint.load=null`` is the default's behaviour here: the harness saves none).
+    Its run directory goes when the test session ends (the records are read by then)."""
     key = tuple(sorted(o for o in overrides if o != "checkpoint.load=null"))
     if key not in _ONE_PROCESS_RUNS:
         run_dir = tempfile.mkdtemp(prefix="glm5_reference_")
+        atexit.register(shutil.rmtree, run_dir, ignore_errors=True)
         _ONE_PROCESS_RUNS[key] = run_job(1, list(key), run_dir)
     return _ONE_PROCESS_RUNS[key]
 
@@ -150,9 +155,29 @@ def run_job(nprocs: int, overrides: list[str], run_dir: str, timeout: int = 600)
     return JobResult(read_metrics(run_dir), log)
 
 
-def _run_ranks(argv: list[str], nprocs: int, log_path: str, timeout: int) -> list[int]:
-    """Start ``nprocs`` ranks of the job writing to ``log_path``; their exit codes. A rank
-    that fails (or the timeout) terminates the rest, which would otherwise wait on it."""
+def run_script(nprocs: int, script: str, args: list[str],
+               timeout: int = 300) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node=nprocs script *args`` as its ranks see it:
+    each rank runs ``script`` as ``__main__`` (``python script`` would) with torchrun's worker
+    environment, forked from the test session's server like ``run_job``'s ranks (a tool's
+    torchrun is ~12 s of CPU per interpreter, agent included, for a conversion of ~1 s).
+    ``returncode`` is the first failed rank's exit code (0 when all succeed), ``stdout`` all
+    ranks' output and stderr; a timeout gives 124. What torchrun itself adds (its agent, its
+    failure summary) is tested by the tests that run it."""
+    argv = [os.path.join(REPO, script), *args]
+    with tempfile.NamedTemporaryFile("w+", prefix="glm5_tool_", suffix=".log") as out:
+        codes = _run_ranks(argv, nprocs, out.name, timeout, as_script=True)
+        log = out.read()
+    failed = next((c for c in codes if c != 0), 0)
+    return subprocess.CompletedProcess(["torchrun", f"--nproc-per-node={nprocs}", *argv],
+                                       failed, stdout=log, stderr="")
+
+
+def _run_ranks(argv: list[str], nprocs: int, log_path: str, timeout: int,
+               as_script: bool = False) -> list[int]:
+    """Start ``nprocs`` ranks of the job (of the script ``argv[0]`` with ``as_script``)
+    writing to ``log_path``; their exit codes. A rank that fails (or the timeout) terminates
+    the rest, which would otherwise wait on it."""
     base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", WORLD_SIZE=str(nprocs),
                 LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(free_port()))
@@ -161,7 +186,8 @@ def _run_ranks(argv: list[str], nprocs: int, log_path: str, timeout: int) -> lis
     # process groups, training) runs fresh in each rank.
     server = spawn.fork_server()
     ranks = [server.Process(target=_rank_main, name=f"rank{r}",
-                            args=(argv, dict(base, RANK=str(r), LOCAL_RANK=str(r)), log_path))
+                            args=(argv, dict(base, RANK=str(r), LOCAL_RANK=str(r)), log_path,
+                                  as_script))
              for r in range(nprocs)]
     for rank in ranks:
         rank.start()
@@ -182,9 +208,11 @@ def _run_ranks(argv: list[str], nprocs: int, log_path: str, timeout: int) -> lis
 RANK_STOP_GRACE = 10.0  # seconds a terminated rank gets to exit before SIGKILL
 
 
-def _rank_main(argv: list[str], env: dict[str, str], log_path: str) -> None:
-    """One rank, as ``python -m glm5_train.train`` would run it with ``env`` and its output
-    in ``log_path``."""
+def _rank_main(argv: list[str], env: dict[str, str], log_path: str, as_script: bool) -> None:
+    """One rank, as ``python -m glm5_train.train`` (``python argv[0]`` with ``as_script``)
+    would run it with ``env`` and its output in ``log_path``. A ``SystemExit`` gives the
+    process its code, an uncaught exception prints its traceback and gives 1, as an
+    interpreter's exit would."""
     os.environ.clear()
     os.environ.update(env)
     log = os.open(log_path, os.O_WRONLY | os.O_APPEND)
@@ -194,11 +222,14 @@ def _rank_main(argv: list[str], env: dict[str, str], log_path: str) -> None:
     warnings.simplefilter("ignore")  # PYTHONWARNINGS=ignore, read only at interpreter start
     import torch
     torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # the server's OpenMP read it at import
-    from glm5_train import train
-
     sys.argv = argv
     try:
-        train.main()
+        if as_script:
+            sys.path.insert(0, os.path.dirname(argv[0]))  # what `python script` puts first
+            runpy.run_path(argv[0], run_name="__main__")
+        else:
+            from glm5_train import train
+            train.main()
     finally:  # an interpreter's exit would run these; a forked process's os._exit does not
         atexit._run_exitfuncs()
 

@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from glm5_train import hf_checkpoint, hf_mapping
 from tests.hf_tiny import TINY_HF_CONFIG as TINY_HF
 from tests.hf_tiny import build_tiny_hf, hf_indexer_ties_by_index
+from tests.parity import run_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "hf_checkpoint.py")
@@ -46,15 +47,21 @@ MTP_OWN = {
 }
 
 
-def run_tool(nprocs: int, *args: str, expect_ok: bool = True,
-             script: str = TOOL) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nprocs}", script, *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
+def run_tool(nprocs: int, *args: str, expect_ok: bool = True, script: str = TOOL,
+             torchrun: bool = False) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node=nprocs script *args``; its ranks are forked from the test
+    session's server (tests/parity.py's ``run_script``) unless ``torchrun``, which runs the
+    real launcher (one test does, so the command as users type it is covered too)."""
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nprocs}", script, *args]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=300, check=False)
+    else:
+        proc = run_script(nprocs, script, list(args))
     if expect_ok and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+        raise AssertionError(f"{' '.join(proc.args)} failed ({proc.returncode}):\n"
                              f"{(proc.stdout + proc.stderr)[-6000:]}")
     return proc
 
@@ -204,13 +211,8 @@ def test_imported_model_reproduces_hf_logits(hf_dir, imports, tmp_path):
                         generator=torch.Generator().manual_seed(3))
     torch.save(ids, tmp_path / "ids.pt")
     (tmp_path / "forward.py").write_text(FORWARD_SCRIPT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-           str(tmp_path / "forward.py"), REPO, str(ckpt), str(tmp_path / "ids.pt"),
-           str(tmp_path / "logits.pt")]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    run_tool(1, REPO, str(ckpt), str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt"),
+             script=str(tmp_path / "forward.py"))
     ours = torch.load(tmp_path / "logits.pt")
     model = GlmMoeDsaForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
     with torch.no_grad(), hf_indexer_ties_by_index():  # our top-k tie rule (see there)
@@ -242,9 +244,10 @@ def test_checkpoint_without_mtp_is_refused_when_mtp_trains(hf_dir, tmp_path):
 
 
 def test_mismatching_config_is_refused(hf_dir, tmp_path):
+    """Under the real torchrun: the one-line refusal is what a user's command prints."""
     ckpt = tmp_path / "ckpt"
     proc = run_tool(1, "import", "--hf-dir", str(hf_dir), "--save", str(ckpt),
-                    *layout_args(1), "model.hidden_size=96", expect_ok=False)
+                    *layout_args(1), "model.hidden_size=96", expect_ok=False, torchrun=True)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "HF config.json has hidden_size=128 but the model config has model.hidden_size=96" \

@@ -93,8 +93,8 @@ def test_gradients_pass_straight_through():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["train.int4_group_size=12"], r"train.int4_group_size=12: it must be a positive "
-                                   r"multiple of 8"),
+    (["train.int4_group_size=12"], (r"train.int4_group_size=12: it must be a positive "
+                                    r"multiple of 8")),
     (["train.int4_group_size=256"], r"does not divide model.hidden_size .* = 128"),
     (["parallel=tp2", "train.int4_group_size=64"],
      r"does not divide model.moe_intermediate_size / expert TP 2 .* = 32"),
