@@ -30,7 +30,7 @@ from functools import partial
 
 import torch
 from megatron.core.tensor_parallel import CheckpointWithoutOutput
-from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -107,17 +107,22 @@ def _expert_activation(config, fc1_output: torch.Tensor,
     return (out * scale.unsqueeze(-1)).to(out.dtype)
 
 
+def _check_unfused(config) -> None:
+    if config.add_bias_linear or config.use_te_activation_func or config.bias_activation_fusion:
+        raise ValueError(
+            "activations.recompute_modules=[moe_act] recomputes the unfused, bias-free "
+            "SwiGLU (add_bias_linear, use_te_activation_func and bias_activation_fusion "
+            "must be off, as GLM-5 builds them): drop moe_act from recompute_modules")
+
+
 class ActivationRecomputeMLP(MLP):
     """megatron-core's MLP whose activation (and routing-probability scale) is recomputed in
     backward: fc1's output is the only tensor kept between fc1 and fc2; fc2's input is freed
-    once fc2 has run and rebuilt when fc2's output gradient arrives, before fc2's backward."""
+    once fc2 has run and rebuilt when fc2's output gradient arrives, before fc2's backward.
+    It adds no state to MLP: a built expert becomes one by its class (``_recompute_experts``)."""
 
     def __init__(self, config, *args, **kwargs) -> None:
-        if config.add_bias_linear or config.use_te_activation_func or config.bias_activation_fusion:
-            raise ValueError(
-                "activations.recompute_modules=[moe_act] recomputes the unfused, bias-free "
-                "SwiGLU (add_bias_linear, use_te_activation_func and bias_activation_fusion "
-                "must be off, as GLM-5 builds them): drop moe_act from recompute_modules")
+        _check_unfused(config)
         super().__init__(config, *args, **kwargs)
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None,
@@ -133,16 +138,20 @@ class ActivationRecomputeMLP(MLP):
 
 
 class ActivationRecomputeSequentialMLP(SequentialMLP):
-    """megatron-core's SequentialMLP with ``ActivationRecomputeMLP`` experts (same parameters,
-    names and sharded state)."""
+    """megatron-core's SequentialMLP, built as megatron builds it (same parameters, names and
+    sharded state, whatever arguments the release passes its experts), whose experts are
+    ``ActivationRecomputeMLP``."""
 
-    def __init__(self, num_local_experts: int, config, submodules, pg_collection=None) -> None:
-        super().__init__(0, config, submodules, pg_collection)  # megatron's set-up, no experts
-        self.num_local_experts = num_local_experts
-        for _ in range(num_local_experts):
-            self.local_experts.append(ActivationRecomputeMLP(
-                self.config, submodules, ffn_hidden_size=self.config.moe_ffn_hidden_size,
-                is_expert=True, tp_group=pg_collection.expt_tp))
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _check_unfused(self.config)
+        for expert in self.local_experts:
+            if type(expert) is not MLP:
+                raise ValueError(
+                    f"activations.recompute_modules=[moe_act]: this megatron-core's "
+                    f"SequentialMLP builds {type(expert).__name__} experts, not MLP: drop "
+                    "moe_act from recompute_modules")
+            expert.__class__ = ActivationRecomputeMLP
 
 
 class ActivationRecomputeSharedExpertMLP(SharedExpertMLP, ActivationRecomputeMLP):
@@ -150,31 +159,71 @@ class ActivationRecomputeSharedExpertMLP(SharedExpertMLP, ActivationRecomputeMLP
     ``ActivationRecomputeMLP.forward`` (method resolution order: this, SharedExpertMLP,
     ActivationRecomputeMLP, MLP)."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        config = kwargs.get("config", args[0] if args else None)
+        if getattr(config, "use_grouped_gemm_for_shared_expert", False):
+            raise ValueError(
+                "activations.recompute_modules=[moe_act] recomputes the unfused shared expert; "
+                "use_grouped_gemm_for_shared_expert builds a fused one: drop moe_act from "
+                "recompute_modules")
+        super().__init__(*args, **kwargs)
+
+
+def _build_shared_experts(*, submodules, **kwargs) -> ActivationRecomputeSharedExpertMLP:
+    """megatron-core 0.17+'s shared-expert builder (keyword arguments), recomputing."""
+    return ActivationRecomputeSharedExpertMLP(submodules=submodules, **kwargs)
+
 
 _EXPERT_SWAPS = {SequentialMLP: ActivationRecomputeSequentialMLP,
                  SharedExpertMLP: ActivationRecomputeSharedExpertMLP}
+# megatron-core 0.17+ writes specs as builders (functools.partial), the shared expert's through a
+# module-level function that picks the fused or unfused class from the config.
+_BUILDER_SWAPS = {"SequentialMLP": ActivationRecomputeSequentialMLP,
+                  "SharedExpertMLP": ActivationRecomputeSharedExpertMLP,
+                  "_build_shared_experts": _build_shared_experts}
 
 
 def with_expert_activation_recompute(layer: ModuleSpec) -> ModuleSpec:
     """A copy of a decoder-layer spec whose routed and shared experts recompute their
-    activation; a dense-MLP layer is returned unchanged."""
-    mlp = layer.submodules.mlp
-    moe = getattr(mlp, "submodules", None)
-    if not hasattr(moe, "experts"):
-        return layer
+    activation; a dense-MLP layer is returned unchanged. Both ways megatron-core writes an
+    MLP spec are read: ``ModuleSpec(module, submodules=...)`` (0.16) and a builder
+    ``partial(module, submodules=...)`` (0.17+); anything else is refused, never skipped."""
     layer = copy.deepcopy(layer)
-    moe = layer.submodules.mlp.submodules
-    for field in ("experts", "shared_experts"):
-        spec = getattr(moe, field, None)
-        if spec is None:
-            continue
-        if spec.module not in _EXPERT_SWAPS:
+    mlp = layer.submodules.mlp
+    submodules = _submodules_of(mlp)
+    if not hasattr(submodules, "experts"):
+        if not isinstance(submodules, MLPSubmodules):
             raise ValueError(
-                f"activations.recompute_modules=[moe_act] needs SequentialMLP experts and "
-                f"megatron's SharedExpertMLP; this layer's {field} are {spec.module.__name__}: "
-                "drop moe_act from recompute_modules")
-        spec.module = _EXPERT_SWAPS[spec.module]
+                f"activations.recompute_modules=[moe_act]: cannot read this layer's MLP spec "
+                f"({mlp!r}): drop moe_act from recompute_modules")
+        return layer  # a dense MLP: no experts
+    for field in ("experts", "shared_experts"):
+        builder = getattr(submodules, field, None)
+        if builder is not None:
+            setattr(submodules, field, _recomputing(builder, field))
     return layer
+
+
+def _submodules_of(mlp):
+    if isinstance(mlp, ModuleSpec):
+        return mlp.submodules
+    if isinstance(mlp, partial):
+        return mlp.keywords.get("submodules")
+    return None
+
+
+def _recomputing(builder, field: str):
+    """The experts' (or shared experts') spec or builder, building the recomputing class."""
+    if isinstance(builder, ModuleSpec) and builder.module in _EXPERT_SWAPS:
+        builder.module = _EXPERT_SWAPS[builder.module]
+        return builder
+    target = getattr(builder, "func", None)
+    if isinstance(builder, partial) and getattr(target, "__name__", None) in _BUILDER_SWAPS:
+        return partial(_BUILDER_SWAPS[target.__name__], *builder.args, **builder.keywords)
+    raise ValueError(
+        f"activations.recompute_modules=[moe_act] needs SequentialMLP experts and "
+        f"megatron's SharedExpertMLP; this layer's {field} are built by {builder!r}: "
+        "drop moe_act from recompute_modules")
 
 
 def set_core_attention_recompute(modules, enabled: bool) -> None:

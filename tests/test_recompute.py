@@ -10,13 +10,30 @@ are checked against a measured forward in tests/test_pipeline_plan.py
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+)
 
 from glm5_train.job_config import compose_job
 from glm5_train.model.config import to_mcore_config
 from parallel.layout import ParallelSizes
-from parallel.recompute import Recompute
+from parallel.recompute import (
+    ActivationRecomputeSequentialMLP,
+    ActivationRecomputeSharedExpertMLP,
+    Recompute,
+    with_expert_activation_recompute,
+)
 from tests.parity import FP32, Tolerances, assert_layout_ran, compare, one_process, run_job
 
 FULL = ["activations.recompute_granularity=full", "activations.recompute_method=uniform",
@@ -89,6 +106,51 @@ def test_megatron_gets_only_what_it_recomputes_itself(tiny_model):
                            recompute=Recompute("full", "block", 2))
     assert (full.recompute_granularity, full.recompute_method,
             full.recompute_num_layers) == ("full", "block", 2)
+
+
+def _moe_layer_spec(as_builders: bool) -> ModuleSpec:
+    """A decoder layer's spec with an MoE MLP, written the way megatron-core 0.16 writes it
+    (``ModuleSpec``s) or the way 0.17+ do (builders: ``functools.partial``)."""
+    mlp = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    if as_builders:
+        moe = partial(MoELayer, submodules=MoESubmodules(
+            experts=partial(SequentialMLP, submodules=mlp),
+            shared_experts=partial(SharedExpertMLP, submodules=mlp)))
+    else:
+        moe = ModuleSpec(module=MoELayer, submodules=MoESubmodules(
+            experts=ModuleSpec(module=SequentialMLP, submodules=mlp),
+            shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=mlp)))
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(mlp=moe))
+
+
+def _built_by(builder):
+    return builder.module if isinstance(builder, ModuleSpec) else builder.func
+
+
+@pytest.mark.parametrize("as_builders", [False, True], ids=["module_specs", "builders"])
+def test_expert_activation_recompute_reads_both_spec_forms(as_builders):
+    """moe_act swaps the experts' classes in either spec form (0.19 writes builders: reading
+    only ModuleSpecs left its experts silently unrecomputed); the input spec is untouched."""
+    layer = _moe_layer_spec(as_builders)
+    swapped = with_expert_activation_recompute(layer)
+    moe = swapped.submodules.mlp
+    moe = moe.submodules if isinstance(moe, ModuleSpec) else moe.keywords["submodules"]
+    assert _built_by(moe.experts) is ActivationRecomputeSequentialMLP
+    assert _built_by(moe.shared_experts) is ActivationRecomputeSharedExpertMLP
+    original = layer.submodules.mlp
+    original = original.submodules if isinstance(original, ModuleSpec) else original.keywords[
+        "submodules"]
+    assert _built_by(original.experts) is SequentialMLP
+
+
+def test_expert_activation_recompute_refuses_what_it_cannot_read():
+    layer = _moe_layer_spec(as_builders=True)
+    layer.submodules.mlp.keywords["submodules"].experts = partial(TransformerLayer)
+    with pytest.raises(ValueError, match=r"moe_act\] needs SequentialMLP experts"):
+        with_expert_activation_recompute(layer)
+    layer.submodules.mlp = object()
+    with pytest.raises(ValueError, match="cannot read this layer's MLP spec"):
+        with_expert_activation_recompute(layer)
 
 
 @pytest.fixture(scope="module")
