@@ -8,7 +8,7 @@ sharded as our model shards them; activations per micro-batch tensor by tensor a
 implementation saves them for backward (checked against a measured forward in
 ``tests/test_pipeline_plan.py``); and the activations in flight from a replay of megatron-core's
 (interleaved) 1F1B order per rank. Each rank's report also carries the bytes it sends per step
-on its CP group and its tensor-parallel groups (``RankReport.comm_bytes``; tests/
+on its CP group, its tensor-parallel groups and its EP group (``RankReport.comm_bytes``; tests/
 test_context_parallel_plan.py and glm5_train.plan_check check them against measured runs;
 ``context_parallel_sent`` is the CP part). ``job_plan`` plans a composed
 job as it would run; ``recompute_working_set_bytes`` is what recompute re-creates for one layer
@@ -208,8 +208,9 @@ def frozen_parameters(job) -> bool:
 def traffic_modelled(job) -> tuple[str, ...]:
     """The kinds of ``planned_traffic`` that hold for ``job``: the gradient reduction and the
     parameter all-gather not under Muon (its pieces travel to their owners), flexible CP
-    groups or frozen parameters; the pipeline's sends with PP > 1; the tensor-parallel and
-    expert-tensor-parallel exchanges where ``tensor_parallel_unmodelled`` gives no reason."""
+    groups or frozen parameters; the pipeline's sends with PP > 1; the tensor-parallel,
+    expert-tensor-parallel and expert all-to-all exchanges where ``tensor_parallel_unmodelled``
+    gives no reason."""
     par = job.parallel
     fields = []
     if not (frozen_parameters(job) or job.train.optimizer == "muon"
@@ -222,9 +223,11 @@ def traffic_modelled(job) -> tuple[str, ...]:
     if tensor_parallel_unmodelled(job) is None:
         if par.tensor_model_parallel_size > 1:
             fields.append("tensor_parallel")
-        if (par.expert_tp * par.expert_model_parallel_size > 1
-                and any(job.model.moe_layer_pattern)):
+        moe = any(job.model.moe_layer_pattern)
+        if par.expert_tp * par.expert_model_parallel_size > 1 and moe:
             fields.append("expert_tensor_parallel")
+        if par.expert_model_parallel_size > 1 and moe:
+            fields += ["expert_all_to_all", "expert_all_to_all_payload"]
     return tuple(fields)
 
 
@@ -240,9 +243,10 @@ def tensor_parallel_unmodelled(job) -> str | None:
 
 def context_parallel_sent(rank) -> int:
     """Of a RankReport's planned bytes per step, context parallelism's (its exchange and the
-    MTP rolls): all but the tensor-parallel groups'."""
-    tensor = tensor_parallel_comm.TP_KEYS + tensor_parallel_comm.EXPERT_TP_KEYS
-    return sum(sent for key, sent in rank.comm_bytes if key not in tensor)
+    MTP rolls): all but the tensor-parallel and expert-parallel groups'."""
+    others = (tensor_parallel_comm.TP_KEYS + tensor_parallel_comm.EXPERT_TP_KEYS
+              + tensor_parallel_comm.EXPERT_PARALLEL_KEYS)
+    return sum(sent for key, sent in rank.comm_bytes if key not in others)
 
 
 def routed_over_expert_ranks(job) -> bool:
@@ -257,8 +261,11 @@ def planned_traffic(job, inputs: MemoryInputs, layout: PipelineLayout, stages: l
     data-parallel and expert-data-parallel groups, plus the step's token count),
     ``param_gather`` (the distributed optimizer's all-gather of the updated parameters),
     ``p2p`` (the pipeline's sends), ``tensor_parallel`` (the ``tp`` group's exchanges, per
-    micro-batch from the stages' costs, plus finalize's all-reduce of the replicated gradients)
-    and ``expert_tensor_parallel`` (the ``expt_tp`` and ``tp_ep`` groups'). ``traffic_modelled``
+    micro-batch from the stages' costs, plus finalize's all-reduce of the replicated gradients),
+    ``expert_tensor_parallel`` (the ``expt_tp`` and ``tp_ep`` groups'), ``expert_all_to_all``
+    (the token dispatcher's all-to-alls over ``ep``, the router spreading rows evenly) and
+    ``expert_all_to_all_payload`` (the bytes handed to them, a rank's own rows included: not
+    sent, but their mean over the EP group is fixed by the tokens). ``traffic_modelled``
     says which of them hold for a job; glm5_train.plan_check checks them against measured
     runs."""
     dense = sum(s.costs.dense_params for s in stages)
@@ -279,11 +286,16 @@ def planned_traffic(job, inputs: MemoryInputs, layout: PipelineLayout, stages: l
                                    inputs.num_microbatches),
                         _tensor_parallel_step_comm(job, inputs, layout, pipeline_rank))
     tensor = sum(comm_of(per_step, key) for key in tensor_parallel_comm.TP_KEYS)
+    all_to_all = comm_of(per_step, tensor_parallel_comm.EP_ALL_TO_ALL)
     return {"grad_reduction": reduction, "param_gather": gather,
             "p2p": _pipeline_send_bytes(job, inputs, layout, pipeline_rank),
             "tensor_parallel": tensor,
             "expert_tensor_parallel": sum(comm_of(per_step, key)
-                                          for key in tensor_parallel_comm.EXPERT_TP_KEYS)}
+                                          for key in tensor_parallel_comm.EXPERT_TP_KEYS),
+            "expert_all_to_all": all_to_all,
+            # What the rank hands over, its own experts' rows included: sent x EP / (EP - 1).
+            "expert_all_to_all_payload": (all_to_all * inputs.ep // (inputs.ep - 1)
+                                          if inputs.ep > 1 else 0)}
 
 
 def _tensor_parallel_step_comm(job, inputs: MemoryInputs, layout: PipelineLayout,

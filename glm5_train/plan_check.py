@@ -54,8 +54,15 @@ the planner models them (``traffic_fields``):
   each pipeline stage's mean exactly;
 - ``expert_tensor_parallel``: every op on ``expt_tp`` and ``tp_ep`` (the routed experts'
   rows, probabilities and combine, the per-expert token counts), exactly, except where experts
-  are split over EP and expert-TP ranks (``padded_expert_gathers``): within ROUTED_RTOL.
-Not modelled: the expert all-to-all, Muon's gradient traffic (its pieces travel to their
+  are split over EP and expert-TP ranks (``padded_expert_gathers``): within ROUTED_RTOL;
+- ``expert_all_to_all``: the token dispatcher's all-to-alls over ``ep`` (tokens to their
+  experts and back, and the gradients the reverse way), planned as if the router spread every
+  rank's rows evenly over the EP ranks: a rank's bytes follow its router, within ROUTED_RTOL;
+- ``expert_all_to_all_payload``: the bytes handed to those all-to-alls, a rank's own experts'
+  rows included (the meter's ``payload_bytes``): per rank within ROUTED_RTOL (the rows its
+  experts receive follow the router), their mean over each pipeline stage's ranks exactly
+  (every row dispatched is received once).
+Not modelled: Muon's gradient traffic (its pieces travel to their
 owners), tensor-parallel traffic where ``pipeline_plan.tensor_parallel_unmodelled`` says why,
 and the pipeline's sends under context parallelism (the MTP inputs' roll shares their group).
 """
@@ -89,13 +96,15 @@ MUON_OWNER_RTOL = 0.05
 EXACT_MEAN_RTOL = 1e-6
 
 FIELDS = ("param", "grad", "optimizer", "activations")
-TRAFFIC = ("grad_reduction", "param_gather", "p2p", "tensor_parallel", "expert_tensor_parallel")
+TRAFFIC = ("grad_reduction", "param_gather", "p2p", "tensor_parallel", "expert_tensor_parallel",
+           "expert_all_to_all", "expert_all_to_all_payload")
 # megatron-core's names of the groups the gradients reduce over (dense, experts).
 DATA_PARALLEL_GROUPS = ("dp_cp", "intra_dp_cp", "dp", "expt_dp", "intra_expt_dp")
 # Every op on these groups (parallel.comm_meter names): the tensor-parallel group, and the
 # expert-tensor-parallel group with the TP x EP group the dispatcher gathers its counts over.
 TENSOR_GROUPS = ("tp",)
 EXPERT_TENSOR_GROUPS = ("expt_tp", "tp_ep")
+EXPERT_PARALLEL_GROUP = "ep"  # the token dispatcher's all-to-alls
 
 
 @dataclass(frozen=True)
@@ -215,6 +224,9 @@ def traffic_rows(job, record: dict, plan: _Plan | None = None) -> list[RankBytes
         return sum(by_group.get(f"{op}:{name}", {}).get("bytes", [0] * world)[g]
                    for name in groups)
 
+    def handed(op: str, group: str, g: int) -> int:
+        return by_group.get(f"{op}:{group}", {}).get("payload_bytes", [0] * world)[g]
+
     def sent_on(groups: tuple[str, ...], g: int) -> int:
         return sum(entry["bytes"][g] for key, entry in by_group.items()
                    if key.split(":", 1)[1] in groups)
@@ -231,6 +243,8 @@ def traffic_rows(job, record: dict, plan: _Plan | None = None) -> list[RankBytes
             "p2p": sent("send", ("pp", "world"), g),
             "tensor_parallel": sent_on(TENSOR_GROUPS, g),
             "expert_tensor_parallel": sent_on(EXPERT_TENSOR_GROUPS, g),
+            "expert_all_to_all": sent("all_to_all", (EXPERT_PARALLEL_GROUP,), g),
+            "expert_all_to_all_payload": handed("all_to_all", EXPERT_PARALLEL_GROUP, g),
         }
         rows += [RankBytes(g, p, name, planned[name], measured[name]) for name in fields]
     return rows
@@ -253,7 +267,8 @@ def problems(job, record: dict) -> list[str]:
                  "grad_reduction": padded, "param_gather": STATE_RTOL, "p2p": 0.0,
                  "tensor_parallel": tensor_parallel_rtol(plan.inputs),
                  "expert_tensor_parallel": ROUTED_RTOL if padded_expert_gathers(plan.inputs, job)
-                 else 0.0}
+                 else 0.0,
+                 "expert_all_to_all": ROUTED_RTOL, "expert_all_to_all_payload": ROUTED_RTOL}
     uneven = muon_state_uneven(plan.inputs)
     if uneven:
         tolerance["optimizer"] = UNEVEN_STATE_RTOL
@@ -266,6 +281,7 @@ def problems(job, record: dict) -> list[str]:
         found += _stage_mean_problems(rows, "optimizer", STATE_RTOL)
     if tensor_parallel_rtol(plan.inputs):
         found += _stage_mean_problems(rows, "tensor_parallel", EXACT_MEAN_RTOL)
+    found += _stage_mean_problems(rows, "expert_all_to_all_payload", EXACT_MEAN_RTOL)
     return found
 
 

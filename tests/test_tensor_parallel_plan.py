@@ -11,7 +11,9 @@ collective must be caught. The dense warm-up: tests/test_parity.py's TP2 x PP2 x
 run (one KL chunk per layer at 64 tokens; 32 chunks of 2 rows, measured once with
 dsa.CHUNK_ELEMENTS patched to 2000, were exact too). (Distributed Muon's
 owner-only gathers: tests/test_muon.py's TP2 x DP2 parity layouts.) Exact for the tensor-parallel group: the measured maximum difference
-over these runs is 0 bytes.
+over these runs is 0 bytes. The expert all-to-all (EP2 in bf16 here; every EP parity run
+checks it too): the bytes handed over exactly as a stage's mean, each rank's within the
+router's spread.
 """
 
 from __future__ import annotations
@@ -101,3 +103,69 @@ def test_tensor_parallel_bytes_grow_linearly_with_the_sequence_744b():
         fixed = 2 * sent[0] - sent[1]
         assert sent[2] - fixed == 4 * (sent[0] - fixed), (recompute, sent)
         assert fixed == forwards * counts, (recompute, fixed)
+
+
+# ------------------------------------------------------------------ the expert all-to-all
+
+EP2_BF16 = ["parallel=ep2", "train.params_dtype=bf16", *ONE_STEP]
+
+
+@pytest.fixture(scope="module")
+def ep2_bf16_run(tmp_path_factory):
+    job = compose_job([*BASE_OVERRIDES, *EP2_BF16])
+    return job, run_job(2, EP2_BF16, str(tmp_path_factory.mktemp("ep2_bf16"))).records[-1]
+
+
+def _all_to_all_rows(job, record) -> list[plan_check.RankBytes]:
+    return [r for r in plan_check.traffic_rows(job, record)
+            if r.field in ("expert_all_to_all", "expert_all_to_all_payload")]
+
+
+def test_planner_gives_the_expert_all_to_all(ep2_bf16_run):
+    """EP2, bf16 (the rows travel as bf16, their probabilities fp32): the bytes each rank
+    hands to the dispatcher's all-to-alls average exactly the planned over the EP group, each
+    rank's within the routing's spread, and so do the bytes sent (the rows a rank's own experts
+    take stay). Every EP parity run checks the same (plan_check.problems)."""
+    job, record = ep2_bf16_run
+    assert not plan_check.problems(job, record)
+    rows = _all_to_all_rows(job, record)
+    for row in rows:
+        print(f"rank {row.rank} {row.field}: planned {row.planned:,} measured {row.measured:,}")
+    payload = [r for r in rows if r.field == "expert_all_to_all_payload"]
+    sent = [r for r in rows if r.field == "expert_all_to_all"]
+    assert len(payload) == len(sent) == 2
+    assert sum(r.measured for r in payload) == sum(r.planned for r in payload) > 0
+    assert all(0 < r.rel <= plan_check.ROUTED_RTOL for r in payload), payload  # routed
+    assert all(r.planned > 0 and r.rel <= plan_check.ROUTED_RTOL for r in sent), sent
+    # EP2: whatever a rank keeps, what it sends is what the other returns: the same bytes.
+    assert sent[0].measured == sent[1].measured < payload[0].measured
+
+
+def test_an_all_to_all_the_plan_does_not_have_is_caught(ep2_bf16_run):
+    """One MoE block's dispatch handed over twice on one rank (a block dispatching again) is
+    outside the routing's spread on neither rank alone, but the EP group's mean shows it."""
+    job, record = ep2_bf16_run
+    groups = dict(record["comm_by_group"])
+    entry = dict(groups["all_to_all:ep"])
+    tokens, topk = 64, job.model.num_experts_per_tok
+    dispatch = tokens * topk * (job.model.hidden_size * 2 + 4)  # bf16 rows, fp32 probabilities
+    entry["payload_bytes"] = [entry["payload_bytes"][0] + dispatch, entry["payload_bytes"][1]]
+    wrong = dict(record, comm_by_group={**groups, "all_to_all:ep": entry})
+    found = plan_check.problems(job, wrong)
+    assert len(found) == 1 and "expert_all_to_all_payload, mean over its 2 ranks" in found[0], \
+        found
+
+
+def test_expert_all_to_all_grows_linearly_with_the_sequence_744b():
+    """Long context: a GLM-5 MoE block's all-to-all bytes per micro-batch are the rank's
+    tokens x top-k rows, nothing fixed and nothing s x s: exactly proportional to the
+    sequence (EP 32 as the published recipes, sequence split over TP 2)."""
+    cfg = compose_model_config(["model=glm5_744b"])
+    sent = []
+    for s in (32768, 65536, 131072):
+        inp = MemoryInputs(tp=2, ep=32, sequence_parallel=True, seq_length=s)
+        total, _again = layer_comm(cfg, True, inp)
+        sent.append(dict(total)["all_to_all:ep"])
+    assert sent[1] == 2 * sent[0] and sent[2] == 4 * sent[0], sent
+    rows = 32768 // 2 * cfg.num_experts_per_tok  # bf16 rows and combine, fp32 probabilities
+    assert sent[0] == 2 * (31 * rows * (2 * cfg.hidden_size * 2 + 4) // 32)  # fwd + bwd

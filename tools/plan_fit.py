@@ -199,12 +199,12 @@ def plan_fit(overrides: list[str], dp: int | None, label: str = "plan") -> Fit:
 
 
 def rank_traffic(job, inputs, report: PlanReport) -> tuple[dict[str, int], ...]:
-    """Per pipeline rank, the data-parallel, pipeline and tensor-parallel bytes it sends per
-    step, where the planner models them (``traffic_modelled``; the tensor-parallel kinds at 0
+    """Per pipeline rank, the data-parallel, pipeline, tensor-parallel and expert-parallel
+    bytes it sends per step, where the planner models them (``traffic_modelled``; the tensor-parallel kinds at 0
     without TP)."""
     kinds = set(traffic_modelled(job))
     if tensor_parallel_unmodelled(job) is None:
-        kinds |= {"tensor_parallel", "expert_tensor_parallel"}
+        kinds |= {"tensor_parallel", "expert_tensor_parallel", "expert_all_to_all"}
     out = []
     for rank in report.ranks:
         stages = [s for s in report.stages if s.rank == rank.rank]
@@ -254,19 +254,21 @@ def variants(job, dp: int) -> list[Variant]:
 def rank_lines(fit: Fit) -> list[str]:
     """The per-rank table. Sent per step: context parallelism's exchange, the data-parallel
     gradient reduction + parameter all-gather, the pipeline's sends, the tensor-parallel and
-    expert-tensor-parallel exchanges; n/a where the planner does not model them (Muon's
+    expert-tensor-parallel exchanges, the expert all-to-alls (the router spreading tokens
+    evenly); n/a where the planner does not model them (Muon's
     data-parallel gradient traffic, frozen parameters,
     ``tensor_parallel_unmodelled``)."""
     head = (f"{'rank':>4} {'static GiB':>11} {'peak act GiB':>13} {'total GiB':>10} "
             f"{'CP sent GB/step':>16} {'DP sent GB/step':>16} {'PP sent GB/step':>16} "
-            f"{'TP sent GB/step':>16}")
+            f"{'TP sent GB/step':>16} {'EP sent GB/step':>16}")
     rows = [head, "-" * len(head)]
     for rank, sent in zip(fit.report.ranks, fit.traffic):
         rows.append(f"{rank.rank:>4} {rank.static_bytes / GIB:>11.2f} "
                     f"{rank.peak_activation_bytes / GIB:>13.2f} {rank.total_bytes / GIB:>10.2f} "
                     f"{context_parallel_sent(rank) / GB:>16.1f} "
                     f"{_gb(sent, 'grad_reduction', 'param_gather'):>16} {_gb(sent, 'p2p'):>16} "
-                    f"{_gb(sent, 'tensor_parallel', 'expert_tensor_parallel'):>16}")
+                    f"{_gb(sent, 'tensor_parallel', 'expert_tensor_parallel'):>16} "
+                    f"{_gb(sent, 'expert_all_to_all'):>16}")
     return rows
 
 

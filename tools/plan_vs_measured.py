@@ -10,7 +10,7 @@ gradients (Pipeline ZeRO2: its slices plus its accumulation buffers), optimizer 
 and the peak of bytes saved for backward; with frozen parameters (dense warm-up) parameters
 and activations only; then the bytes sent per step where the planner models them (gradient
 reduction, parameter all-gather, pipeline sends, tensor- and expert-tensor-parallel
-exchanges). The last line gives the largest relative difference per field:
+exchanges, the expert all-to-all and the bytes handed to it). The last line gives the largest relative difference per field:
 ``max_rel param=<x> grad=<x> optimizer=<x> activations=<x> ...``.
 """
 
@@ -43,8 +43,8 @@ def compare(run_dir: str, step: int | None = None) -> tuple[list[str], dict[str,
     job = compose_job(run_overrides(run_dir))
     record = step_record(run_dir, step)
     rows = plan_check.comparison_rows(job, record)
-    lines = [f"{'rank':>4} {'field':>22} {'planned':>14} {'measured':>14} {'rel':>9}"]
-    lines += [f"{r.rank:>4} {r.field:>22} {r.planned:>14,} {r.measured:>14,} {r.rel:>9.2%}"
+    lines = [f"{'rank':>4} {'field':>25} {'planned':>14} {'measured':>14} {'rel':>9}"]
+    lines += [f"{r.rank:>4} {r.field:>25} {r.planned:>14,} {r.measured:>14,} {r.rel:>9.2%}"
               for r in rows]
     return lines, plan_check.worst_by_field(rows)
 

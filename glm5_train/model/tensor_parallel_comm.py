@@ -22,6 +22,13 @@ One decoder layer (absorbed sparse DSA, ``attention_comm`` + ``mlp_comm``), sequ
   their fp32 probabilities are gathered over the expert-TP group and the experts' output
   reduce-scattered back, the reverse in backward; the per-expert token counts (int64) are
   gathered over the TP x EP group once per forward.
+- Routed experts split over EP ranks (the same dispatcher's all-to-alls over ``ep``): each
+  rank hands the all-to-all its dispatched rows (t tokens x top-k, activations) and their fp32
+  probabilities, then the experts' output rows (activations) to combine; backward the
+  gradients travel the reverse way, the same bytes. A rank sends all of it but the rows its own
+  experts take: (EP-1)/EP where the router spreads them evenly. Its dispatched rows are fixed,
+  the rows its experts receive follow the router (their mean over the EP group is the rows
+  dispatched): planned as the mean.
 On megatron-core's MLA path (the masked-dense reference, the dense fallback when every key
 fits the top-k: no indexer, no KL there) the key-value up projection is column-parallel and
 gathers the latent again in backward. The dense warm-up runs all of it forward only, its KL
@@ -50,8 +57,8 @@ Newton-Schulz, except those Muon Split orthogonalises per head.
 
 Checked per rank against the meter's counts of the training job's runs (glm5_train.plan_check:
 exact for the TP group; the expert-TP group's rows follow the routing where experts are split
-over EP ranks, so there the mean over a stage's ranks is exact). What ``unmodelled`` names is
-not modelled.
+over EP ranks, and so do the all-to-alls' bytes, whose payload's mean over a stage's ranks is
+exact). What ``unmodelled`` names is not modelled.
 """
 
 from __future__ import annotations
@@ -64,8 +71,10 @@ from parallel.pipeline_layout import Comm, comm_sum
 TP_GATHER, TP_SCATTER, TP_REDUCE = "all_gather:tp", "reduce_scatter:tp", "all_reduce:tp"
 ETP_GATHER, ETP_SCATTER, TP_EP_GATHER = ("all_gather:expt_tp", "reduce_scatter:expt_tp",
                                          "all_gather:tp_ep")
+EP_ALL_TO_ALL = "all_to_all:ep"
 TP_KEYS = (TP_GATHER, TP_SCATTER, TP_REDUCE)
 EXPERT_TP_KEYS = (ETP_GATHER, ETP_SCATTER, TP_EP_GATHER)
+EXPERT_PARALLEL_KEYS = (EP_ALL_TO_ALL,)
 
 FP32, INT64 = 4, 8
 # Replicated parameters whose gradients finalize sums over TP under sequence parallelism
@@ -200,8 +209,29 @@ def mlp_comm(cfg: GLM5Config, moe: bool, inp) -> tuple[Comm, Comm]:
             forward, backward = ((TP_REDUCE, _reduced(inp, H)),), ((TP_REDUCE, _reduced(inp, H)),)
     if moe:
         expert_forward, expert_backward = routed_experts_comm(cfg, inp)
-        forward, backward = comm_sum(forward, expert_forward), comm_sum(backward, expert_backward)
+        a2a_forward, a2a_backward = expert_all_to_all_comm(cfg, inp)
+        forward = comm_sum(forward, expert_forward, a2a_forward)
+        backward = comm_sum(backward, expert_backward, a2a_backward)
     return forward, backward
+
+
+def expert_all_to_all_payload(cfg: GLM5Config, inp) -> int:
+    """Bytes one rank hands to the expert-parallel all-to-alls of one MoE block, forward or
+    backward (module docstring): its dispatched rows with their fp32 probabilities, and as many
+    rows of expert output combined back (the mean a rank's experts receive)."""
+    if inp.ep == 1:
+        return 0
+    rows = inp.sp_tokens * cfg.num_experts_per_tok
+    return rows * (2 * cfg.hidden_size * inp.activation_bytes + FP32)
+
+
+def expert_all_to_all_comm(cfg: GLM5Config, inp) -> tuple[Comm, Comm]:
+    """(forward, backward) bytes sent by the expert-parallel all-to-alls of one MoE block: the
+    payload less what stays on the rank, (EP-1)/EP of it where the router spreads the rows
+    evenly over the EP ranks."""
+    sent = (inp.ep - 1) * expert_all_to_all_payload(cfg, inp) // max(inp.ep, 1)
+    comm = ((EP_ALL_TO_ALL, sent),) if sent else ()
+    return comm, comm
 
 
 def routed_experts_comm(cfg: GLM5Config, inp) -> tuple[Comm, Comm]:
