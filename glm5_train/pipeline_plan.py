@@ -207,14 +207,14 @@ def frozen_parameters(job) -> bool:
 
 def traffic_modelled(job) -> tuple[str, ...]:
     """The kinds of ``planned_traffic`` that hold for ``job``: the gradient reduction and the
-    parameter all-gather not under Muon (its pieces travel to their owners), flexible CP
-    groups or frozen parameters; the pipeline's sends with PP > 1; the tensor-parallel,
+    parameter all-gather not under distributed Muon (its pieces travel to their owners; plain
+    Muon reduces its gradients as AdamW does), flexible CP groups or frozen parameters; the pipeline's sends with PP > 1; the tensor-parallel,
     expert-tensor-parallel and expert all-to-all exchanges where ``tensor_parallel_unmodelled``
     gives no reason."""
     par = job.parallel
     fields = []
-    if not (frozen_parameters(job) or job.train.optimizer == "muon"
-            or par.cp_groups == "flexible"):
+    distributed_muon = job.train.optimizer == "muon" and par.use_distributed_optimizer
+    if not (frozen_parameters(job) or distributed_muon or par.cp_groups == "flexible"):
         fields.append("grad_reduction")
         if par.use_distributed_optimizer:
             fields.append("param_gather")

@@ -550,16 +550,17 @@ def test_fit_tool_reports_a_bad_override_and_exits_2():
     assert proc.returncode == 2 and "plan_fit: error" in proc.stderr, proc.stderr
 
 
-RANK_ROW = re.compile(r"^\s+(\d+)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+(\S+)\s+(\S+)\s+(\S+)$",
-                      re.MULTILINE)
+RANK_ROW = re.compile(r"^\s+(\d+)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+(\S+)\s+(\S+)\s+(\S+)"
+                      r"\s+(\S+)$", re.MULTILINE)
 
 
-def test_fit_tool_gives_each_ranks_data_parallel_pipeline_and_tensor_parallel_bytes():
-    """The per-rank table's DP, PP and TP columns are the planner's bytes sent per step
+def test_fit_tool_gives_each_ranks_data_pipeline_tensor_and_expert_parallel_bytes():
+    """The per-rank table's DP, PP, TP and EP columns are the planner's bytes sent per step
     (pipeline_plan.planned_traffic: the gradient reduction + parameter all-gather, the
-    pipeline's sends, the tensor- and expert-tensor-parallel exchanges; checked against
-    measured runs by plan_check), n/a where it does not model them (Muon's gradients travel to
-    their owners; its gathers of TP-split matrices are planned)."""
+    pipeline's sends, the tensor- and expert-tensor-parallel exchanges, the expert
+    all-to-all; checked against measured runs by plan_check), n/a where it does not model them
+    (distributed Muon's gradients travel to their owners; its gathers of TP-split matrices are
+    planned)."""
     from glm5_train.job_config import compose_job
 
     overrides = ["+experiment=glm5_sft_202k"]
@@ -570,13 +571,15 @@ def test_fit_tool_gives_each_ranks_data_parallel_pipeline_and_tensor_parallel_by
     inputs, report = plan.inputs_from_job(job, 1, **gpu), plan.job_plan(job, 1, **gpu)
     rows = RANK_ROW.findall(proc.stdout)
     assert len(rows) == job.parallel.pipeline_model_parallel_size
-    for rank, dp_sent, pp_sent, tp_sent in rows:
+    for rank, dp_sent, pp_sent, tp_sent, ep_sent in rows:
         stages = [s for s in report.stages if s.rank == int(rank)]
         sent = plan.planned_traffic(job, inputs, report.layout, stages, int(rank))
         assert dp_sent == f"{(sent['grad_reduction'] + sent['param_gather']) / 1e9:.1f}"
         assert pp_sent == f"{sent['p2p'] / 1e9:.1f}" and sent["p2p"] > 0
         tensor = sent["tensor_parallel"] + sent["expert_tensor_parallel"]
         assert tp_sent == f"{tensor / 1e9:.1f}" and sent["tensor_parallel"] > 0
+        assert ep_sent == f"{sent['expert_all_to_all'] / 1e9:.1f}"
+        assert sent["expert_all_to_all"] > sent["tensor_parallel"]  # EP32: the largest kind
     muon = RANK_ROW.findall(_fit_tool(*overrides, "train.optimizer=muon").stdout)
-    assert {dp for _, dp, _, _ in muon} == {"n/a"}
-    assert all(pp != "n/a" and tp != "n/a" for _, _, pp, tp in muon)
+    assert {dp for _, dp, _, _, _ in muon} == {"n/a"}
+    assert all("n/a" not in (pp, tp, ep) for _, _, pp, tp, ep in muon)

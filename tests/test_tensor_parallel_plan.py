@@ -122,10 +122,11 @@ def _all_to_all_rows(job, record) -> list[plan_check.RankBytes]:
 
 
 def test_planner_gives_the_expert_all_to_all(ep2_bf16_run):
-    """EP2, bf16 (the rows travel as bf16, their probabilities fp32): the bytes each rank
-    hands to the dispatcher's all-to-alls average exactly the planned over the EP group, each
-    rank's within the routing's spread, and so do the bytes sent (the rows a rank's own experts
-    take stay). Every EP parity run checks the same (plan_check.problems)."""
+    """EP2, bf16 (the rows travel as bf16, their probabilities fp32): the bytes the ranks hand
+    to the dispatcher's all-to-alls average exactly the planned over the EP group, each rank's
+    at least its own dispatched half; the bytes sent (less the rows a rank's own experts take)
+    close to the planned even split. Every EP parity run checks the same
+    (plan_check.problems)."""
     job, record = ep2_bf16_run
     assert not plan_check.problems(job, record)
     rows = _all_to_all_rows(job, record)
@@ -135,15 +136,16 @@ def test_planner_gives_the_expert_all_to_all(ep2_bf16_run):
     sent = [r for r in rows if r.field == "expert_all_to_all"]
     assert len(payload) == len(sent) == 2
     assert sum(r.measured for r in payload) == sum(r.planned for r in payload) > 0
-    assert all(0 < r.rel <= plan_check.ROUTED_RTOL for r in payload), payload  # routed
-    assert all(r.planned > 0 and r.rel <= plan_check.ROUTED_RTOL for r in sent), sent
+    assert all(r.rel > 0 and r.measured >= r.planned // 2 for r in payload), payload  # routed
+    assert all(r.planned > 0 and r.rel <= 0.02 for r in sent), sent  # measured 0.91%
     # EP2: whatever a rank keeps, what it sends is what the other returns: the same bytes.
     assert sent[0].measured == sent[1].measured < payload[0].measured
 
 
 def test_an_all_to_all_the_plan_does_not_have_is_caught(ep2_bf16_run):
-    """One MoE block's dispatch handed over twice on one rank (a block dispatching again) is
-    outside the routing's spread on neither rank alone, but the EP group's mean shows it."""
+    """One MoE block's dispatch handed over twice on one rank (a block dispatching again)
+    looks like routing on that rank alone, but the EP group's mean shows it; a rank handing
+    over less than its own rows is caught on that rank."""
     job, record = ep2_bf16_run
     groups = dict(record["comm_by_group"])
     entry = dict(groups["all_to_all:ep"])
@@ -154,6 +156,11 @@ def test_an_all_to_all_the_plan_does_not_have_is_caught(ep2_bf16_run):
     found = plan_check.problems(job, wrong)
     assert len(found) == 1 and "expert_all_to_all_payload, mean over its 2 ranks" in found[0], \
         found
+    handed = groups["all_to_all:ep"]["payload_bytes"]
+    lost = dict(groups["all_to_all:ep"], payload_bytes=[handed[0] // 3, handed[1]])
+    found = plan_check.problems(job, dict(record, comm_by_group={**groups, "all_to_all:ep": lost}))
+    assert any(f.startswith("rank 0 expert_all_to_all_payload: measured") and "its own" in f
+               for f in found), found
 
 
 def test_expert_all_to_all_grows_linearly_with_the_sequence_744b():

@@ -255,7 +255,7 @@ def rank_lines(fit: Fit) -> list[str]:
     """The per-rank table. Sent per step: context parallelism's exchange, the data-parallel
     gradient reduction + parameter all-gather, the pipeline's sends, the tensor-parallel and
     expert-tensor-parallel exchanges, the expert all-to-alls (the router spreading tokens
-    evenly); n/a where the planner does not model them (Muon's
+    evenly); n/a where the planner does not model them (distributed Muon's
     data-parallel gradient traffic, frozen parameters,
     ``tensor_parallel_unmodelled``)."""
     head = (f"{'rank':>4} {'static GiB':>11} {'peak act GiB':>13} {'total GiB':>10} "
