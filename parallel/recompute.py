@@ -119,7 +119,8 @@ class ActivationRecomputeMLP(MLP):
     """megatron-core's MLP whose activation (and routing-probability scale) is recomputed in
     backward: fc1's output is the only tensor kept between fc1 and fc2; fc2's input is freed
     once fc2 has run and rebuilt when fc2's output gradient arrives, before fc2's backward.
-    It adds no state to MLP: a built expert becomes one by its class (``_recompute_experts``)."""
+    It adds no state to MLP: a built expert becomes one by its class
+    (``ActivationRecomputeSequentialMLP``)."""
 
     def __init__(self, config, *args, **kwargs) -> None:
         _check_unfused(config)
