@@ -208,9 +208,9 @@ def frozen_parameters(job) -> bool:
 def traffic_modelled(job) -> tuple[str, ...]:
     """The kinds of ``planned_traffic`` that hold for ``job``: the gradient reduction and the
     parameter all-gather not under distributed Muon (its pieces travel to their owners; plain
-    Muon reduces its gradients as AdamW does), flexible CP groups or frozen parameters; the pipeline's sends with PP > 1; the tensor-parallel,
-    expert-tensor-parallel and expert all-to-all exchanges where ``tensor_parallel_unmodelled``
-    gives no reason."""
+    Muon reduces its gradients as AdamW does), flexible CP groups or frozen parameters; the
+    pipeline's sends with PP > 1; the tensor-parallel, expert-tensor-parallel and expert
+    all-to-all exchanges where ``tensor_parallel_unmodelled`` gives no reason."""
     par = job.parallel
     fields = []
     distributed_muon = job.train.optimizer == "muon" and par.use_distributed_optimizer

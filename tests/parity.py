@@ -145,10 +145,7 @@ def run_job(nprocs: int, overrides: list[str], run_dir: str, timeout: int = 600)
     torchrun itself (test_durable, test_slurm, test_spawn, launch tests)."""
     argv = [os.path.join(REPO, "glm5_train", "train.py"), *BASE_OVERRIDES, *overrides,
             f"hydra.run.dir={run_dir}"]
-    with tempfile.NamedTemporaryFile("w+", prefix="glm5_job_", suffix=".log") as out:
-        codes = _run_ranks(argv, nprocs, out.name, timeout)
-        log = out.read()
-    failed = next((c for c in codes if c != 0), 0)
+    failed, log = _run_logged(argv, nprocs, timeout, as_script=False)
     if failed:
         raise RuntimeError(f"job failed ({failed}) on {nprocs} ranks: python -m glm5_train.train "
                            f"{' '.join(argv[1:])}\n{log[-6000:]}")
@@ -165,12 +162,16 @@ def run_script(nprocs: int, script: str, args: list[str],
     ranks' output and stderr; a timeout gives 124. What torchrun itself adds (its agent, its
     failure summary) is tested by the tests that run it."""
     argv = [os.path.join(REPO, script), *args]
-    with tempfile.NamedTemporaryFile("w+", prefix="glm5_tool_", suffix=".log") as out:
-        codes = _run_ranks(argv, nprocs, out.name, timeout, as_script=True)
-        log = out.read()
-    failed = next((c for c in codes if c != 0), 0)
+    failed, log = _run_logged(argv, nprocs, timeout, as_script=True)
     return subprocess.CompletedProcess(["torchrun", f"--nproc-per-node={nprocs}", *argv],
                                        failed, stdout=log, stderr="")
+
+
+def _run_logged(argv: list[str], nprocs: int, timeout: int, as_script: bool) -> tuple[int, str]:
+    """``_run_ranks`` into a log file: the first failed rank's exit code (0: none), the log."""
+    with tempfile.NamedTemporaryFile("w+", prefix="glm5_ranks_", suffix=".log") as out:
+        codes = _run_ranks(argv, nprocs, out.name, timeout, as_script)
+        return next((c for c in codes if c != 0), 0), out.read()
 
 
 def _run_ranks(argv: list[str], nprocs: int, log_path: str, timeout: int,
