@@ -68,6 +68,38 @@ def available() -> bool:
     return triton is not None
 
 
+def interpreted() -> bool:
+    """Whether the kernels run under Triton's CPU interpreter: ``TRITON_INTERPRET=1`` was set
+    when triton was first imported (it decides then how ``triton.jit`` builds kernels)."""
+    return available() and not isinstance(_sparse_mla_fwd, triton.runtime.JITFunction)
+
+
+def _exact_bf16_dot_in_interpreter() -> None:
+    """Make the interpreter's ``tl.dot`` read bf16 operands as numbers. It keeps bf16 as raw
+    uint16 bits and its dot multiplies those integers (triton 3.9: ~1e10 for unit inputs;
+    fp16 and fp32 are right). Widened to fp32 first (exact: bf16 is fp32's upper half), the
+    product is what a GPU's bf16 dot with fp32 accumulation gives up to summation order."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_dot, "widens_bf16", False):
+        return
+    original = builder.create_dot
+
+    def widened(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        bits = handle.data.astype(np.uint32) << np.uint32(16)
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, *args, **kwargs):
+        return original(self, widened(a), widened(b), d, *args, **kwargs)
+
+    create_dot.widens_bf16 = True
+    builder.create_dot = create_dot
+
+
 def supports(q_lat: torch.Tensor, kv: torch.Tensor | None = None) -> bool:
     """Whether ``sparse_mla.sparse_latent_attention`` runs these kernels for ``q_lat`` (and
     ``kv``): CUDA tensors of one matmul dtype, triton installed, deterministic algorithms not
@@ -101,10 +133,10 @@ def default_configs(heads: int) -> tuple[BlockConfig, BlockConfig]:
 
 
 @_jit
-def _sparse_mla_fwd(Q, KV, PICKS, OUT, LSE, PROBS,
+def _sparse_mla_fwd(Q, KV, PICKS, POS, OUT, LSE, PROBS,
                     sq_b, sq_s, sq_h, skv_b, skv_s, sp_b, sp_s, so_b, so_s, so_h,
                     sl_b, sl_s, spr_b, spr_s,
-                    heads, head_blocks, picks, value_width, rope_width, scale_log2,
+                    heads, head_blocks, picks, kv_rows, value_width, rope_width, scale_log2,
                     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
                     BLOCK_R: tl.constexpr, CAUSAL: tl.constexpr, NEED_PROBS: tl.constexpr,
                     PROBS_ATOMIC: tl.constexpr, PRECISION: tl.constexpr):
@@ -125,6 +157,9 @@ def _sparse_mla_fwd(Q, KV, PICKS, OUT, LSE, PROBS,
                   other=0.0)
     kv_base = KV + b * skv_b
     pick_base = PICKS + b * sp_b + t * sp_s
+    pos = t  # the query's position among the key rows (its global one under CP)
+    if CAUSAL:
+        pos = tl.load(POS + t).to(tl.int64)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of 2^(s - m)
@@ -132,9 +167,9 @@ def _sparse_mla_fwd(Q, KV, PICKS, OUT, LSE, PROBS,
     for k0 in range(0, picks, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(pick_base + offs_k, mask=offs_k < picks, other=-1)
-        valid = idx >= 0
+        valid = (idx >= 0) & (idx < kv_rows)
         if CAUSAL:
-            valid = valid & (idx <= t)
+            valid = valid & (idx <= pos)
         rows = kv_base + tl.where(valid, idx, 0).to(tl.int64)[:, None] * skv_s
         c = tl.load(rows + offs_c[None, :], mask=valid[:, None] & mask_c[None, :], other=0.0)
         r = tl.load(rows + value_width + offs_r[None, :], mask=valid[:, None] & mask_r[None, :],
@@ -164,9 +199,9 @@ def _sparse_mla_fwd(Q, KV, PICKS, OUT, LSE, PROBS,
         for k0 in range(0, picks, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             idx = tl.load(pick_base + offs_k, mask=offs_k < picks, other=-1)
-            valid = idx >= 0
+            valid = (idx >= 0) & (idx < kv_rows)
             if CAUSAL:
-                valid = valid & (idx <= t)
+                valid = valid & (idx <= pos)
             rows = kv_base + tl.where(valid, idx, 0).to(tl.int64)[:, None] * skv_s
             c = tl.load(rows + offs_c[None, :], mask=valid[:, None] & mask_c[None, :], other=0.0)
             r = tl.load(rows + value_width + offs_r[None, :],
@@ -182,10 +217,11 @@ def _sparse_mla_fwd(Q, KV, PICKS, OUT, LSE, PROBS,
 
 
 @_jit
-def _sparse_mla_bwd(Q, KV, PICKS, DO, LSE, DELTA, DQ, DKV,
+def _sparse_mla_bwd(Q, KV, PICKS, POS, DO, LSE, DELTA, DQ, DKV,
                     sq_b, sq_s, sq_h, skv_b, skv_s, sp_b, sp_s, sdo_b, sdo_s, sdo_h,
                     sl_b, sl_s, sdq_b, sdq_s, sdq_h, sdkv_b, sdkv_s,
-                    heads, head_blocks, picks, value_width, rope_width, scale, scale_log2,
+                    heads, head_blocks, picks, kv_rows, value_width, rope_width, scale,
+                    scale_log2,
                     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
                     BLOCK_R: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)  # as in the forward
@@ -211,15 +247,18 @@ def _sparse_mla_bwd(Q, KV, PICKS, DO, LSE, DELTA, DQ, DKV,
     kv_base = KV + b * skv_b
     dkv_base = DKV + b * sdkv_b
     pick_base = PICKS + b * sp_b + t * sp_s
+    pos = t  # as in the forward
+    if CAUSAL:
+        pos = tl.load(POS + t).to(tl.int64)
 
     dq_c = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     dq_r = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
     for k0 in range(0, picks, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         idx = tl.load(pick_base + offs_k, mask=offs_k < picks, other=-1)
-        valid = idx >= 0
+        valid = (idx >= 0) & (idx < kv_rows)
         if CAUSAL:
-            valid = valid & (idx <= t)
+            valid = valid & (idx <= pos)
         row = tl.where(valid, idx, 0).to(tl.int64)[:, None]
         mask_kc = valid[:, None] & mask_c[None, :]
         mask_kr = valid[:, None] & mask_r[None, :]
@@ -267,17 +306,34 @@ def _precision(dtype: torch.dtype) -> str:
 def _check_inputs(q_lat: torch.Tensor, kv: torch.Tensor, picks: torch.Tensor,
                   value_width: int) -> None:
     batch, seq, _, width = q_lat.shape
-    if kv.shape != (batch, seq, width):
-        raise ValueError(f"sparse MLA kernel: kv {tuple(kv.shape)} must be [B, S, D] = "
-                         f"{(batch, seq, width)} for q_lat {tuple(q_lat.shape)}")
+    if kv.dim() != 3 or kv.shape[0] != batch or kv.shape[2] != width:
+        raise ValueError(f"sparse MLA kernel: kv {tuple(kv.shape)} must be [B, S_kv, D] = "
+                         f"[{batch}, S_kv, {width}] for q_lat {tuple(q_lat.shape)} (S_kv key "
+                         "rows, any number: all of them under context parallelism)")
     if picks.shape[:2] != (batch, seq) or picks.dtype != torch.int32:
         raise ValueError(f"sparse MLA kernel: picks {tuple(picks.shape)} {picks.dtype} must be "
-                         f"int32 [B, S, K] = [{batch}, {seq}, K] (-1 for none)")
+                         f"int32 [B, T, K] = [{batch}, {seq}, K] (-1 for none)")
     if q_lat.dtype != kv.dtype or q_lat.dtype not in _DTYPES:
         raise ValueError(f"sparse MLA kernel: q_lat {q_lat.dtype} and kv {kv.dtype} must share "
                          "one of float16 / bfloat16 / float32 (other dtypes: the torch path)")
     if not 0 < value_width <= width:
         raise ValueError(f"sparse MLA kernel: value_width {value_width} must be in 1..{width}")
+
+
+def query_positions_for(q_lat: torch.Tensor, causal: bool,
+                        query_positions: torch.Tensor | None) -> torch.Tensor:
+    """The queries' positions among the key rows as the kernels read them (int32 [T],
+    contiguous): ``query_positions`` (a context-parallel rank's zigzag positions), or
+    0..T-1 (queries and keys the same rows); a 1-element dummy when not causal."""
+    seq = q_lat.shape[1]
+    if not causal:
+        return torch.zeros(1, dtype=torch.int32, device=q_lat.device)
+    if query_positions is None:
+        return torch.arange(seq, dtype=torch.int32, device=q_lat.device)
+    if query_positions.shape != (seq,):
+        raise ValueError(f"sparse MLA kernel: query_positions {tuple(query_positions.shape)} "
+                         f"must be [T] = [{seq}], one position per query row")
+    return query_positions.to(device=q_lat.device, dtype=torch.int32).contiguous()
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -288,9 +344,11 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 def forward(q_lat: torch.Tensor, kv: torch.Tensor, picks: torch.Tensor, scale: float,
             value_width: int, need_probs: bool = False, causal: bool = True,
-            config: BlockConfig | None = None):
-    """(out [B, S, N, C], lse [B, S, N] fp32, probs [B, S, K] fp32 or None); no autograd."""
+            config: BlockConfig | None = None, query_positions: torch.Tensor | None = None):
+    """(out [B, T, N, C], lse [B, T, N] fp32, probs [B, T, K] fp32 or None); no autograd.
+    ``kv`` holds S_kv key rows (any number); ``query_positions`` as ``sparse_mla``."""
     _check_inputs(q_lat, kv, picks, value_width)
+    positions = query_positions_for(q_lat, causal, query_positions)
     q_lat, kv, picks = _unit_last(q_lat), _unit_last(kv), _unit_last(picks)
     batch, seq, heads, width = q_lat.shape
     k = picks.shape[-1]
@@ -305,11 +363,11 @@ def forward(q_lat: torch.Tensor, kv: torch.Tensor, picks: torch.Tensor, scale: f
         return out, lse, probs if need_probs else None
     block_c, block_r = _widths(value_width, width)
     _sparse_mla_fwd[(seq * head_blocks, batch)](
-        q_lat, kv, picks, out, lse, probs,
+        q_lat, kv, picks, positions, out, lse, probs,
         q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), kv.stride(0), kv.stride(1),
         picks.stride(0), picks.stride(1), out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), probs.stride(0), probs.stride(1),
-        heads, head_blocks, k, value_width, width - value_width, scale * LOG2E,
+        heads, head_blocks, k, kv.shape[1], value_width, width - value_width, scale * LOG2E,
         BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, BLOCK_C=block_c, BLOCK_R=block_r,
         CAUSAL=causal, NEED_PROBS=need_probs, PROBS_ATOMIC=atomic,
         PRECISION=_precision(q_lat.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -318,8 +376,10 @@ def forward(q_lat: torch.Tensor, kv: torch.Tensor, picks: torch.Tensor, scale: f
 
 def backward(q_lat: torch.Tensor, kv: torch.Tensor, picks: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, grad_out: torch.Tensor, scale: float, causal: bool = True,
-             config: BlockConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             config: BlockConfig | None = None, query_positions: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq like ``q_lat``, dkv like ``kv``) for the output gradient ``grad_out``."""
+    positions = query_positions_for(q_lat, causal, query_positions)
     q_lat, kv, picks = _unit_last(q_lat), _unit_last(kv), _unit_last(picks)
     batch, seq, heads, width = q_lat.shape
     value_width = out.shape[-1]
@@ -335,13 +395,13 @@ def backward(q_lat: torch.Tensor, kv: torch.Tensor, picks: torch.Tensor, out: to
     block_c, block_r = _widths(value_width, width)
     head_blocks = triton.cdiv(heads, cfg.block_h)
     _sparse_mla_bwd[(seq * head_blocks, batch)](
-        q_lat, kv, picks, grad_out, lse, delta, dq, dkv,
+        q_lat, kv, picks, positions, grad_out, lse, delta, dq, dkv,
         q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), kv.stride(0), kv.stride(1),
         picks.stride(0), picks.stride(1),
         grad_out.stride(0), grad_out.stride(1), grad_out.stride(2), lse.stride(0), lse.stride(1),
         dq.stride(0), dq.stride(1), dq.stride(2), dkv.stride(0), dkv.stride(1),
-        heads, head_blocks, picks.shape[-1], value_width, width - value_width, scale,
-        scale * LOG2E,
+        heads, head_blocks, picks.shape[-1], kv.shape[1], value_width, width - value_width,
+        scale, scale * LOG2E,
         BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, BLOCK_C=block_c, BLOCK_R=block_r,
         CAUSAL=causal, PRECISION=_precision(q_lat.dtype), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
@@ -351,26 +411,28 @@ def backward(q_lat: torch.Tensor, kv: torch.Tensor, picks: torch.Tensor, out: to
 class TritonSparseLatentAttention(torch.autograd.Function):
     """``forward`` / ``backward`` above as one autograd op: outputs (out, lse, probs); lse and
     probs are not differentiable (probs is the indexer KL's detached target). Saved for
-    backward: q_lat, kv, picks, lse, out (as the torch path, plus nothing [S, K, *])."""
+    backward: q_lat, kv, picks, lse, out and the query positions (nothing [S, K, *] but the
+    int32 picks)."""
 
     @staticmethod
     def forward(ctx, q_lat, kv, picks, scale: float, value_width: int, need_probs: bool,
-                causal: bool, configs):
+                causal: bool, configs, query_positions):
         fwd_cfg, bwd_cfg = configs or default_configs(q_lat.shape[2])
+        positions = query_positions_for(q_lat, causal, query_positions)
         out, lse, probs = forward(q_lat, kv, picks, scale, value_width, need_probs, causal,
-                                  fwd_cfg)
+                                  fwd_cfg, positions if causal else None)
         probs = probs if need_probs else q_lat.new_empty(0, dtype=torch.float32)
-        ctx.save_for_backward(q_lat, kv, picks, lse, out)
+        ctx.save_for_backward(q_lat, kv, picks, lse, out, positions)
         ctx.scale, ctx.causal, ctx.bwd_cfg = scale, causal, bwd_cfg
         ctx.mark_non_differentiable(lse, probs)
         return out, lse, probs
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse, _grad_probs):
-        q_lat, kv, picks, lse, out = ctx.saved_tensors
+        q_lat, kv, picks, lse, out, positions = ctx.saved_tensors
         dq, dkv = backward(q_lat, kv, picks, out, lse, grad_out, ctx.scale, ctx.causal,
-                           ctx.bwd_cfg)
-        return dq, dkv, None, None, None, None, None, None
+                           ctx.bwd_cfg, positions if ctx.causal else None)
+        return dq, dkv, None, None, None, None, None, None, None
 
 
 def picks_from(idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -381,15 +443,22 @@ def picks_from(idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 def sparse_mla(q_lat: torch.Tensor, kv: torch.Tensor, picks: torch.Tensor, scale: float,
                value_width: int, need_probs: bool = False, causal: bool = True,
-               configs: tuple[BlockConfig, BlockConfig] | None = None):
-    """The kernels with autograd: q_lat [S, N, D] or [B, S, N, D], kv [S, D] or [B, S, D],
-    int32 picks [S, K] or [B, S, K] (-1: none). Returns (out [.., S, N, value_width],
-    lse [.., S, N] fp32, head-summed probabilities [.., S, K] fp32 or None)."""
+               configs: tuple[BlockConfig, BlockConfig] | None = None,
+               query_positions: torch.Tensor | None = None):
+    """The kernels with autograd: q_lat [T, N, D] or [B, T, N, D] (T query rows), kv [S, D] or
+    [B, S, D] (S key rows, any number: a context-parallel rank's queries against the whole
+    sequence's keys), int32 picks [T, K] or [B, T, K] (row numbers of ``kv``; -1 or >= S: none).
+    ``causal``: a pick past its query's position gets no weight, the position being
+    ``query_positions[t]`` (int [T]; e.g. the zigzag positions of a CP rank) or t when None;
+    ``causal=False`` trusts the picks (what the model passes: its selection is causal and
+    document-bounded already). Returns (out [.., T, N, value_width], lse [.., T, N] fp32,
+    head-summed probabilities [.., T, K] fp32 or None)."""
     unbatched = q_lat.dim() == 3
     if unbatched:
         q_lat, kv, picks = q_lat[None], kv[None], picks[None]
     out, lse, probs = TritonSparseLatentAttention.apply(q_lat, kv, picks, scale, value_width,
-                                                        need_probs, causal, configs)
+                                                        need_probs, causal, configs,
+                                                        query_positions)
     probs = probs if need_probs else None
     if unbatched:
         return out[0], lse[0], (probs[0] if need_probs else None)
@@ -400,9 +469,16 @@ def sparse_latent_attention(q_lat: torch.Tensor, kv: torch.Tensor, idx: torch.Te
                             valid: torch.Tensor, scale: float, value_width: int,
                             need_probs: bool = False,
                             configs: tuple[BlockConfig, BlockConfig] | None = None):
-    """``sparse_mla.sparse_latent_attention``'s contract on the kernels: ``idx`` [B, S, K]
-    (any integer dtype) with ``valid`` [B, S, K]; returns (out, probs or None). Causal as
-    the selection is (a valid pick past its query never comes out of the indexer)."""
+    """``sparse_mla.sparse_latent_attention``'s contract on the kernels: ``q_lat`` [B, T, N, D]
+    (this rank's query rows), ``kv`` [B, S, D] (every key row), ``idx`` [B, T, K] (any integer
+    dtype) with ``valid`` [B, T, K]; returns (out, probs or None). Not causal in the kernel:
+    ``valid`` already is (the indexer never selects a key past its query, nor across a
+    packed-document boundary), so an invalid pick is passed as -1 and nothing else is
+    masked, whatever rows this rank's queries are."""
     out, _, probs = sparse_mla(q_lat, kv, picks_from(idx, valid), scale, value_width,
-                               need_probs, True, configs)
+                               need_probs, False, configs)
     return out, probs
+
+
+if interpreted():
+    _exact_bf16_dot_in_interpreter()
