@@ -11,9 +11,15 @@ CPU finishes (default 16 attention : 8 indexer heads). Batch 1, fp32.
   (no gradient), the absorbed attention over the selected latent keys
   (``sparse_mla.absorbed_sparse_attention``: q_nope absorbed by W_UK, MQA over the latent, W_UV
   up-projection) and the sparse-stage indexer KL with its backward.
-- ``dense``: causal attention on SDPA's flash kernel over up-projected q/k/v (256 wide,
-  ``layers.equal_width_attention``), the dense path of the model. Its key/value
-  up-projection is not timed (the absorbed side's absorption and W_UV are: conservative).
+- ``dense``: the dense path of the model from the same inputs: MLA's key/value up-projection
+  of the latent (``linear_kv_up_proj``: k_nope and v per head, the shared RoPE key broadcast
+  to every head), then causal attention on SDPA's flash kernel over q/k/v (256 wide,
+  ``layers.equal_width_attention``). Both sides start from the query and the latent key
+  (leaves, not counted), so the saved bytes compare like with like: the dense side keeps its
+  up-projected k and v, the DSA side its latent output, picks and the indexer KL's tensors.
+
+The DSA side selects once and hands the same int32 picks to the attention and the KL, as
+``DSACoreAttention`` does (``absorbed_sparse_mla``, ``DSAIndexer.selected_kl``).
 
 Per length and variant: wall time of one forward + backward (after a short warm-up call),
 the bytes autograd saves for backward (exact: unique storages through saved_tensors_hooks,
@@ -22,7 +28,8 @@ VmHWM, reset through /proc/self/clear_refs), and the multiply-adds each path doe
 (``dense_macs`` / ``dsa_macs``, counted from the kernels' matmuls) with the rate it reached:
 the MAC ratio is the speed-up DSA would show if it ran its matmuls as fast as the flash kernel
 runs dense attention, so the gap between it and the measured ratio is the cost of gathering
-each query's own keys (and of the small per-query matmuls that follows from it). Last line:
+each query's own keys (and of the small per-query matmuls that follows from it). Last lines:
+``saved for backward at <S>: ours=<DSA bytes> baseline=<dense bytes> ratio=...`` and
 ``ours=<DSA seconds at the longest S> baseline=<dense seconds there> ratio=<ours/baseline>``.
 """
 
@@ -40,9 +47,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from glm5_train.model.dsa import DSAIndexer  # noqa: E402
-from glm5_train.model.dsa_loss import sparse_indexer_kl  # noqa: E402
+from glm5_train.model.dsa_loss import selected_indexer_kl  # noqa: E402
 from glm5_train.model.layers import equal_width_attention  # noqa: E402
-from glm5_train.model.sparse_mla import absorbed_sparse_attention  # noqa: E402
+from glm5_train.model.sparse_mla import absorbed_sparse_mla  # noqa: E402
+from glm5_train.model.triton_sparse_mla import picks_from  # noqa: E402
+from parallel.context_parallel import context_shard  # noqa: E402
 
 LATENT, ROPE, NOPE, V, INDEX_DIM, TOPK = 512, 64, 192, 256, 128, 2048
 HIDDEN, Q_LORA = 1024, 512  # the indexer's inputs (x, qr); their widths only set its cost
@@ -86,11 +95,12 @@ class Measured:
 
 
 def dense_macs(seq: int, heads: int) -> int:
-    """Multiply-adds of causal flash attention at width W = NOPE + ROPE (= V here) per
-    query-key pair and head: forward q.k and p.v (2W), backward the recomputed q.k, dp = dO.v,
-    dv, dq and dk (5W)."""
+    """Multiply-adds of the dense side: the key/value up-projection of the latent (C x
+    (NOPE + V) per token and head), forward and backward (3x), and causal flash attention at
+    width W = NOPE + ROPE (= V here) per query-key pair and head: forward q.k and p.v (2W),
+    backward the recomputed q.k, dp = dO.v, dv, dq and dk (5W)."""
     pairs = seq * (seq + 1) // 2
-    return pairs * heads * 7 * (NOPE + ROPE)
+    return pairs * heads * 7 * (NOPE + ROPE) + 3 * seq * heads * LATENT * (NOPE + V)
 
 
 def dsa_macs(seq: int, heads: int, index_heads: int) -> int:
@@ -112,13 +122,19 @@ def dsa_macs(seq: int, heads: int, index_heads: int) -> int:
 
 
 def dense_case(seq: int, heads: int, gen: torch.Generator):
-    q, k, v = (torch.randn(1, heads, seq, NOPE + ROPE, generator=gen).requires_grad_()
-               for _ in range(3))
+    query = torch.randn(seq, 1, heads, NOPE + ROPE, generator=gen).requires_grad_()
+    latent_key = torch.randn(seq, 1, 1, LATENT + ROPE, generator=gen).requires_grad_()
+    weight = torch.nn.Parameter(torch.randn(heads * (NOPE + V), LATENT, generator=gen) * 0.04)
 
     def step():
+        latent, k_pe = latent_key.squeeze(2).split([LATENT, ROPE], dim=-1)
+        kv = torch.nn.functional.linear(latent, weight).view(seq, 1, heads, NOPE + V)
+        k_nope, value = kv.split([NOPE, V], dim=-1)
+        key = torch.cat([k_nope, k_pe[:, :, None].expand(-1, -1, heads, -1)], dim=-1)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [B, N, S, D]
         return equal_width_attention(q, k, v, None, SCALE).sum()
 
-    return step, (q, k, v)
+    return step, (query, latent_key, weight)
 
 
 def dsa_case(seq: int, heads: int, index_heads: int, gen: torch.Generator):
@@ -128,18 +144,18 @@ def dsa_case(seq: int, heads: int, index_heads: int, gen: torch.Generator):
     x = torch.randn(seq, 1, HIDDEN, generator=gen)
     qr = torch.randn(seq, 1, Q_LORA, generator=gen)
     indexer = DSAIndexer(_Cfg(), index_heads, INDEX_DIM, TOPK, ROPE, 1e6)
-    module = types.SimpleNamespace(indexer=indexer, tp_group=None,
-                                   _indexer_inputs=lambda x, qr: (x.transpose(0, 1),
-                                                                  qr.transpose(0, 1)))
+    module = types.SimpleNamespace(indexer=indexer, tp_group=None)
+    shard = context_shard(None, seq, x.device)
 
     def step():
         with torch.no_grad():  # the blockwise selection DSACoreAttention runs
             topk, picked = indexer.select_blockwise(x.transpose(0, 1), qr.transpose(0, 1))
-            valid = picked > float("-inf")
-        out, probs = absorbed_sparse_attention(query, latent_key, weight[:, :NOPE],
-                                               weight[:, NOPE:], topk, valid, SCALE,
-                                               need_probs=True)
-        kl, _ = sparse_indexer_kl(module, x, qr, topk, valid, probs)
+            picks = picks_from(topk, picked > float("-inf"))  # int32, shared as in the model
+        out, probs = absorbed_sparse_mla(query, latent_key, weight[:, :NOPE], weight[:, NOPE:],
+                                         picks, SCALE, need_probs=True)
+        x_in, qr_in = x.transpose(0, 1), qr.transpose(0, 1)
+        kl, _ = selected_indexer_kl(module, x_in, qr_in, picks, probs, shard,
+                                    indexer.sequence_keys(x_in, shard))
         return out.sum() + 1e-3 * kl
 
     return step, (query, latent_key, weight, x, qr, *indexer.parameters())
@@ -162,20 +178,24 @@ def main() -> None:
     # Warm-up: kernels and allocator pools of both paths, at a length that does not count.
     measure(dense_case(2 * TOPK, args.heads, gen))
     measure(dsa_case(2 * TOPK, args.heads, args.index_heads, gen))
-    results = {}
+    results, saved = {}, {}
     macs = {"dense": lambda seq: dense_macs(seq, args.heads),
             "dsa": lambda seq: dsa_macs(seq, args.heads, args.index_heads)}
     for seq in args.seq:
         for name, case in (("dense", lambda: dense_case(seq, args.heads, gen)),
                            ("dsa", lambda: dsa_case(seq, args.heads, args.index_heads, gen))):
-            seconds, saved, peak = measure(case())
+            seconds, saved[name, seq], peak = measure(case())
             results[name, seq] = seconds
             print(f"seq {seq:6d} {name:5s}: {seconds:8.2f} s   saved for backward "
-                  f"{saved / 2**20:9.1f} MiB   peak RSS growth {peak / 2**20:9.1f} MiB   "
+                  f"{saved[name, seq] / 2**20:9.1f} MiB   "
+                  f"peak RSS growth {peak / 2**20:9.1f} MiB   "
                   f"{macs[name](seq) / seconds / 1e9:6.1f} GMAC/s", flush=True)
         print(f"seq {seq:6d} dense/dsa time: {results['dense', seq] / results['dsa', seq]:.2f}x"
               f"   dense/dsa MACs: {macs['dense'](seq) / macs['dsa'](seq):.2f}x", flush=True)
     longest = args.seq[-1]
+    ours, baseline = saved["dsa", longest], saved["dense", longest]
+    print(f"saved for backward at {longest}: ours={ours} baseline={baseline} "
+          f"ratio={ours / baseline:.3f}")
     ours, baseline = results["dsa", longest], results["dense", longest]
     print(f"ours={ours:.3f} baseline={baseline:.3f} ratio={ours / baseline:.3f}")
 

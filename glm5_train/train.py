@@ -49,6 +49,7 @@ from glm5_train.checkpoint import (
 from glm5_train.flexible_batches import FlexibleBatches, plan_record
 from glm5_train.job_config import CONFIG_ERRORS, JobConfig, one_line
 from glm5_train.metrics import MetricsLogger, gather_memory, gather_per_rank, gather_saved_bytes
+from glm5_train.model import triton_sparse_mla
 from glm5_train.model.glm5 import indexer_kl
 from glm5_train.preemption import StopRequest, forked_children_die_with_this_process, signal_name
 from glm5_train.profiling import StepProfiler
@@ -219,6 +220,8 @@ def _log(rt: Runtime, logger: MetricsLogger, record: dict, meter: CommMeter,
     work each rank did, which on an oversubscribed machine wall time cannot show) and log."""
     record["mem_rss_bytes"], record["mem_peak_bytes"] = gather_memory()
     record["step_cpu_ms"] = [r[0] for r in gather_per_rank([cpu_ms])]
+    # Each rank's Triton sparse-MLA launches so far (forward, backward): where they ran.
+    record["sparse_kernel_launches"] = gather_per_rank(list(triton_sparse_mla.LAUNCHES.values()))
     if rt.last_plan is not None:
         record["flexible_cp"] = plan_record(rt.last_plan)
     record.update(gather_fields(meter, buffer_bytes(rt.chunks, rt.optimizer, rt.zero2)))

@@ -138,10 +138,10 @@ def test_saved_for_backward_is_linear_in_the_picks_and_holds_no_s_by_s_or_s_k_n_
         assert numel < seq * seq // 2, shape
         assert numel < seq * k * heads, shape
     n = seq * batch
-    # Query (the absorption's input), absorbed query, latent key, output, fp32 lse, the
-    # int64 picks and their bool validity; nothing else.
-    expected = (4 * n * heads * (DN + R) + 4 * n * heads * (C + R) + 4 * n * (C + R)
-                + 4 * n * heads * C + 4 * n * heads + 9 * n * k)
+    # Query (the absorption's input: backward recomputes the absorbed query from it), latent
+    # key, latent output, fp32 lse and the int32 picks; nothing else.
+    expected = (4 * n * heads * (DN + R) + 4 * n * (C + R) + 4 * n * heads * C
+                + 4 * n * heads + 4 * n * k)
     assert sum(saved.storages.values()) == expected, (sum(saved.storages.values()), expected)
 
 

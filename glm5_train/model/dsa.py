@@ -47,7 +47,8 @@ from glm5_train.model.dsa_loss import (
 from glm5_train.model.key_masks import DocumentStarts, KeyMask, allowed_block, key_mask
 from glm5_train.model.layers import MLACoreAttention, attention_at_positions
 from glm5_train.model.picked_rows import RowTable, Scratch, compute_dtype, fp32_at_least
-from glm5_train.model.sparse_mla import absorbed_sparse_attention
+from glm5_train.model.sparse_mla import absorbed_sparse_mla
+from glm5_train.model.triton_sparse_mla import picks_from
 from parallel.context_parallel import ContextShard, context_shard, gather_sequence, group_size
 from parallel.device import param_device
 
@@ -309,6 +310,20 @@ class DSAIndexer(torch.nn.Module):
                                      selected_chunk_rows(*topk_BSK.shape[::2], self.head_dim))
 
 
+    def selected_kl(self, x_BSH: torch.Tensor, qr_BSQ: torch.Tensor, picks_BTK: torch.Tensor,
+                    target_BTK: torch.Tensor, shard: ContextShard | None = None,
+                    keys: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Sum over queries of KL(target || softmax(I at the picks)) (``_SelectedKL``): int32
+        ``picks_BTK`` (-1: none), ``target_BTK`` the main attention's head-summed
+        probabilities of the picks. ``shard`` / ``keys`` as in ``select_blockwise``."""
+        shard = shard or context_shard(None, x_BSH.shape[1], x_BSH.device)
+        k_BSD, w_BTH = keys if keys is not None else self.sequence_keys(x_BSH, shard)
+        q_BTHD = self.project_queries(qr_BSQ, shard.positions)
+        return _SelectedKL.apply(q_BTHD, k_BSD, w_BTH, picks_BTK, target_BTK,
+                                 self.head_dim ** -0.5,
+                                 selected_chunk_rows(*picks_BTK.shape[::2], self.head_dim))
+
+
 # Budget (elements) of one query chunk's gathered indexer keys [B, T, K, Di] in
 # ``_SelectedScores``: 4 MiB fp32 (T = 4 at K = 2048, Di = 128), near the core's L2, so the
 # gathered keys stay cached between the matmuls that read them (forward: logits; backward:
@@ -374,6 +389,101 @@ class _SelectedScores(torch.autograd.Function):
                                                                   k_GKD.dtype)).flatten(0, 1))
         return (dq.to(q_BSHD.dtype), keys.as_input_layout(dk_rows).to(k_BSD.dtype),
                 dw.to(w_BSH.dtype), None, None, None)
+
+
+class _SelectedKL(torch.autograd.Function):
+    """Sum over queries of KL(target || softmax(I at the picks)), I as ``_SelectedScores``
+    computes it, in one op by query chunks: ``target_BTK`` [B, T, K] the main attention's
+    head-summed probabilities of the picks (no gradient; normalised per query here), int32
+    ``picks_BTK`` (-1: none, excluded from the softmax; ``-inf`` scores).
+
+    Kept for backward: the indexer's q, k, w, the picks and the target (4 bytes per pick
+    each), and the per-query log-sum-exp of I; each chunk's gathered keys, logits and I are
+    recomputed. Unfused, autograd kept I, its log-softmax and masks besides (18 bytes per
+    pick with int64 picks and their validity)."""
+
+    @staticmethod
+    def forward(ctx, q_BTHD, k_BSD, w_BTH, picks_BTK, target_BTK, scale: float, rows: int):
+        batch, seq = picks_BTK.shape[:2]
+        keys, scratch = RowTable(fp32_at_least(k_BSD)), Scratch(k_BSD.device)
+        lse_BT = torch.empty(batch, seq, dtype=keys.rows.dtype, device=k_BSD.device)
+        total = torch.zeros((), dtype=keys.rows.dtype, device=k_BSD.device)
+        for start in range(0, seq, rows):
+            chunk = slice(start, min(seq, start + rows))
+            index_GK, _, valid_GK = _chunk_scores(q_BTHD, k_BSD, w_BTH, picks_BTK, keys,
+                                                  scratch, chunk, scale)
+            lse_G1 = torch.logsumexp(index_GK, dim=-1, keepdim=True)
+            lse_BT[:, chunk] = lse_G1.view(batch, -1)
+            logp_GK = index_GK - lse_G1
+            target_GK = _normalised_target(_chunk_rows(target_BTK, chunk), valid_GK)
+            present = target_GK > 0
+            total += torch.where(present, target_GK * (target_GK.clamp_min(1e-30).log()
+                                                       - logp_GK), 0.0).sum()
+        ctx.save_for_backward(q_BTHD, k_BSD, w_BTH, picks_BTK, target_BTK, lse_BT)
+        ctx.scale, ctx.rows = scale, rows
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        q_BTHD, k_BSD, w_BTH, picks_BTK, target_BTK, lse_BT = ctx.saved_tensors
+        seq = picks_BTK.shape[1]
+        keys, scratch = RowTable(fp32_at_least(k_BSD)), Scratch(k_BSD.device)
+        dq, dw = (torch.empty(t.shape, dtype=compute_dtype(t), device=t.device)
+                  for t in (q_BTHD, w_BTH))
+        dk_rows = torch.zeros_like(keys.rows)
+        for start in range(0, seq, ctx.rows):
+            chunk = slice(start, min(seq, start + ctx.rows))
+            index_GK, parts, valid_GK = _chunk_scores(q_BTHD, k_BSD, w_BTH, picks_BTK, keys,
+                                                      scratch, chunk, ctx.scale)
+            # d KL / d I = softmax(I) x (the query's target mass: 1, or 0 without a target)
+            # - target; softmax from the saved log-sum-exp (-inf I at invalid picks: 0).
+            target_GK = _normalised_target(_chunk_rows(target_BTK, chunk), valid_GK)
+            lse_G1 = lse_BT[:, chunk].reshape(-1, 1).to(index_GK.dtype)
+            lse_G1 = torch.where(torch.isfinite(lse_G1), lse_G1, 0.0)  # no valid pick
+            mass_G1 = target_GK.sum(-1, keepdim=True)
+            g_GK = index_GK.sub_(lse_G1).exp_().mul_(mass_G1).sub_(target_GK).mul_(grad)
+            _scores_backward(g_GK, parts, ctx.scale, keys, chunk, dq, dw, dk_rows, scratch)
+        return (dq.to(q_BTHD.dtype), keys.as_input_layout(dk_rows).to(k_BSD.dtype),
+                dw.to(w_BTH.dtype), None, None, None, None)
+
+
+def _normalised_target(target_GK: torch.Tensor, valid_GK: torch.Tensor) -> torch.Tensor:
+    """The KL's target per query: the valid picks' probabilities, summing to 1 (0 if none)."""
+    target_GK = target_GK.masked_fill(~valid_GK, 0.0)
+    return target_GK / target_GK.sum(-1, keepdim=True).clamp_min(1e-30)
+
+
+def _chunk_scores(q_BTHD, k_BSD, w_BTH, picks_BTK, keys: RowTable, scratch: Scratch,
+                  chunk: slice, scale: float):
+    """One chunk's index scores I [G, K] (-inf at invalid picks), what their backward needs
+    (flat rows, gathered keys, q, w, the ReLU'd logits) and the validity [G, K]."""
+    picks_GK = picks_BTK[:, chunk].flatten(0, 1).long()
+    valid_GK = (picks_GK >= 0) & (picks_GK < keys.seq)
+    batch = picks_BTK.shape[0]
+    flat = keys.row_index(torch.where(valid_GK, picks_GK, 0).view(batch, -1,
+                                                                  picks_GK.shape[-1]))
+    k_GKD = keys.gather(flat, chunk.stop - chunk.start, scratch)
+    q_GHD, w_GH = _chunk_rows(q_BTHD, chunk), _chunk_rows(w_BTH, chunk)
+    relu_GHK = torch.bmm(q_GHD, k_GKD.transpose(1, 2)).mul_(scale).relu_()
+    index_GK = torch.bmm(w_GH.unsqueeze(1), relu_GHK).squeeze(1)
+    index_GK = index_GK.masked_fill_(~valid_GK, float("-inf"))
+    return index_GK, (flat, k_GKD, q_GHD, w_GH, relu_GHK), valid_GK
+
+
+def _scores_backward(g_GK, parts, scale: float, keys: RowTable, chunk: slice, dq, dw,
+                     dk_rows, scratch: Scratch) -> None:
+    """Gradients of I = sum_h w ReLU(scale q . k) at one chunk's picks, given dI [G, K]
+    (0 at invalid picks): written into dq / dw, added into the key rows."""
+    flat, k_GKD, q_GHD, w_GH, relu_GHK = parts
+    batch = dq.shape[0]
+    dw[:, chunk] = torch.bmm(relu_GHK, g_GK.unsqueeze(2)).view(batch, -1, w_GH.shape[1])
+    # dI/dlogit = g x w x scale where the ReLU passes (its output > 0), else 0: built in the
+    # ReLU's buffer (sign() is that 0/1 mask there).
+    dlogits_GHK = relu_GHK.sign_().mul_(g_GK.unsqueeze(1)).mul_(w_GH.unsqueeze(2) * scale)
+    dq[:, chunk] = torch.bmm(dlogits_GHK, k_GKD).view(batch, -1, *dq.shape[2:])
+    dk_rows.index_add_(0, flat, torch.bmm(dlogits_GHK.transpose(1, 2), q_GHD,
+                                          out=scratch.get("dkeys", k_GKD.shape,
+                                                          k_GKD.dtype)).flatten(0, 1))
 
 
 def _chunk_rows(t_BS: torch.Tensor, chunk: slice) -> torch.Tensor:
@@ -486,19 +596,22 @@ class DSACoreAttention(MLACoreAttention):
         with torch.no_grad():  # blockwise: no [B, S, S] scores (see causal_topk)
             topk_BSK, picked_BSK = self.indexer.select_blockwise(
                 x_in, qr_in, allowed_BSS, shard=shard, keys=tuple(k.detach() for k in keys))
-            valid_BSK = picked_BSK > float("-inf")
+            # int32 key rows, -1 where nothing was selectable: 4 bytes a pick kept for
+            # backward (attention and KL share it), not an int64 and a bool.
+            picks_BSK = picks_from(topk_BSK, picked_BSK > float("-inf"))
+            del topk_BSK, picked_BSK
         if value is None and cfg.sparse_attention == "absorbed":  # MLA absorbed, O(S K)
             w_uk, w_uv = self.latent_up_weights()
-            out, probs_BSK = absorbed_sparse_attention(query, gather_sequence(key, shard),
-                                                       w_uk, w_uv, topk_BSK, valid_BSK,
-                                                       self.softmax_scale, need_probs=with_loss)
+            out, probs_BSK = absorbed_sparse_mla(query, gather_sequence(key, shard), w_uk, w_uv,
+                                                 picks_BSK, self.softmax_scale,
+                                                 need_probs=with_loss, kernel=cfg.sparse_kernel)
         else:  # dsa.sparse_attention=masked_dense, or a path megatron-core up-projected
             query, key, value = self._dense_inputs(query, key, value, shard)
-            out, probs_BSK = sparse_attention(query, key, value, topk_BSK, valid_BSK,
-                                              self.softmax_scale, need_probs=with_loss)
+            out, probs_BSK = sparse_attention(query, key, value, picks_BSK.clamp_min(0).long(),
+                                              picks_BSK >= 0, self.softmax_scale,
+                                              need_probs=with_loss)
         if with_loss:
-            kl = selected_indexer_kl(self, x_in, qr_in, topk_BSK, valid_BSK, probs_BSK,
-                                     shard, keys)
+            kl = selected_indexer_kl(self, x_in, qr_in, picks_BSK, probs_BSK, shard, keys)
             out = self._attach(out, record_kl, kl)
         return out
 

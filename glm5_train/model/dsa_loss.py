@@ -36,6 +36,10 @@ STAGES = ("sparse", "dense_warmup")
 # Sparse-stage attention: MLA absorbed over the selected latent keys (glm5_train.model.
 # sparse_mla, O(S K)), or the reference: dense attention under a top-k mask (O(S^2) compute).
 SPARSE_ATTENTION = ("absorbed", "masked_dense")
+# Who runs the absorbed sparse attention: the Triton kernels where they can (CUDA), the torch
+# path otherwise ("auto"); always the kernels ("triton": on CPU under Triton's interpreter,
+# TRITON_INTERPRET=1, the CUDA call sites emulated); always the torch path ("torch").
+SPARSE_KERNELS = ("auto", "triton", "torch")
 
 
 @dataclass
@@ -44,6 +48,7 @@ class DSATrainingConfig:
     indexer_loss_coeff: float = 0.001
     freeze_indexer: bool = False
     sparse_attention: str = "absorbed"
+    sparse_kernel: str = "auto"
 
     @property
     def trains_indexer(self) -> bool:
@@ -55,6 +60,11 @@ class DSATrainingConfig:
         if self.sparse_attention not in SPARSE_ATTENTION:
             raise ValueError(f"dsa.sparse_attention={self.sparse_attention!r}: use one of "
                              f"{SPARSE_ATTENTION}")
+        if self.sparse_kernel not in SPARSE_KERNELS:
+            raise ValueError(f"dsa.sparse_kernel={self.sparse_kernel!r}: use one of "
+                             f"{SPARSE_KERNELS}")
+        if self.sparse_kernel == "triton":
+            _check_triton_kernel_runs(self.sparse_attention)
         if self.indexer_loss_coeff < 0:
             raise ValueError(f"dsa.indexer_loss_coeff={self.indexer_loss_coeff} must be >= 0")
         if self.stage == "dense_warmup" and not self.trains_indexer:
@@ -62,6 +72,24 @@ class DSATrainingConfig:
                 "dsa.stage=dense_warmup trains only the indexer, but dsa.freeze_indexer=true or "
                 "dsa.indexer_loss_coeff=0 leaves nothing to train: set dsa.freeze_indexer=false "
                 "and a positive dsa.indexer_loss_coeff, or use dsa.stage=sparse")
+
+
+def _check_triton_kernel_runs(sparse_attention: str) -> None:
+    """``dsa.sparse_kernel=triton`` needs triton, and off CUDA its interpreter, chosen by the
+    environment before triton is imported (it decides then how kernels are built)."""
+    from glm5_train.model import triton_sparse_mla
+
+    if sparse_attention != "absorbed":
+        raise ValueError(f"dsa.sparse_kernel=triton runs the absorbed sparse path, but "
+                         f"dsa.sparse_attention={sparse_attention!r}: set "
+                         "dsa.sparse_attention=absorbed or dsa.sparse_kernel=auto")
+    if not triton_sparse_mla.available():
+        raise ValueError("dsa.sparse_kernel=triton needs triton, which is not installed: "
+                         "pip install -e '.[dev]' (or use dsa.sparse_kernel=auto)")
+    if not torch.cuda.is_available() and not triton_sparse_mla.interpreted():
+        raise ValueError("dsa.sparse_kernel=triton without a GPU runs the kernels under "
+                         "Triton's CPU interpreter: start the job with TRITON_INTERPRET=1 in "
+                         "its environment (or use dsa.sparse_kernel=auto)")
 
 
 class KLMeter:
@@ -252,20 +280,20 @@ def sparse_indexer_kl(module, x: torch.Tensor, qr: torch.Tensor, topk_BSK: torch
     (whole sequences): ``selected_indexer_kl`` after projecting the indexer's keys."""
     x_in, qr_in = _detached_inputs(module, x, qr)
     shard = context_shard(None, x_in.shape[1], x_in.device)
-    return selected_indexer_kl(module, x_in, qr_in, topk_BSK, valid_BSK, probs_BSK, shard,
+    picks = torch.where(valid_BSK, topk_BSK, -1).to(torch.int32)
+    return selected_indexer_kl(module, x_in, qr_in, picks, probs_BSK, shard,
                                module.indexer.sequence_keys(x_in, shard))
 
 
 def selected_indexer_kl(module, x_in: torch.Tensor, qr_in: torch.Tensor,
-                        topk_BSK: torch.Tensor, valid_BSK: torch.Tensor, probs_BSK: torch.Tensor,
+                        picks_BSK: torch.Tensor, probs_BSK: torch.Tensor,
                         shard: ContextShard, keys: tuple[torch.Tensor, torch.Tensor]) -> tuple:
-    """Sparse-stage KL over each query's selected keys; ``probs_BSK`` is this rank's
-    head-summed attention over them, ``x_in``/``qr_in`` the indexer's detached [B, T, *]
-    inputs of the ``shard``'s rows and ``keys`` their ``DSAIndexer.sequence_keys``. The
-    indexer is scored at the selected keys only (O(B T K) memory); no mask is needed there: a
-    valid pick is an allowed key, the rest are dropped."""
+    """Sparse-stage KL over each query's selected keys; ``picks_BSK`` int32 (-1: none),
+    ``probs_BSK`` this rank's head-summed attention over them, ``x_in``/``qr_in`` the
+    indexer's detached [B, T, *] inputs of the ``shard``'s rows and ``keys`` their
+    ``DSAIndexer.sequence_keys``. The indexer is scored at the selected keys only (O(B T K)
+    memory, ``DSAIndexer.selected_kl``); no mask is needed there: a valid pick is an allowed
+    key, the rest are dropped."""
     target_BSK = _sum_over_tp_heads(probs_BSK.clone(), module.tp_group)
-    target_BSK = target_BSK.masked_fill(~valid_BSK, 0.0)
-    index_BSK = module.indexer.selected_scores(x_in, qr_in, topk_BSK, shard, keys)
-    index_BSK = index_BSK.masked_fill(~valid_BSK, float("-inf"))
-    return _kl(target_BSK, index_BSK), topk_BSK.shape[0] * topk_BSK.shape[1]
+    kl_sum = module.indexer.selected_kl(x_in, qr_in, picks_BSK, target_BSK, shard, keys)
+    return kl_sum, picks_BSK.shape[0] * picks_BSK.shape[1]

@@ -42,7 +42,8 @@ import torch.distributed as dist
 from glm5_train.model.dsa import DSACoreAttention, query_chunk, sparse_attention
 from glm5_train.model.dsa_loss import dense_indexer_kl, selected_indexer_kl
 from glm5_train.model.layers import MLACoreAttention
-from glm5_train.model.sparse_mla import absorbed_sparse_attention
+from glm5_train.model.sparse_mla import absorbed_sparse_mla
+from glm5_train.model.triton_sparse_mla import picks_from
 from parallel.context_parallel import (
     ContextShard,
     gather_sequence,
@@ -106,15 +107,14 @@ class HeadParallelCP:
         with torch.no_grad():
             topk_BTK, picked_BTK = module.indexer.select_blockwise(
                 x_in, qr_in, None, shard=shard, keys=tuple(k.detach() for k in keys))
-            valid_BTK = picked_BTK > float("-inf")
-        out_hp, probs_BSK = step.sparse(q_hp, latent,
-                                        *gather_selection(topk_BTK, valid_BTK, shard))
+            picks_BTK = picks_from(topk_BTK, picked_BTK > float("-inf"))  # int32, -1: none
+            del topk_BTK, picked_BTK
+        out_hp, probs_BSK = step.sparse(q_hp, latent, gather_selection(picks_BTK, shard))
         out = self._back(out_hp, step.rows)
         if not with_loss:
             return out
         probs_BTK = sum_over_context_heads(probs_BSK, shard, step.rows)
-        kl = selected_indexer_kl(module, x_in, qr_in, topk_BTK, valid_BTK, probs_BTK, shard,
-                                 keys)
+        kl = selected_indexer_kl(module, x_in, qr_in, picks_BTK, probs_BTK, shard, keys)
         return module._attach(out, record_kl, kl)
 
     def _back(self, out_SBF: torch.Tensor, rows: _RowOrder) -> torch.Tensor:
@@ -148,17 +148,20 @@ class _Step:
         k_hp, v_hp = up_project(latent, *self.weights())
         return MLACoreAttention.forward(self.module, q_hp, k_hp, v_hp, None)
 
-    def sparse(self, q_hp: torch.Tensor, latent: torch.Tensor, topk_BSK: torch.Tensor,
-               valid_BSK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attention of every row over its selected keys for this rank's heads: output
-        [S, B, N / c x Dv] and the pick probabilities summed over these heads (with_loss)."""
+    def sparse(self, q_hp: torch.Tensor, latent: torch.Tensor,
+               picks_BSK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of every row over its selected keys (int32 picks, -1: none) for this
+        rank's heads: output [S, B, N / c x Dv] and the pick probabilities summed over these
+        heads (with_loss)."""
         scale = self.module.softmax_scale
-        if self.module.training_cfg.sparse_attention == "absorbed":
-            return absorbed_sparse_attention(q_hp, latent, *self.weights(), topk_BSK,
-                                             valid_BSK, scale, need_probs=self.with_loss)
+        training_cfg = self.module.training_cfg
+        if training_cfg.sparse_attention == "absorbed":
+            return absorbed_sparse_mla(q_hp, latent, *self.weights(), picks_BSK, scale,
+                                       need_probs=self.with_loss,
+                                       kernel=training_cfg.sparse_kernel)
         k_hp, v_hp = up_project(latent, *self.weights())  # masked_dense: the reference
-        return sparse_attention(q_hp, k_hp, v_hp, topk_BSK, valid_BSK, scale,
-                                need_probs=self.with_loss)
+        return sparse_attention(q_hp, k_hp, v_hp, picks_BSK.clamp_min(0).long(),
+                                picks_BSK >= 0, scale, need_probs=self.with_loss)
 
     def warmup_kl(self, out: torch.Tensor, query: torch.Tensor, latent: torch.Tensor, x,
                   qr) -> torch.Tensor:
@@ -226,18 +229,10 @@ def up_project(latent: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor | No
     return key, value
 
 
-def _index_dtype(seq: int) -> torch.dtype:
-    return torch.int32 if seq < 2 ** 31 else torch.int64
-
-
-def gather_selection(topk_BTK: torch.Tensor, valid_BTK: torch.Tensor,
-                     shard: ContextShard) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every row's top-k keys [B, S, K] (int64) and validity, natural order, from each rank's
-    own rows: one all-gather of int32 indices, -1 at invalid picks (which get no weight; any
-    in-range index stands in for them)."""
-    coded = torch.where(valid_BTK, topk_BTK, -1).to(_index_dtype(shard.seq))
-    gathered = gather_sequence_no_grad(coded, shard, dim=1)
-    return gathered.clamp_min(0).long(), gathered >= 0
+def gather_selection(picks_BTK: torch.Tensor, shard: ContextShard) -> torch.Tensor:
+    """Every row's int32 picks [B, S, K] (-1: none), natural order, from each rank's own
+    rows: one all-gather."""
+    return gather_sequence_no_grad(picks_BTK, shard, dim=1)
 
 
 def sum_over_context_heads(probs_BSK: torch.Tensor, shard: ContextShard,

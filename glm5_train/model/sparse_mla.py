@@ -66,88 +66,119 @@ def latent_chunk_rows(batch: int, picks: int, width: int) -> int:
     return max(1, LATENT_CHUNK_ELEMENTS // max(1, batch * picks * width))
 
 
+def latent_attention_forward(q_lat: torch.Tensor, kv: torch.Tensor, picks: torch.Tensor,
+                             scale: float, value_width: int, rows: int, need_probs: bool):
+    """The torch path's forward, no autograd: ``q_lat`` [B, T, N, D] (T query rows), ``kv``
+    [B, S, D] (S key rows), int32 ``picks`` [B, T, K] (rows of ``kv``; -1 or >= S: none).
+    Returns (out [B, T, N, value_width] in q_lat's dtype, lse [B, T, N] in the compute dtype,
+    head-summed probabilities [B, T, K] or an empty tensor)."""
+    batch, seq, heads, _ = q_lat.shape
+    table = RowTable(kv)
+    out = q_lat.new_empty(batch, seq, heads, value_width)
+    compute = compute_dtype(q_lat)  # fp32, or fp64 for gradient checks
+    lse_BSN = torch.empty(batch, seq, heads, dtype=compute, device=q_lat.device)
+    probs = (torch.empty(batch, seq, picks.shape[-1], dtype=compute, device=q_lat.device)
+             if need_probs else q_lat.new_empty(0))
+    buffer = Scratch(q_lat.device)
+    for t0 in range(0, seq, rows):
+        chunk = slice(t0, min(seq, t0 + rows))
+        flat, valid = _chunk_picks(table, picks[:, chunk])
+        keys = table.gather(flat, chunk.stop - t0, buffer)
+        q = fp32_at_least(q_lat[:, chunk]).reshape(keys.shape[0], heads, -1)
+        logits = torch.bmm(keys, q.transpose(1, 2))  # [B*T, K, N]
+        p, lse = _softmax_over_picks(_masked_logits(logits, valid, scale))
+        lse_BSN[:, chunk] = lse.view(batch, -1, heads)
+        o = torch.bmm(p.transpose(1, 2), keys[..., :value_width])  # [B*T, N, Dv]
+        out[:, chunk] = o.view(batch, -1, heads, value_width).to(out.dtype)
+        if need_probs:  # the head sum as a matmul: a sum over the short last axis is slow
+            probs[:, chunk] = torch.bmm(p, p.new_ones(heads, 1).expand(p.shape[0], -1, -1)
+                                        ).view(batch, -1, picks.shape[-1])
+    return out, lse_BSN, probs
+
+
+def latent_attention_backward(q_lat: torch.Tensor, kv: torch.Tensor, picks: torch.Tensor,
+                              out: torch.Tensor, lse_BSN: torch.Tensor, grad_out: torch.Tensor,
+                              scale: float, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path's backward from what its forward returned: (dq like ``q_lat``, dkv like
+    ``kv``). Each chunk's gathered keys and logits are recomputed."""
+    dv = out.shape[-1]
+    batch, seq, heads, width = q_lat.shape
+    table = RowTable(kv)
+    dq = torch.empty(q_lat.shape, dtype=compute_dtype(q_lat), device=q_lat.device)
+    dkv_rows = torch.zeros(table.rows.shape, dtype=dq.dtype, device=q_lat.device)
+    buffer = Scratch(q_lat.device)
+    for t0 in range(0, seq, rows):
+        chunk = slice(t0, min(seq, t0 + rows))
+        tokens = chunk.stop - t0
+        flat, valid = _chunk_picks(table, picks[:, chunk])
+        keys = table.gather(flat, tokens, buffer)  # [B*T, K, D]
+        q = fp32_at_least(q_lat[:, chunk]).reshape(batch * tokens, heads, width)
+        d_out = fp32_at_least(grad_out[:, chunk]).reshape(batch * tokens, heads, dv)
+        o = fp32_at_least(out[:, chunk]).reshape(batch * tokens, heads, dv)
+        # The queries and dO (zero in the RoPE columns) side by side, [B*T, 2N, D]: one
+        # matmul against the gathered keys gives the logits and dp = dO . v, [B*T, K, 2N];
+        # the same pair is the right factor of the key and value gradients below.
+        pair = torch.cat([q, torch.nn.functional.pad(d_out, (0, width - dv))], dim=1)
+        both = torch.bmm(keys, pair.transpose(1, 2))
+        # Halves copied out contiguous by the first op on each: elementwise work (exp
+        # above all) on a strided half of ``both`` measured ~10x slower on CPU.
+        lse = lse_BSN[:, chunk].reshape(-1, 1, heads)
+        p = _masked_logits(both[..., :heads].contiguous(), valid, scale)
+        p = p.sub_(torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))).exp_()
+        # Softmax backward: dlogit = p * (dp - sum_k p dp), where sum_k p dp = dO . O,
+        # then scaled (logit = scale x q . k).
+        dlogits = torch.sub(both[..., heads:], (d_out * o).sum(-1)[:, None, :])
+        dlogits.mul_(p).mul_(scale)
+        dq[:, chunk] = torch.bmm(dlogits.transpose(1, 2), keys).view(batch, tokens, heads,
+                                                                       width)
+        # Key and value gradients of the picked rows in one matmul over 2N heads: the
+        # probabilities against dO (the value columns; zero in the RoPE columns), the
+        # logit gradient against the queries: left factor (p, dlogits) written into
+        # ``both``, right factor the pair with its halves swapped (small).
+        torch.cat([p, dlogits], dim=2, out=both)
+        swapped = torch.cat([pair[:, heads:], pair[:, :heads]], dim=1)
+        dkeys = buffer.get("dkeys", keys.shape, keys.dtype)
+        dkv_rows.index_add_(0, flat, torch.bmm(both, swapped, out=dkeys).view(-1, width))
+    return dq.to(q_lat.dtype), table.as_input_layout(dkv_rows).to(kv.dtype)
+
+
+def _chunk_picks(table: RowTable, picks_BTK: torch.Tensor):
+    """A chunk's flat table rows and validity: a pick is valid in 0..S-1 (-1: none); invalid
+    ones read row 0 of their batch and are masked."""
+    valid = (picks_BTK >= 0) & (picks_BTK < table.seq)
+    idx = torch.where(valid, picks_BTK, 0).long()
+    return table.row_index(idx), valid
+
+
 class SparseLatentAttention(torch.autograd.Function):
     """Softmax attention of each query's N heads over its own K latent keys.
 
-    ``q_lat`` [B, S, N, D] absorbed queries, ``kv`` [B, S, D] latent keys (values are their
-    first ``value_width`` columns), ``idx`` [B, S, K] key positions, ``valid`` [B, S, K]
+    ``q_lat`` [B, T, N, D] absorbed queries, ``kv`` [B, S, D] latent keys (values are their
+    first ``value_width`` columns), ``idx`` [B, T, K] key positions, ``valid`` [B, T, K]
     (False: a pick past the causal keys, which gets no weight), ``scale`` the softmax scale.
-    Returns the output [B, S, N, value_width] (dtype of ``q_lat``) and, when ``need_probs``,
-    the attention probabilities of the picks summed over the N heads [B, S, K] fp32
-    (detached: the indexer KL's target), else an empty tensor.
+    Returns the output [B, T, N, value_width] (dtype of ``q_lat``) and, when ``need_probs``,
+    the attention probabilities of the picks summed over the N heads [B, T, K] fp32
+    (detached: the indexer KL's target), else an empty tensor. The model runs it inside
+    ``AbsorbedSparseMLA``, which keeps less for backward.
     """
 
     @staticmethod
     def forward(ctx, q_lat, kv, idx, valid, scale: float, value_width: int, rows: int,
                 need_probs: bool):
-        batch, seq, heads, _ = q_lat.shape
-        table = RowTable(kv)
-        out = q_lat.new_empty(batch, seq, heads, value_width)
-        compute = compute_dtype(q_lat)  # fp32, or fp64 for gradient checks
-        lse_BSN = torch.empty(batch, seq, heads, dtype=compute, device=q_lat.device)
-        probs = (torch.empty(batch, seq, idx.shape[-1], dtype=compute, device=q_lat.device)
-                 if need_probs else q_lat.new_empty(0))
-        buffer = Scratch(q_lat.device)
-        for t0 in range(0, seq, rows):
-            chunk = slice(t0, min(seq, t0 + rows))
-            keys = table.gather(table.row_index(idx[:, chunk]), chunk.stop - t0, buffer)
-            q = fp32_at_least(q_lat[:, chunk]).reshape(keys.shape[0], heads, -1)
-            logits = torch.bmm(keys, q.transpose(1, 2))  # [B*T, K, N]
-            p, lse = _softmax_over_picks(_masked_logits(logits, valid[:, chunk], scale))
-            lse_BSN[:, chunk] = lse.view(batch, -1, heads)
-            o = torch.bmm(p.transpose(1, 2), keys[..., :value_width])  # [B*T, N, Dv]
-            out[:, chunk] = o.view(batch, -1, heads, value_width).to(out.dtype)
-            if need_probs:  # the head sum as a matmul: a sum over the short last axis is slow
-                probs[:, chunk] = torch.bmm(p, p.new_ones(heads, 1).expand(p.shape[0], -1, -1)
-                                            ).view(batch, -1, idx.shape[-1])
-        ctx.save_for_backward(q_lat, kv, idx, valid, lse_BSN, out)
-        ctx.scale, ctx.value_width, ctx.rows = scale, value_width, rows
+        picks = torch.where(valid, idx, -1).to(torch.int32)
+        out, lse, probs = latent_attention_forward(q_lat, kv, picks, scale, value_width, rows,
+                                                   need_probs)
+        ctx.save_for_backward(q_lat, kv, picks, lse, out)
+        ctx.scale, ctx.rows = scale, rows
         ctx.mark_non_differentiable(probs)
         return out, probs
 
     @staticmethod
     def backward(ctx, grad_out, _grad_probs):
-        q_lat, kv, idx, valid, lse_BSN, out = ctx.saved_tensors
-        scale, dv, rows = ctx.scale, ctx.value_width, ctx.rows
-        batch, seq, heads, width = q_lat.shape
-        table = RowTable(kv)
-        dq = torch.empty(q_lat.shape, dtype=compute_dtype(q_lat), device=q_lat.device)
-        dkv_rows = torch.zeros(table.rows.shape, dtype=dq.dtype, device=q_lat.device)
-        buffer = Scratch(q_lat.device)
-        for t0 in range(0, seq, rows):
-            chunk = slice(t0, min(seq, t0 + rows))
-            tokens = chunk.stop - t0
-            flat = table.row_index(idx[:, chunk])
-            keys = table.gather(flat, tokens, buffer)  # [B*T, K, D]
-            q = fp32_at_least(q_lat[:, chunk]).reshape(batch * tokens, heads, width)
-            d_out = fp32_at_least(grad_out[:, chunk]).reshape(batch * tokens, heads, dv)
-            o = fp32_at_least(out[:, chunk]).reshape(batch * tokens, heads, dv)
-            # The queries and dO (zero in the RoPE columns) side by side, [B*T, 2N, D]: one
-            # matmul against the gathered keys gives the logits and dp = dO . v, [B*T, K, 2N];
-            # the same pair is the right factor of the key and value gradients below.
-            pair = torch.cat([q, torch.nn.functional.pad(d_out, (0, width - dv))], dim=1)
-            both = torch.bmm(keys, pair.transpose(1, 2))
-            # Halves copied out contiguous by the first op on each: elementwise work (exp
-            # above all) on a strided half of ``both`` measured ~10x slower on CPU.
-            lse = lse_BSN[:, chunk].reshape(-1, 1, heads)
-            p = _masked_logits(both[..., :heads].contiguous(), valid[:, chunk], scale)
-            p = p.sub_(torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))).exp_()
-            # Softmax backward: dlogit = p * (dp - sum_k p dp), where sum_k p dp = dO . O,
-            # then scaled (logit = scale x q . k).
-            dlogits = torch.sub(both[..., heads:], (d_out * o).sum(-1)[:, None, :])
-            dlogits.mul_(p).mul_(scale)
-            dq[:, chunk] = torch.bmm(dlogits.transpose(1, 2), keys).view(batch, tokens, heads,
-                                                                           width)
-            # Key and value gradients of the picked rows in one matmul over 2N heads: the
-            # probabilities against dO (the value columns; zero in the RoPE columns), the
-            # logit gradient against the queries: left factor (p, dlogits) written into
-            # ``both``, right factor the pair with its halves swapped (small).
-            torch.cat([p, dlogits], dim=2, out=both)
-            swapped = torch.cat([pair[:, heads:], pair[:, :heads]], dim=1)
-            dkeys = buffer.get("dkeys", keys.shape, keys.dtype)
-            dkv_rows.index_add_(0, flat, torch.bmm(both, swapped, out=dkeys).view(-1, width))
-        return (dq.to(q_lat.dtype), table.as_input_layout(dkv_rows).to(kv.dtype),
-                None, None, None, None, None, None)
+        q_lat, kv, picks, lse, out = ctx.saved_tensors
+        dq, dkv = latent_attention_backward(q_lat, kv, picks, out, lse, grad_out, ctx.scale,
+                                            ctx.rows)
+        return dq, dkv, None, None, None, None, None, None
 
 
 def _masked_logits(logits: torch.Tensor, valid_BTK: torch.Tensor,
@@ -186,13 +217,32 @@ def _max_over_picks(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def runs_kernel(kernel: str, q_lat: torch.Tensor, kv: torch.Tensor) -> bool:
+    """Whether ``dsa.sparse_kernel=kernel`` runs the Triton kernels for these tensors: "auto"
+    where ``triton_sparse_mla.supports`` them (CUDA), "triton" always (refused where they
+    cannot run: no triton, or CPU tensors without Triton's interpreter), "torch" never."""
+    if kernel == "torch":
+        return False
+    if kernel == "auto":
+        return triton_sparse_mla.supports(q_lat, kv)
+    if not (triton_sparse_mla.available()
+            and (q_lat.is_cuda or triton_sparse_mla.interpreted())):
+        raise RuntimeError(f"dsa.sparse_kernel=triton cannot run on {q_lat.device} tensors "
+                           "here: it needs triton and, off CUDA, TRITON_INTERPRET=1 set before "
+                           "Python starts (or use dsa.sparse_kernel=auto)")
+    return True
+
+
 def sparse_latent_attention(q_lat: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
                             valid: torch.Tensor, scale: float, value_width: int,
-                            need_probs: bool = False, rows: int | None = None):
+                            need_probs: bool = False, rows: int | None = None,
+                            kernel: str = "auto"):
     """``SparseLatentAttention`` with the default chunk rows; probs None unless asked for.
-    CUDA tensors with triton installed run the fused kernels of ``triton_sparse_mla`` instead
-    (same contract and results; ``rows`` does not apply there)."""
-    if triton_sparse_mla.supports(q_lat, kv):
+    ``q_lat`` holds this rank's T query rows, ``kv`` every key row (S >= T under context
+    parallelism). The fused kernels of ``triton_sparse_mla`` run instead where ``kernel``
+    (``dsa.sparse_kernel``) says so (``runs_kernel``; same contract and results, ``rows``
+    does not apply there)."""
+    if runs_kernel(kernel, q_lat, kv):
         return triton_sparse_mla.sparse_latent_attention(q_lat, kv, idx, valid, scale,
                                                          value_width, need_probs)
     rows = rows or latent_chunk_rows(q_lat.shape[0], idx.shape[-1], kv.shape[-1])
@@ -204,26 +254,110 @@ def sparse_latent_attention(q_lat: torch.Tensor, kv: torch.Tensor, idx: torch.Te
 def absorbed_sparse_attention(query: torch.Tensor, latent_key: torch.Tensor,
                               w_uk: torch.Tensor, w_uv: torch.Tensor, idx_BSK: torch.Tensor,
                               valid_BSK: torch.Tensor, scale: float, need_probs: bool = False,
-                              rows: int | None = None):
+                              rows: int | None = None, kernel: str = "auto"):
+    """``absorbed_sparse_mla`` with the picks as (``idx_BSK``, ``valid_BSK``)."""
+    return absorbed_sparse_mla(query, latent_key, w_uk, w_uv,
+                               triton_sparse_mla.picks_from(idx_BSK, valid_BSK), scale,
+                               need_probs, rows, kernel)
+
+
+def absorbed_sparse_mla(query: torch.Tensor, latent_key: torch.Tensor, w_uk: torch.Tensor,
+                        w_uv: torch.Tensor, picks_BTK: torch.Tensor, scale: float,
+                        need_probs: bool = False, rows: int | None = None,
+                        kernel: str = "auto"):
     """MLA attention over each query's selected keys, in the absorbed form.
 
-    ``query`` [S, B, N, Dn + R] (q_nope ‖ RoPE'd q_pe), ``latent_key`` [S, B, 1, C + R]
-    (normed latent ‖ RoPE'd shared key), ``w_uk`` [N, Dn, C] and ``w_uv`` [N, Dv, C] (views of
-    the key/value up-projection). Returns [S, B, N * Dv] and the head-summed probabilities of
-    the picks [B, S, K] (None unless ``need_probs``)."""
+    ``query`` [T, B, N, Dn + R] (q_nope ‖ RoPE'd q_pe; T: this rank's rows), ``latent_key``
+    [S, B, 1, C + R] (normed latent ‖ RoPE'd shared key; S: every key row), ``w_uk`` [N, Dn, C]
+    and ``w_uv`` [N, Dv, C] (views of the key/value up-projection), int32 ``picks_BTK``
+    [B, T, K] (key rows; -1: none). Returns [T, B, N * Dv] and the head-summed probabilities
+    of the picks [B, T, K] (None unless ``need_probs``). ``kernel``: ``dsa.sparse_kernel``
+    (``runs_kernel``)."""
+    use_kernel = runs_kernel(kernel, query, latent_key)
+    if not use_kernel:
+        rows = rows or latent_chunk_rows(query.shape[1], picks_BTK.shape[-1],
+                                         latent_key.shape[-1])
+    out, probs = AbsorbedSparseMLA.apply(query, latent_key, w_uk, w_uv, picks_BTK, scale,
+                                         need_probs, rows, use_kernel)
+    return out, (probs if need_probs else None)
+
+
+class AbsorbedSparseMLA(torch.autograd.Function):
+    """``absorbed_sparse_mla`` as one autograd op: absorption of q_nope by W_UK, attention over
+    the picked latent rows (the torch path or the Triton kernels), up-projection by W_UV.
+
+    Kept for backward: the query (which the layer produced anyway), the latent keys, the
+    int32 picks, the log-sum-exp and the latent output [B, T, N, C] (W_UV's gradient needs
+    it). The absorbed query [B, T, N, C + R] is not kept: backward recomputes it from the
+    query and W_UK (one [T, Dn] x [Dn, C] matmul per head, ~1% of the attention's work at
+    GLM-5's K = 2048), which at GLM-5's widths is a third of what the path kept before."""
+
+    @staticmethod
+    def forward(ctx, query, latent_key, w_uk, w_uv, picks, scale: float, need_probs: bool,
+                rows: int | None, use_kernel: bool):
+        kv = latent_key.squeeze(2).transpose(0, 1)  # [B, S, D] view of the [S, B] layout
+        q_lat = _absorbed_query(query, w_uk)
+        if use_kernel:
+            o_lat, lse, probs = triton_sparse_mla.forward(q_lat, kv, picks, scale,
+                                                          w_uk.shape[2], need_probs, False)
+            probs = probs if need_probs else q_lat.new_empty(0)
+        else:
+            o_lat, lse, probs = latent_attention_forward(q_lat, kv, picks, scale,
+                                                         w_uk.shape[2], rows, need_probs)
+        ctx.save_for_backward(query, latent_key, w_uk, w_uv, picks, lse, o_lat)
+        ctx.scale, ctx.rows, ctx.use_kernel = scale, rows, use_kernel
+        ctx.mark_non_differentiable(probs)
+        return _up_projected(o_lat, w_uv), probs
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_probs):
+        query, latent_key, w_uk, w_uv, picks, lse, o_lat = ctx.saved_tensors
+        seq, batch, heads, _ = query.shape
+        dn, latent = w_uk.shape[1], w_uk.shape[2]
+        # Up-projection: out[h] = o_lat[h] W_UV[h]^T per head, rows (b, t).
+        d_out_N = grad_out.reshape(seq, batch, heads, -1).permute(2, 1, 0, 3).reshape(
+            heads, batch * seq, -1).to(o_lat.dtype)
+        o_N = o_lat.reshape(batch * seq, heads, latent).transpose(0, 1)
+        d_w_uv = torch.bmm(d_out_N.transpose(1, 2), o_N)
+        d_o_lat = torch.bmm(d_out_N, w_uv.to(o_lat.dtype)).transpose(0, 1).view(
+            batch, seq, heads, latent)
+        kv = latent_key.squeeze(2).transpose(0, 1)
+        q_lat = _absorbed_query(query, w_uk)
+        if ctx.use_kernel:
+            dq_lat, dkv = triton_sparse_mla.backward(q_lat, kv, picks, o_lat, lse, d_o_lat,
+                                                     ctx.scale, False)
+        else:
+            dq_lat, dkv = latent_attention_backward(q_lat, kv, picks, o_lat, lse, d_o_lat,
+                                                    ctx.scale, ctx.rows)
+        # Absorption: q_abs[h] = q_nope[h] W_UK[h] per head, rows (t, b).
+        dq_SB = dq_lat.transpose(0, 1).reshape(seq * batch, heads, -1)
+        dq_abs_N = dq_SB[..., :latent].transpose(0, 1).to(query.dtype)
+        q_nope_N = query.reshape(seq * batch, heads, -1)[..., :dn].transpose(0, 1)
+        d_w_uk = torch.bmm(q_nope_N.transpose(1, 2), dq_abs_N)
+        d_q_nope = torch.bmm(dq_abs_N, w_uk.transpose(1, 2)).transpose(0, 1)
+        d_query = torch.cat([d_q_nope, dq_SB[..., latent:].to(query.dtype)], dim=-1)
+        d_latent_key = dkv.transpose(0, 1).unsqueeze(2).to(latent_key.dtype)
+        return (d_query.view(query.shape), d_latent_key, d_w_uk.to(w_uk.dtype),
+                d_w_uv.to(w_uv.dtype), None, None, None, None, None)
+
+
+def _absorbed_query(query: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """q_lat [B, T, N, C + R] (a view of a [T, B] layout): q_nope absorbed by W_UK per head,
+    then the RoPE part as it is."""
     seq, batch, heads, _ = query.shape
     dn, latent = w_uk.shape[1], w_uk.shape[2]
-    q_nope = query.view(seq * batch, heads, -1)[..., :dn].transpose(0, 1)  # [N, S*B, Dn] view
-    q_abs = torch.bmm(q_nope, w_uk).transpose(0, 1).view(seq, batch, heads, latent)
-    q_lat = torch.cat([q_abs, query[..., dn:]], dim=-1).transpose(0, 1)  # [B, S, N, D] view
-    kv = latent_key.squeeze(2).transpose(0, 1)  # [B, S, D] view of the [S, B] layout
-    o_lat, probs = sparse_latent_attention(q_lat, kv, idx_BSK, valid_BSK, scale, latent,
-                                           need_probs, rows)
-    # Per-head up-projection of the latent output: [N, B*S, C] x [N, C, Dv].
-    o_NRV = torch.bmm(o_lat.view(batch * seq, heads, latent).transpose(0, 1),
-                      w_uv.transpose(1, 2))
-    out = o_NRV.view(heads, batch, seq, -1).permute(2, 1, 0, 3)
-    return out.reshape(seq, batch, -1), probs
+    q_nope = query.reshape(seq * batch, heads, -1)[..., :dn].transpose(0, 1)  # [N, T*B, Dn]
+    q_abs = torch.bmm(q_nope, w_uk.to(query.dtype)).transpose(0, 1).view(seq, batch, heads,
+                                                                          latent)
+    return torch.cat([q_abs, query[..., dn:]], dim=-1).transpose(0, 1)
+
+
+def _up_projected(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """The per-head up-projection of the latent output [B, T, N, C] by W_UV: [T, B, N * Dv]."""
+    batch, seq, heads, latent = o_lat.shape
+    o_NRV = torch.bmm(o_lat.reshape(batch * seq, heads, latent).transpose(0, 1),
+                      w_uv.to(o_lat.dtype).transpose(1, 2))
+    return o_NRV.view(heads, batch, seq, -1).permute(2, 1, 0, 3).reshape(seq, batch, -1)
 
 
 # ------------------------------------------------------------------ feeding the latent

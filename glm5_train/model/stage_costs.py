@@ -287,21 +287,20 @@ def _cp_latent_up_projection_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
 
 
 def _absorbed_attention_bytes(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> int:
-    """The absorbed sparse path (glm5_train.model.sparse_mla, the same on CPU and GPU): the
-    query (q_nope's absorption by W_UK keeps it), the absorbed query [n, heads, C + R], the
-    latent key of the whole sequence [N, C + R] (gathered under SP, and over the context-
-    parallel group: every CP rank keeps all N = micro-batch x seq_length rows), the latent
-    output [n, heads, C] (kept once: the kernel and the W_UV up-projection share it), an fp32
-    log-sum-exp per head and query, and the int64 picks with their bool validity (counted
-    with the indexer KL when it runs: the same tensors). The key/value up-projection never
-    runs, so the kv latent that ``attention_activation_bytes`` counts as kv_up's input is not
-    kept: subtracted here."""
+    """The absorbed sparse path (glm5_train.model.sparse_mla.AbsorbedSparseMLA, the same on
+    CPU and GPU, torch path or Triton kernels): the query (backward recomputes the absorbed
+    query from it), the latent key of the whole sequence [N, C + R] (gathered under SP, and
+    over the context-parallel group: every CP rank keeps all N = micro-batch x seq_length
+    rows), the latent output [n, heads, C] (W_UV's gradient), an fp32 log-sum-exp per head
+    and query, and the int32 picks (counted with the indexer KL when it runs: the same
+    tensor). The key/value up-projection never runs, so the kv latent that
+    ``attention_activation_bytes`` counts as kv_up's input is not kept: subtracted here."""
     a, n, n_sp = inp.activation_bytes, inp.tokens, inp.sp_tokens
     dqk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     width, latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank
-    total = (a * n * heads * (dqk + width + latent) + a * inp.gathered_tokens * width
+    total = (a * n * heads * (dqk + latent) + a * inp.gathered_tokens * width
              + 4 * n * heads)
-    picks = 0 if inp.dsa_kl else 9 * n * min(cfg.index_topk, inp.seq_length)
+    picks = 0 if inp.dsa_kl else 4 * n * min(cfg.index_topk, inp.seq_length)
     return total + picks - a * n_sp * latent
 
 
@@ -336,12 +335,12 @@ def _indexer_kl_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
         total = a * n * (q_in + H) if inp.sequence_parallel and inp.tp > 1 else 0
     total += a * n * Di + 8 * n  # wk's output and the key LayerNorm's mean and rstd
     total += 2 * a * s * cfg.qk_rope_head_dim  # RoPE cos and sin for indexer q and k
-    # Scored at the selected keys only (dsa._SelectedScores): it keeps the RoPE'd q and k in
-    # the activation dtype (k: the whole sequence's, gathered over CP) and the fp32 head
-    # weights, and recomputes the gathered keys and the [b, s, K, Hi] logits in backward;
-    # nothing grows with s x s.
-    total += a * (n * Hi * Di + inp.gathered_tokens * Di) + 4 * n * Hi
-    return total + 18 * n * topk  # top-k ids (int64), valid mask, log-softmax, target, mask
+    # Scored at the selected keys only, the KL fused (dsa._SelectedKL): it keeps the RoPE'd
+    # q and k in the activation dtype (k: the whole sequence's, gathered over CP), the fp32
+    # head weights and each query's fp32 log-sum-exp, and recomputes the gathered keys, the
+    # [b, s, K, Hi] logits and the scores in backward; nothing grows with s x s.
+    total += a * (n * Hi * Di + inp.gathered_tokens * Di) + 4 * n * Hi + 4 * n
+    return total + 8 * n * topk  # the int32 picks and the fp32 target per pick
 
 
 def mlp_activation_bytes(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> int:

@@ -53,6 +53,9 @@ except ImportError:
     triton = None
 
 LOG2E = math.log2(math.e)
+# Kernel launches in this process (forward, backward), for the job's metrics: the proof, from
+# a run's own records, that its sparse attention ran here (``sparse_kernel_launches``).
+LAUNCHES = {"forward": 0, "backward": 0}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The same as a constexpr global: kernels see globals only as constexprs.
 LOG2E_CONST = tl.constexpr(LOG2E) if triton is not None else LOG2E
@@ -362,6 +365,7 @@ def forward(q_lat: torch.Tensor, kv: torch.Tensor, picks: torch.Tensor, scale: f
     if seq == 0 or batch == 0:
         return out, lse, probs if need_probs else None
     block_c, block_r = _widths(value_width, width)
+    LAUNCHES["forward"] += 1
     _sparse_mla_fwd[(seq * head_blocks, batch)](
         q_lat, kv, picks, positions, out, lse, probs,
         q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), kv.stride(0), kv.stride(1),
@@ -394,6 +398,7 @@ def backward(q_lat: torch.Tensor, kv: torch.Tensor, picks: torch.Tensor, out: to
         return dq, dkv.to(kv.dtype)
     block_c, block_r = _widths(value_width, width)
     head_blocks = triton.cdiv(heads, cfg.block_h)
+    LAUNCHES["backward"] += 1
     _sparse_mla_bwd[(seq * head_blocks, batch)](
         q_lat, kv, picks, positions, grad_out, lse, delta, dq, dkv,
         q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), kv.stride(0), kv.stride(1),
