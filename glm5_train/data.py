@@ -7,7 +7,8 @@ IndexedDataset format) -> ``build_train_valid_test_datasets`` (megatron's GPTDat
 ``data.format=chat_sft`` trains on packed chat data instead (``glm5_train/chat_data.py``, made by
 ``tools/prepare_chat_sft.py``): the same iterator over ``ChatSFTDataset`` samples, whose loss
 mask covers the assistant tokens only and whose batches carry the packed documents' boundaries
-(``cu_seqlens``, ``max_seqlen``).
+(``cu_seqlens``, ``max_seqlen``). Packed pretraining documents (``data.reset_attention_mask``)
+travel the same way (``PackedGPTDataset``): no [s, s] attention mask is ever built.
 
 With no dataset paths configured, ``ensure_builtin_corpus`` tokenizes the Python standard library's
 own ``.py`` files, so a run works on any machine without downloads.
@@ -483,7 +484,9 @@ def build_train_valid_test_datasets(cfg: DataConfig, tokenizer, seq_length: int,
     for prefix in paths:
         check_token_ids(prefix, tokenizer.vocab_size, cfg.cache_dir)
     gpt_cfg = _gpt_dataset_config(cfg, tokenizer, paths, seq_length, seed)
-    builder = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), lambda: True, gpt_cfg)
+    dataset_class = PackedGPTDataset if cfg.reset_attention_mask else GPTDataset
+    builder = BlendedMegatronDatasetBuilder(dataset_class, list(num_samples), lambda: True,
+                                            gpt_cfg)
     with mcore_compat.single_process_rank_zero():
         return tuple(builder.build())
 
@@ -578,10 +581,41 @@ def _gpt_dataset_config(cfg: DataConfig, tokenizer, paths: list[str], seq_length
         reset_position_ids=cfg.reset_position_ids,
         reset_attention_mask=cfg.reset_attention_mask,
         eod_mask_loss=cfg.eod_mask_loss,
-        # A dense [1, s, s] mask per sample is only needed when documents are masked from each
-        # other; otherwise megatron's attention builds the causal mask itself from None.
-        create_attention_mask=cfg.reset_attention_mask,
+        # Never megatron's dense [1, s, s] mask (41 GB at 202,752 tokens): without packed
+        # documents the attention is causal by itself; with them (reset_attention_mask) each
+        # sample carries its documents' boundaries instead (PackedGPTDataset).
+        create_attention_mask=False,
     )
+
+
+class PackedGPTDataset(GPTDataset):
+    """megatron's GPTDataset for packed documents (``data.reset_attention_mask``): each sample
+    also holds its documents' boundaries, ``cu_seqlens`` int32 ``[0, end_1, ..., seq_length]``,
+    as chat SFT samples do (``chat_data.build_sample``), in place of megatron's document-causal
+    [1, s, s] mask. The step turns them into per-token document starts [b, s]
+    (``step.packed_documents``), which the attention reads without any [s, s] tensor.
+
+    The boundaries follow megatron's mask exactly: a document ends with (and includes) its
+    end-of-document token. (Being another class, its index cache is kept apart from plain
+    GPTDataset's; the samples' tokens are the same.)"""
+
+    def __getitem__(self, idx: int | None) -> dict[str, torch.Tensor]:
+        sample = super().__getitem__(idx)
+        # Read the sample's tokens again as megatron's mask function saw them: the sample's own
+        # tokens had padding mapped to id 0, which may be the end-of-document id.
+        text, _ = self._query_document_sample_shuffle_indices(0 if idx is None else idx)
+        tokens = text[:self.config.sequence_length]
+        sample["cu_seqlens"] = eod_boundaries(tokens, self.config.tokenizer.eod)
+        return sample
+
+
+def eod_boundaries(tokens: numpy.ndarray, eod: int) -> torch.Tensor:
+    """int32 ``[0, end_1, ..., len(tokens)]``: each document ends just after an ``eod`` token
+    (one on the last token closes the sample's last document, which ends there anyway)."""
+    seq = len(tokens)
+    ends = numpy.flatnonzero(numpy.asarray(tokens) == eod) + 1
+    bounds = numpy.concatenate([[0], ends[ends < seq], [seq]])
+    return torch.from_numpy(bounds.astype(numpy.int32))
 
 
 def _check_split_nonempty(prefix: str, split: str) -> None:
@@ -648,9 +682,10 @@ _BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask"
 
 def collate_samples(samples: list[dict]) -> dict[str, torch.Tensor]:
     """Stack per-sample tensors: tokens/labels/position_ids int64 [mbs, seq], loss_mask float
-    [mbs, seq], attention_mask bool [mbs, 1, seq, seq] (True = masked out) when present.
-    Chat SFT samples also give their packed documents' boundaries, laid end to end over the
-    micro-batch: ``cu_seqlens`` int32 [segments + 1] and ``max_seqlen`` (``chat_data``)."""
+    [mbs, seq], attention_mask bool [mbs, 1, seq, seq] (True = masked out) when a dataset of
+    another source brings one (ours never do). Packed samples (chat SFT, ``PackedGPTDataset``)
+    also give their documents' boundaries, laid end to end over the micro-batch:
+    ``cu_seqlens`` int32 [segments + 1] and ``max_seqlen`` (``chat_data``)."""
     keys = [k for k in _BATCH_KEYS if k in samples[0] and samples[0][k] is not None]
     batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}
     if "cu_seqlens" in samples[0]:

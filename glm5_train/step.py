@@ -72,9 +72,10 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
 def packed_documents(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Packed documents as per-token document starts [B, S] in the attention-mask slot
     (``glm5_train/model/key_masks.py``: linear in S, shardable over context-parallel ranks),
-    from the chat SFT data's ``cu_seqlens`` (megatron's THD convention over the flattened
-    [B * S] tokens) or from megatron's document-causal [B, 1, S, S] mask
-    (``data.reset_attention_mask``)."""
+    from the batch's ``cu_seqlens`` (megatron's THD convention over the flattened [B * S]
+    tokens), which both packed sources carry: chat SFT data and packed pretraining documents
+    (``data.reset_attention_mask``, ``data.PackedGPTDataset``). A document-causal bool
+    [B, 1, S, S] mask that a batch of another source brings is turned into starts as well."""
     bounds = batch.pop("cu_seqlens", None)
     batch.pop("max_seqlen", None)
     mask = batch.get("attention_mask")
@@ -94,19 +95,29 @@ def starts_from_cu_seqlens(bounds: torch.Tensor, batch: int, seq: int) -> torch.
     return (start - flat // seq * seq).view(batch, seq)
 
 
+_MASK_CHECK_ELEMENTS = 1 << 24  # mask elements examined at a time by starts_from_document_mask
+
+
 def starts_from_document_mask(mask_B1SS: torch.Tensor) -> torch.Tensor:
     """[B, S] document starts of megatron's attention mask (True = masked out), which must be
-    document-causal: row t sees exactly the keys from its document start to t."""
-    allowed = ~mask_B1SS[:, 0]
-    starts = allowed.int().argmax(-1)  # first allowed key per row
-    seq = allowed.shape[-1]
-    keys = torch.arange(seq, device=allowed.device)
-    rebuilt = (keys[None, None, :] >= starts[..., None]) & (keys[None, :] <= keys[:, None])
-    if not torch.equal(rebuilt, allowed):
-        raise ValueError("the batch's attention mask is not document-causal (each token sees "
-                         "its own document's earlier tokens): only packed-document masks "
-                         "(data.reset_attention_mask) are supported")
-    return starts.long()
+    document-causal: row t sees exactly the keys from its document start to t. Read a block of
+    rows at a time, so that nothing of the mask's size is made beside it."""
+    batch, seq = mask_B1SS.shape[0], mask_B1SS.shape[-1]
+    keys = torch.arange(seq, device=mask_B1SS.device)
+    rows = max(1, _MASK_CHECK_ELEMENTS // max(1, batch * seq))
+    starts = []
+    for t0 in range(0, seq, rows):
+        allowed = ~mask_B1SS[:, 0, t0:t0 + rows]  # [B, rows, S]
+        start = allowed.int().argmax(-1)  # first allowed key per row
+        query = keys[t0:t0 + rows]
+        rebuilt = (keys[None, None, :] >= start[..., None]) & (keys[None, :] <= query[:, None])
+        if not torch.equal(rebuilt, allowed):
+            raise ValueError("the batch's attention mask is not document-causal (each token "
+                             "sees its own document's earlier tokens): only packed-document "
+                             "masks are supported; packed documents need no mask: give the "
+                             "batch their boundaries (cu_seqlens) instead")
+        starts.append(start)
+    return torch.cat(starts, dim=1).long()
 
 
 def context_parallel_share(batch: dict[str, torch.Tensor], cp_group) -> dict[str, torch.Tensor]:

@@ -251,9 +251,11 @@ def test_blend_of_two_prefixes_single_process(tmp_path, corpus_cfg):
     assert valid is None and test is None and len(train) == 64
     assert {int(train[i]["dataset_id"]) for i in range(64)} == {0, 1}
     batch = next(D.build_train_iterator(train, 4, 8, 0, 1, 0))
-    assert batch["attention_mask"].shape == (4, 1, SEQ, SEQ)
-    assert batch["attention_mask"].dtype == torch.bool
+    # Packed documents: their boundaries (a document ends after its eod), never an [s, s] mask.
+    assert "attention_mask" not in batch and batch["cu_seqlens"].dtype == torch.int32
     eod = batch["tokens"] == tok.eod
+    ends = set(batch["cu_seqlens"].tolist())
+    assert all(i + 1 in ends for i in torch.nonzero(eod.view(-1)).view(-1).tolist())
     assert (batch["loss_mask"][eod] == 0).all()
 
 

@@ -1,7 +1,10 @@
 """Packed documents: per-token document starts (glm5_train/model/key_masks.py) instead of a
 [B, 1, S, S] mask, in the DSA indexer's selection, the sparse and dense attention, both KL
 stages and MTP; equal to megatron's document-causal bool mask wherever both exist, and the
-same under context parallelism as in one process."""
+same under context and pipeline parallelism as in one process. Packed pretraining samples
+(data.reset_attention_mask) carry their documents' boundaries, never an [S, S] mask: the same
+starts as megatron's mask on the same samples, and no tensor of S x S elements anywhere in a
+16K-token step."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from glm5_train.model.key_masks import (
 )
 from glm5_train.model.mtp import shifted_targets
 from glm5_train.step import packed_documents
-from tests.parity import FP32, assert_layout_ran, compare, run_job
+from tests.parity import FP32, assert_layout_ran, compare, run_job, run_script
 from tests.test_sparse_mla import B, C, DN, DV, N, S, _core, _inputs
 
 ENDS = [[3, 9], [5]]  # document ends (exclusive) per sample of S = 13 tokens
@@ -49,6 +52,21 @@ def test_document_starts_from_boundaries_eod_cu_seqlens_and_bool_masks_agree():
     with pytest.raises(ValueError, match="not document-causal"):
         packed_documents({"tokens": tokens, "attention_mask": torch.zeros(B, 1, S, S,
                                                                           dtype=torch.bool)})
+
+
+def test_a_bool_mask_is_read_a_block_of_rows_at_a_time(monkeypatch):
+    """A batch bringing megatron's mask: its starts read 2 rows at a time (no second [S, S]
+    tensor) equal the whole mask's; a row breaking document causality in a later block is
+    still refused."""
+    from glm5_train import step
+
+    starts = document_starts_from_boundaries(ENDS, S)
+    monkeypatch.setattr(step, "_MASK_CHECK_ELEMENTS", 2 * B * S)
+    assert torch.equal(step.starts_from_document_mask(_bool_mask(starts)), starts)
+    broken = _bool_mask(starts)
+    broken[1, 0, S - 1, 2] = False  # the last row sees a key of the previous document
+    with pytest.raises(ValueError, match="not document-causal"):
+        step.starts_from_document_mask(broken)
 
 
 def test_blockwise_topk_with_document_starts_equals_the_bool_mask_path():
@@ -115,13 +133,17 @@ def test_mtp_targets_never_cross_a_document():
     assert mask[1].tolist() == [1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0]
 
 
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory) -> str:
+    """``_short_documents_corpus``, made once for this module's tests."""
+    return _short_documents_corpus(tmp_path_factory.mktemp("short_documents"))
+
+
 def _short_documents_corpus(tmp_path) -> str:
     """A jsonl corpus of short documents (6-40 bytes), so that 64-token sequences pack
-    several documents, tokenized with the byte tokenizer."""
-    import subprocess
-    import sys
-
-    from tests.parity import REPO
+    several documents, tokenized with the byte tokenizer (as tools/preprocess_data.py does)."""
+    from glm5_train.data import build_indexed_dataset
+    from glm5_train.tokenizer import ByteTokenizer
 
     gen = torch.Generator().manual_seed(7)
     words = ["alpha", "beta", "gamma", "delta", "sparse", "latent", "index", "mtp"]
@@ -130,23 +152,86 @@ def _short_documents_corpus(tmp_path) -> str:
     source = tmp_path / "docs.jsonl"
     source.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     prefix = str(tmp_path / "short_docs")
-    subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(source),
-                    "--output-prefix", prefix, "--tokenizer", "byte"], cwd=REPO, check=True,
-                   capture_output=True)
+    build_indexed_dataset([str(source)], prefix, ByteTokenizer())
     return prefix
 
 
-def test_packed_documents_under_context_parallelism_match_one_process(tmp_path):
-    """Sequences of several documents (megatron's document-causal masks turned into document
-    starts), 5 steps: CP2 equals one process; and the documents changed the run (losses
-    differ from the same data without document masks)."""
-    prefix = _short_documents_corpus(tmp_path)
-    data = ["checkpoint.load=null", f"data.paths=[{prefix}]", "data.reset_attention_mask=true"]
+@pytest.mark.parametrize("reset_position_ids, eod_mask_loss", [(False, False), (True, True)])
+def test_packed_gpt_samples_carry_the_boundaries_of_megatrons_mask(tmp_path, short_documents,
+                                                                 reset_position_ids,
+                                                                 eod_mask_loss):
+    """The same samples read the new way (data.PackedGPTDataset: no mask, the documents'
+    boundaries) and the old way (megatron's GPTDataset asked for its document-causal mask):
+    the same tokens, labels, loss mask and position ids, and, batched, the same per-token
+    document starts from the boundaries as from the mask."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    from glm5_train import data as D
+    from glm5_train.tokenizer import ByteTokenizer
+    from parallel import mcore_compat
+
+    seq, samples, tok = 64, 24, ByteTokenizer()
+    cfg = D.DataConfig(paths=[short_documents], split="100,0,0",
+                       cache_dir=str(tmp_path / "cache"), reset_attention_mask=True,
+                       reset_position_ids=reset_position_ids, eod_mask_loss=eod_mask_loss)
+    new = D.build_train_valid_test_datasets(cfg, tok, seq, 5, (samples, 0, 0))[0]
+    old_cfg = D._gpt_dataset_config(cfg, tok, cfg.paths, seq, 5)
+    old_cfg.create_attention_mask = True  # the dataset as the job asked for it before
+    with mcore_compat.single_process_rank_zero():
+        old = BlendedMegatronDatasetBuilder(GPTDataset, [samples, 0, 0], lambda: True,
+                                            old_cfg).build()[0]
+    assert isinstance(new, D.PackedGPTDataset) and len(new) == len(old)
+    documents = 0
+    for first in range(0, samples, 4):
+        new_batch = D.collate_samples([new[i] for i in range(first, first + 4)])
+        old_batch = D.collate_samples([old[i] for i in range(first, first + 4)])
+        assert "attention_mask" not in new_batch
+        assert old_batch["attention_mask"].shape == (4, 1, seq, seq)
+        for key in ("tokens", "labels", "loss_mask", "position_ids"):
+            assert torch.equal(new_batch[key], old_batch[key]), key
+        starts = packed_documents(new_batch)["attention_mask"]
+        assert torch.equal(starts, packed_documents(old_batch)["attention_mask"])
+        documents += int((starts == torch.arange(seq)).sum())
+    assert documents > 2 * samples  # several documents per sample: the test saw packing
+
+
+def test_no_tensor_of_s_by_s_elements_in_a_packed_step_at_16k_tokens(tmp_path):
+    """One forward + backward of the tiny model over 16,384 tokens of packed documents, on the
+    job's own path (bench/packed_documents_memory.py: config, assemble, the data iterator over
+    megatron's GPTDataset, step.run_step): no operation makes a tensor of S x S elements or
+    more (a TorchDispatchMode sees every output, the backward's included) and none is saved
+    for backward (the saved-tensor hooks). The probe is shown to see one: the batch with
+    megatron's [1, S, S] mask at 4,096 tokens is caught."""
+    out = tmp_path / "figures.json"
+    seq, control = 16384, 4096
+    result = run_script(1, "bench/packed_documents_memory.py",
+                        ["--seq", str(seq), "--mask-seq", str(control), "--json", str(out)])
+    assert result.returncode == 0, result.stdout[-4000:]
+    ours, masked = json.loads(out.read_text())
+    assert ours["route"] == "boundaries" and ours["seq"] == seq
+    assert ours["documents"] > 1 and ours["loss"] > 0
+    assert ours["at_least_SS"] == [] and ours["largest"] < seq * seq, ours["largest_op"]
+    assert ours["largest_saved"] < seq * seq
+    assert masked["route"] == "megatron_mask" and masked["at_least_SS"], masked
+
+
+def test_packed_documents_under_context_and_pipeline_parallelism_match_one_process(
+        tmp_path, short_documents):
+    """Sequences of several documents (data.reset_attention_mask: the samples' boundaries
+    turned into document starts), 5 steps: CP2 and PP2 equal one process; and the documents
+    changed the run (losses differ from the same data without document masks)."""
+    data = ["checkpoint.load=null", f"data.paths=[{short_documents}]",
+            "data.reset_attention_mask=true"]
     reference = run_job(1, ["parallel=single", *data], str(tmp_path / "one")).records
-    overrides = ["parallel=single", "parallel.context_parallel_size=2", *data]
-    result = run_job(2, overrides, str(tmp_path / "cp2"))
-    problems = compare(reference, result.records, FP32)
-    assert not problems, "\n".join(problems)
-    assert_layout_ran(result, 2, overrides)
+    for name, layout in (("cp2", ["parallel=single", "parallel.context_parallel_size=2"]),
+                         ("pp2", ["parallel=pp2"])):
+        overrides = [*layout, *data]
+        result = run_job(2, overrides, str(tmp_path / name))
+        problems = compare(reference, result.records, FP32)
+        assert not problems, name + ":\n" + "\n".join(problems)
+        assert_layout_ran(result, 2, overrides)
     unmasked = run_job(1, ["parallel=single", *data[:-1]], str(tmp_path / "free")).records
     assert all(abs(a["loss"] - b["loss"]) > 1e-4 for a, b in zip(reference[1:], unmasked[1:]))
