@@ -8,8 +8,10 @@ Layout of ``checkpoint.save``::
 A checkpoint is written under ``iter_*.partial``, fsynced by every rank and committed by rank 0
 (``glm5_train.checkpoint_store``: manifest, rename, ``latest`` last, then the old ones beyond
 ``checkpoint.keep_last`` removed), so a run killed at any instant of a save keeps the previous
-checkpoint loadable; a torn one is detected at load and the previous one used. Model chunks are
-stored under global tensor keys, so a checkpoint loads into any TP/PP/VPP/EP layout.
+checkpoint loadable. Each rank hashes the files it wrote as it fsyncs them; the manifest records
+every file's size and sha256. A torn or corrupted checkpoint is detected at load (every rank
+hashing a share of its files) and the previous one used. Model chunks are stored under global
+tensor keys, so a checkpoint loads into any TP/PP/VPP/EP layout.
 """
 
 from __future__ import annotations
@@ -135,14 +137,15 @@ def save_checkpoint(root: str, chunks, optimizer, scheduler, state: TrainState,
     sharded = _sharded_state(chunks, optimizer, scheduler, state, model_cfg, is_loading=False)
     mcore_compat.in_process_checkpoint_results_queue()
     dist_checkpointing.save(sharded, staging)
-    # Each rank syncs what it wrote: on a shared file system only the writer's client can
-    # flush its data.
-    checkpoint_store.fsync_tree(staging, lambda name: _written_by(name, rank))
-    dist.barrier()
+    # Each rank hashes and syncs what it wrote, while it is still in its page cache: on a
+    # shared file system only the writer's client can flush its data, and nobody re-reads it.
+    sealed = checkpoint_store.seal_files(staging, lambda name: _written_by(name, rank))
+    # megatron-core's save spans every rank (the default group): so does the manifest.
+    sealed = _gather_sealed(sealed, dist.group.WORLD)
     failure = [None]
     if rank == 0:
         try:
-            checkpoint_store.commit(root, state.iteration, keep_last)
+            checkpoint_store.commit(root, state.iteration, keep_last, sealed)
         except OSError as err:  # every rank must stop, not wait on rank 0 forever
             failure = [f"committing checkpoint {staging} failed: {err}"]
     dist.broadcast_object_list(failure, src=0)
@@ -161,39 +164,89 @@ def _written_by(name: str, rank: int) -> bool:
     return int(match.group(1)) == rank if match else rank == 0
 
 
+def _gather_sealed(sealed: dict[str, dict], group) -> dict[str, dict] | None:
+    """Every rank's ``seal_files`` entries, merged on the group's first rank (which commits);
+    None elsewhere. Also the barrier before the commit: every file is written and synced."""
+    if dist.get_world_size(group) == 1:
+        return sealed
+    first = dist.get_global_rank(group, 0)
+    gathered = [None] * dist.get_world_size(group) if dist.get_rank() == first else None
+    dist.gather_object(sealed, gathered, dst=first, group=group)
+    if gathered is None:
+        return None
+    merged: dict[str, dict] = {}
+    for entries in gathered:
+        merged.update(entries)
+    return merged
+
+
 def choose_checkpoint(root: str, required: bool = True) -> str | None:
-    """The directory of the newest complete checkpoint under ``root``, the same on every rank
-    (rank 0 looks, verifies and says why it passed over newer ones; the others get its answer).
-    None when ``root`` holds no checkpoint at all and ``required`` is false."""
-    answer = [None]
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        answer = [_choose_on_this_rank(root, required)]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(answer, src=0)
-    path, error = answer[0]
-    if error is not None:
-        raise NoCheckpointError(error)
-    return path
+    """The directory of the newest complete checkpoint under ``root``, the same on every rank.
+    Rank 0 picks the newest whose files have their sizes; every rank hashes a share of its
+    files (the checkpoint is read once, spread over the job, not all by rank 0); a digest
+    mismatch sends rank 0 to the next older one, with the reason. Rank 0 says which it loads
+    and why it passed over newer ones. None when ``root`` holds no checkpoint at all and
+    ``required`` is false."""
+    group = dist.group.WORLD if dist.is_initialized() else None
+    rejected: dict[str, str] = {}  # refused by their content, for rank 0's next choice
+    while True:
+        path, error, lines = _broadcast_from_first(
+            lambda: _choose_on_this_rank(root, required, rejected), group)
+        if error is not None:
+            raise NoCheckpointError(error)
+        problem = None if path is None else _check_content(path, group)
+        if problem is None:
+            if group is None or dist.get_rank() == 0:
+                for line in lines:
+                    print(line, file=sys.stderr, flush=True)
+            return path
+        rejected[path] = problem  # every rank adds the same: only rank 0 reads it
 
 
-def _choose_on_this_rank(root: str, required: bool) -> tuple[str | None, str | None]:
-    """(directory or None, error or None); prints the choice and the notes behind it."""
-    choice = checkpoint_store.choose(root)
+def _broadcast_from_first(compute, group):
+    """``compute()`` on the group's first rank, its value on every rank."""
+    if group is None:
+        return compute()
+    first = dist.get_global_rank(group, 0)
+    answer = [compute() if dist.get_rank() == first else None]
+    if dist.get_world_size(group) > 1:
+        dist.broadcast_object_list(answer, src=first, group=group)
+    return answer[0]
+
+
+def _check_content(path: str, group) -> str | None:
+    """Hash this rank's share of the checkpoint's files against the manifest's digests; the
+    first mismatch any rank found (by file name), the same on every rank, or None."""
+    part, parts = (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+    manifest, mine = checkpoint_store.read_manifest(path)
+    if manifest is not None:  # None: gone since rank 0 read it; the gather must still happen
+        mine = checkpoint_store.check_content(path, manifest, part, parts)
+    if parts == 1:
+        return mine
+    found = [None] * parts
+    dist.all_gather_object(found, mine, group=group)
+    return min((p for p in found if p is not None), default=None)
+
+
+def _choose_on_this_rank(root: str, required: bool, rejected: dict[str, str]
+                         ) -> tuple[str | None, str | None, list[str]]:
+    """(directory or None, error or None, the lines to print once it is loaded: the choice,
+    the notes behind it, a notice for a manifest without digests). Sizes only: the content
+    is checked by every rank."""
+    choice = checkpoint_store.choose(root, content=False, rejected=rejected)
     if choice.path is not None:
         note = f" ({choice.describe()})" if choice.notes else ""
-        print(f"checkpoint: loading {choice.path}{note}", file=sys.stderr, flush=True)
-        return choice.path, None
+        lines = [f"checkpoint: loading {choice.path}{note}"]
+        return choice.path, None, lines + ([choice.notice] if choice.notice else [])
     if choice.present:
         return None, (f"{root} holds no complete checkpoint ({choice.describe()}): point "
                       "checkpoint.load at another directory, or set checkpoint.load=null to "
-                      "start at step 0")
+                      "start at step 0"), []
     if required:
         return None, (f"checkpoint.load={root!r} holds no {LATEST} and no checkpoint: point it "
                       "at a directory written by checkpoint.save, or set checkpoint.load=null "
-                      "to start from scratch")
-    print(f"checkpoint: no checkpoint in {root} yet: starting at step 0", file=sys.stderr,
-          flush=True)
-    return None, None
+                      "to start from scratch"), []
+    return None, None, [f"checkpoint: no checkpoint in {root} yet: starting at step 0"]
 
 
 def load_checkpoint(root: str, chunks, optimizer, scheduler, model_cfg: GLM5Config,

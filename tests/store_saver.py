@@ -1,5 +1,5 @@
 """A checkpoint save as the job makes it, reduced to what it does to the save directory (fresh
-staging directory, each rank's payload file, fsync, commit), without torch: tests/test_durable.py
+staging directory, each rank's payload file, hash and fsync, commit), without torch: tests/test_durable.py
 runs it in child processes it SIGKILLs, so it must start fast.
 
     python -m tests.store_saver ROOT ITERATION KILL_AT
@@ -30,8 +30,8 @@ def save(root: str, iteration: int, keep_last: int = 2) -> None:
     for name, data in payload(iteration).items():
         with open(os.path.join(staging, name), "wb") as out:
             out.write(data)
-    store.fsync_tree(staging)
-    store.commit(root, iteration, keep_last)
+    sealed = store.seal_files(staging)
+    store.commit(root, iteration, keep_last, sealed)
 
 
 def _kill_before_call(kill_at: int, calls: list) -> None:
