@@ -5,7 +5,7 @@
 #
 # Steps (each under `timeout`, all under one overall budget; a failed step is recorded as FAIL
 # with its error tail and the script goes on):
-#   install  wheels from .whl/ into /tmp/site (megatron-core, hydra-core, omegaconf, antlr4)
+#   install  wheels from bench/gpu/wheels/ (bench/gpu/prepare_wheels.sh) or .whl/ into /tmp/site
 #   env      nvidia-smi -L, python / torch / CUDA / NCCL / package versions
 #   pytest   tests/test_device.py (with CUDA present the CPU-only tests skip, see -rs)
 #   train_cuda  torchrun, 1 process, tiny GLM-5, CUDA + NCCL
@@ -108,6 +108,7 @@ train_run() {  # train_run NAME RUN_DIR [env assignments...]
 }
 
 main() {
+    echo "h200_check: every CUDA-only branch is checked by bench/gpu/gpu_check.py (docs/cuda_branches.md)"
     echo "h200_check: mode=$MODE repo=$REPO budget=${BUDGET}s iters=$ITERS steps='$STEPS'"
     summary "h200_check: mode=$MODE iters=$ITERS budget=${BUDGET}s date=$(date -u +%FT%TZ)"
     summary "repo: HEAD $(git rev-parse --short HEAD 2>/dev/null || echo '? (no .git)')," \
@@ -115,7 +116,10 @@ main() {
     [[ ${#EXTRA[@]} -gt 0 ]] && summary "extra overrides: ${EXTRA[*]}"
 
     # ------------------------------------------------------------------ install
-    if wanted install && [[ ${GLM5_CHECK_INSTALL:-1} == 1 ]] && compgen -G ".whl/*.whl" > /dev/null; then
+    if wanted install && [[ ${GLM5_CHECK_INSTALL:-1} == 1 ]] && compgen -G "bench/gpu/wheels/*.whl" > /dev/null; then
+        run_step install 90 bash bench/gpu/install_wheels.sh  # bench/gpu/prepare_wheels.sh's
+        export PYTHONPATH=/tmp/site:$REPO
+    elif wanted install && [[ ${GLM5_CHECK_INSTALL:-1} == 1 ]] && compgen -G ".whl/*.whl" > /dev/null; then
         ls -la .whl
         run_step install 90 python3 -m pip install -q --no-index --no-deps --no-compile \
             --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
