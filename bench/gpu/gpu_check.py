@@ -117,7 +117,7 @@ def part_env(ctx: Context) -> dict:
         info.update(device_name=props.name, capability=f"{props.major}.{props.minor}",
                     memory_gib=round(props.total_memory / 2**30, 1),
                     sms=props.multi_processor_count,
-                    nccl=".".join(map(str, torch.cuda.nccl.version())),
+                    nccl=_nccl_version(),
                     flash_sdp_enabled=torch.backends.cuda.flash_sdp_enabled())
     else:
         for name in ("device_name", "capability", "memory_gib", "nccl"):
@@ -127,6 +127,12 @@ def part_env(ctx: Context) -> dict:
                         else "unverified: transformer_engine does not import here")
     info["mcore_registry_not_written_for"] = mcore_compat.version_report()
     return info
+
+
+def _nccl_version() -> str:
+    """torch reports a tuple (major, minor, patch[, suffix]) or, on older builds, an int."""
+    version = torch.cuda.nccl.version()
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
 
 
 def _version(dist: str) -> str | None:
