@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from glm5_train.model import triton_sparse_mla
 from glm5_train.model.key_masks import DocumentStarts, KeyMask, allowed_block
 from glm5_train.model.picked_rows import compute_dtype, fp32_at_least
 from parallel.context_parallel import ContextShard, context_shard
@@ -77,8 +78,6 @@ class DSATrainingConfig:
 def _check_triton_kernel_runs(sparse_attention: str) -> None:
     """``dsa.sparse_kernel=triton`` needs triton, and off CUDA its interpreter, chosen by the
     environment before triton is imported (it decides then how kernels are built)."""
-    from glm5_train.model import triton_sparse_mla
-
     if sparse_attention != "absorbed":
         raise ValueError(f"dsa.sparse_kernel=triton runs the absorbed sparse path, but "
                          f"dsa.sparse_attention={sparse_attention!r}: set "

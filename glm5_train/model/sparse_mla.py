@@ -12,11 +12,14 @@ W_UV[h] (sum_s p[h, s] c[s]). Attention over a query's K selected keys therefore
 K latent rows, shared by all heads: multi-query attention over the latent
 (``SparseLatentAttention``), then the per-head up-projection of its output by W_UV.
 
-``SparseLatentAttention`` runs by chunks of query rows: one row gather of the chunk's selected
-latent keys (shared by all heads), batched matmuls for logits and outputs, an fp32
-log-sum-exp per head and query. Its backward recomputes each chunk's gathered keys and logits
-from what forward saved: the absorbed queries, the latent keys, the indices and validity, the
-log-sum-exp and the output, O(S x N x 576 + S x K) bytes; nothing [S, S], nothing [S, K, N].
+The torch path (``latent_attention_forward`` / ``_backward``) runs by chunks of query rows:
+one row gather of the chunk's selected latent keys (shared by all heads), batched matmuls for
+logits and outputs, an fp32 log-sum-exp per head and query; its backward recomputes each
+chunk's gathered keys and logits. ``AbsorbedSparseMLA`` wraps absorption, attention (that path
+or the Triton kernels, ``dsa.sparse_kernel``) and up-projection in one autograd op that keeps
+the query, the latent keys, the int32 picks, the log-sum-exp and the latent output,
+O(S x N x (Dn + R + C) + S x K) bytes; nothing [S, S], nothing [S, K, N], and not the
+absorbed query (recomputed). ``docs/sparse_attention_kernel.md`` has the contract and figures.
 
 ``GLM5MLASelfAttention`` feeds it: megatron-core's ``MLASelfAttention`` whose
 ``get_query_key_value_tensors`` returns, when the core attention will run this path, the query

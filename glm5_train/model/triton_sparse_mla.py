@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 try:  # optional: CUDA builds of torch carry it; `pip install -e ".[dev]"` on CPU
@@ -82,7 +83,6 @@ def _exact_bf16_dot_in_interpreter() -> None:
     uint16 bits and its dot multiplies those integers (triton 3.9: ~1e10 for unit inputs;
     fp16 and fp32 are right). Widened to fp32 first (exact: bf16 is fp32's upper half), the
     product is what a GPU's bf16 dot with fp32 accumulation gives up to summation order."""
-    import numpy as np
     from triton.runtime import interpreter
 
     builder = interpreter.InterpreterBuilder
