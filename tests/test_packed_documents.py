@@ -235,3 +235,42 @@ def test_packed_documents_under_context_and_pipeline_parallelism_match_one_proce
         assert_layout_ran(result, 2, overrides)
     unmasked = run_job(1, ["parallel=single", *data[:-1]], str(tmp_path / "free")).records
     assert all(abs(a["loss"] - b["loss"]) > 1e-4 for a, b in zip(reference[1:], unmasked[1:]))
+
+
+def test_dense_attention_runs_document_by_document_without_a_t_by_s_mask():
+    """The dense path (warm-up, top-k >= S) on packed documents of whole sequences: one causal
+    call per document gives the outputs and gradients of the [B, T, S] mask path, and no
+    tensor of T x S elements (or more) is created, forward or backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from glm5_train.model.key_masks import DocumentStarts, document_starts_from_boundaries
+    from parallel.context_parallel import context_shard
+
+    seq, batch, heads, dqk, dv = 256, 2, 2, 12, 8
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(seq, batch, heads, d, generator=gen, requires_grad=True)
+               for d in (dqk, dqk, dv))
+    starts = DocumentStarts(document_starts_from_boundaries([[40, 41, 200], [256]], seq))
+    core, shard = _core(), context_shard(None, seq, q.device)
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    Largest.numel = max(Largest.numel, t.numel())
+            return out
+
+    with Largest():
+        out = core._dense(q, k, v, starts, shard)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    assert Largest.numel < seq * seq, Largest.numel
+    masked = core._dense(q, k, v, starts.block(0, seq, 0, seq), shard)  # the [B, T, S] path
+    ref_grads = torch.autograd.grad(masked.square().sum(), (q, k, v))
+    # fp32 summation order only (a one-token document's query gradient is 0 one way, ~1e-6
+    # the other)
+    torch.testing.assert_close(out, masked, rtol=1e-5, atol=1e-5)
+    for got, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

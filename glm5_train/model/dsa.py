@@ -44,7 +44,13 @@ from glm5_train.model.dsa_loss import (
     dense_indexer_kl,
     selected_indexer_kl,
 )
-from glm5_train.model.key_masks import DocumentStarts, KeyMask, allowed_block, key_mask
+from glm5_train.model.key_masks import (
+    DocumentStarts,
+    KeyMask,
+    allowed_block,
+    document_bounds,
+    key_mask,
+)
 from glm5_train.model.layers import MLACoreAttention, attention_at_positions
 from glm5_train.model.picked_rows import RowTable, Scratch, compute_dtype, fp32_at_least
 from glm5_train.model.sparse_mla import absorbed_sparse_mla
@@ -630,16 +636,32 @@ class DSACoreAttention(MLACoreAttention):
         return query, key, torch.einsum("sbc,nvc->sbnv", c, w_uv)
 
     def _dense(self, query, key, value, allowed: KeyMask, shard: ContextShard) -> torch.Tensor:
-        """Dense causal attention of this rank's queries over the whole sequence's keys
-        (packed documents: a [B, 1, T, S] mask, dense paths only)."""
+        """Dense causal attention of this rank's queries over the whole sequence's keys.
+        Packed documents (``DocumentStarts``) on whole sequences: causal attention within each
+        document (``_dense_by_document``), no mask; under context parallelism, or with
+        megatron's bool mask, a [B, 1, T, S] mask."""
         if not shard.is_split and allowed is None:
             return super().forward(query, key, value, None)
+        if not shard.is_split and isinstance(allowed, DocumentStarts):
+            return self._dense_by_document(query, key, value, allowed)
         q_BNTD, k_BNSD, v_BNSD = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         extra = allowed_block(allowed, 0, query.shape[0], 0, key.shape[0])
         out_BNTD = attention_at_positions(q_BNTD, k_BNSD, v_BNSD, shard.positions,
                                           self.softmax_scale,
                                           None if extra is None else extra[:, None])
         return out_BNTD.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+    def _dense_by_document(self, query, key, value, starts: DocumentStarts) -> torch.Tensor:
+        """Packed documents of whole sequences: one causal SDPA call per document and batch
+        row (a document attends to itself only, so this is exact), nothing [T, S] built or
+        kept: at 202,752 tokens a [B, T, S] mask would be 41 GB per layer."""
+        rows = []
+        for b, bounds in enumerate(document_bounds(starts.start_BT)):
+            pieces = [super(DSACoreAttention, self).forward(
+                query[d0:d1, b:b + 1], key[d0:d1, b:b + 1], value[d0:d1, b:b + 1], None)
+                for d0, d1 in bounds]
+            rows.append(torch.cat(pieces, dim=0))
+        return torch.cat(rows, dim=1)
 
     def _attach(self, out: torch.Tensor, record_kl: bool,
                 kl: tuple[torch.Tensor, int]) -> torch.Tensor:

@@ -58,6 +58,17 @@ def allowed_block(mask: KeyMask, t0: int, t1: int, s0: int, s1: int) -> torch.Te
     return mask[:, t0:t1, s0:s1]
 
 
+def document_bounds(start_BT: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per batch row, its documents' (first, past-the-last) rows, in order, from the document
+    starts of whole sequences (rows 0..T-1 at positions 0..T-1)."""
+    seq = start_BT.shape[1]
+    bounds = []
+    for row in start_BT.tolist():
+        firsts = sorted(set(row))
+        bounds.append(list(zip(firsts, [*firsts[1:], seq])))
+    return bounds
+
+
 def document_starts_from_boundaries(ends_BD: list[list[int]], seq: int,
                                     device=None) -> torch.Tensor:
     """[B, seq] document starts from each sample's document end positions (exclusive)."""

@@ -90,7 +90,7 @@ class MemoryInputs:
     # DSA's sparse attention on SDPA's fused kernels (CUDA); False: its math path (CPU, where
     # q/k and v widths differ). Dense attention pads to one width and is fused on both.
     fused_attention: bool = True
-    document_mask: bool = False  # data.reset_attention_mask: [b, 1, s, s] packed-document masks
+    document_mask: bool = False  # data.reset_attention_mask: packed documents' starts [b, s]
     # dsa.sparse_attention=absorbed: the sparse stage attends over the selected latent keys
     # (glm5_train.model.sparse_mla); False: masked dense SDPA (the reference path).
     absorbed_attention: bool = True
@@ -308,8 +308,9 @@ def _dense_attention_bytes(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> in
     """MLACoreAttention (glm5_train.model.layers.equal_width_attention): q, k, v zero-padded to
     one width D = max(Dqk, Dv) run SDPA's flash kernel (CPU; CUDA flash or memory-efficient),
     which keeps q, k, v and its D-wide output, and an fp32 log-sum-exp per head and query.
-    A document mask is kept as the additive [b, 1, s, s] mask SDPA converts it to, per layer.
-    Under context parallelism (layers.attention_at_positions) k and v hold the whole
+    Packed documents of whole sequences run one causal SDPA call per document
+    (``DSACoreAttention._dense_by_document``): the same bytes, no mask. Under context
+    parallelism (layers.attention_at_positions) k and v hold the whole
     sequence's N rows and the causal mask of this rank's positions is kept as the additive
     [s, S] one (the latent they come from: ``_cp_latent_up_projection_bytes``)."""
     a, n, s = inp.activation_bytes, inp.tokens, inp.seq
@@ -317,8 +318,7 @@ def _dense_attention_bytes(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> in
     if inp.cp > 1:
         return (2 * a * (n + inp.gathered_tokens) * heads * width + 4 * n * heads
                 + a * s * inp.seq_length)
-    total = 4 * a * n * heads * width + 4 * n * heads
-    return total + (a * n * s if inp.document_mask else 0)
+    return 4 * a * n * heads * width + 4 * n * heads
 
 
 def _indexer_kl_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
@@ -391,8 +391,8 @@ def dense_indexer_kl_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
     for wq_b: views, or under SP the gathered full sequence; copies with micro-batches > 1,
     where [s, b] -> [b, s] is not contiguous), wk's output and the key LayerNorm's fp32 mean
     and rstd, RoPE's cos and sin, and the KL Function's inputs: the indexer's RoPE'd q and k,
-    the fp32 head weights, the main attention's query and key, and a document mask's bool
-    [b, s, s] allowed keys. Under context parallelism the keys (the indexer's and the main
+    the fp32 head weights, the main attention's query and key, and packed documents' int64
+    document start per token. Under context parallelism the keys (the indexer's and the main
     attention's, up-projected from the gathered latent) are the whole sequence's: N rows."""
     a, n, s, H = inp.activation_bytes, inp.tokens, inp.seq, cfg.hidden_size
     keys = inp.gathered_tokens
@@ -405,7 +405,7 @@ def dense_indexer_kl_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
     total += a * (n * Hi * Di + keys * Di) + 4 * n * Hi
     dqk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     total += a * (n + keys) * (cfg.num_attention_heads // inp.tp) * dqk
-    return total + (n * s if inp.document_mask else 0)
+    return total + (8 * n if inp.document_mask else 0)
 
 
 # ---------------------------------------------------------------------------------- recompute
