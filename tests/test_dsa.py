@@ -207,6 +207,35 @@ def test_selected_scores_backward_passes_gradcheck():
         lambda q, key, w: dsa._SelectedScores.apply(q, key, w, idx, 0.4, 4), inputs)
 
 
+def test_fused_selected_kl_equals_the_kl_of_the_selected_scores_and_passes_gradcheck():
+    """``_SelectedKL`` (scores and KL in one op, keeping q, k, w, the int32 picks, the target
+    and a log-sum-exp per query) against the unfused KL over ``_SelectedScores`` (invalid
+    picks -inf, target 0 there): the same sum and gradients; and its hand-written backward in
+    fp64 under gradcheck, with -1 picks, repeated picks and chunks of 4 queries."""
+    from glm5_train.model.dsa_loss import _kl
+
+    gen = torch.Generator().manual_seed(3)
+    batch, seq, heads, width, k = 2, 9, 3, 5, 4
+    idx = torch.randint(0, seq, (batch, seq, k), generator=gen)
+    valid = torch.rand(batch, seq, k, generator=gen) > 0.25
+    valid[:, :, 0] = True  # every query keeps a pick (its own key, in the model)
+    picks = torch.where(valid, idx, -1).to(torch.int32)
+    target = torch.rand(batch, seq, k, generator=gen, dtype=torch.float64)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+
+    inputs = (rand(batch, seq, heads, width), rand(batch, seq, width), rand(batch, seq, heads))
+    fused = dsa._SelectedKL.apply(*inputs, picks, target, 0.4, 4)
+    scores = dsa._SelectedScores.apply(*inputs, idx, 0.4, 4).masked_fill(~valid, float("-inf"))
+    unfused = _kl(target.masked_fill(~valid, 0.0), scores)
+    assert torch.allclose(fused, unfused, rtol=1e-12)
+    for got, ref in zip(torch.autograd.grad(fused, inputs), torch.autograd.grad(unfused, inputs)):
+        assert torch.allclose(got, ref, rtol=1e-10, atol=1e-12)
+    assert torch.autograd.gradcheck(
+        lambda q, key, w: dsa._SelectedKL.apply(q, key, w, picks, target, 0.4, 4), inputs)
+
+
 class _LargestOutput(TorchDispatchMode):
     """Records the largest tensor any aten op returns (backward included: CPU autograd runs
     on the calling thread)."""

@@ -23,7 +23,6 @@ layout places it.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import subprocess
@@ -32,6 +31,8 @@ import tempfile
 import traceback
 
 import pytest
+
+from tests import interpreted as tests_interpreted
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(REPO, "tests", "data", "glm_tiny_tokenizer")
@@ -215,23 +216,16 @@ def _run_cases(names: list[str]) -> None:
             outcome[name] = globals()[name](work) or None
         except Exception:  # noqa: BLE001 - reported to the parent, which fails that test
             outcome[name] = [traceback.format_exc()[-6000:]]
-        print(_RESULTS + json.dumps({name: outcome[name]}), flush=True)
-    print(_RESULTS + json.dumps(outcome), flush=True)
+        tests_interpreted.report(_RESULTS, {name: outcome[name]})
+    tests_interpreted.report(_RESULTS, outcome)
 
 
 @pytest.fixture(scope="module")
 def interpreted_cases() -> dict[str, list[str] | None]:
     """{case: None if it passed, else its problems}, from one interpreter-mode process."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
     code = ("import sys; from tests.test_sparse_kernel_in_model import _run_cases; "
             "_run_cases(sys.argv[1:])")
-    proc = subprocess.run([sys.executable, "-c", code, *CASES], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=1800, check=False)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(_RESULTS)]
-    assert proc.returncode == 0 and lines, (
-        f"the interpreter-mode process failed (status {proc.returncode}):\n"
-        f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len(_RESULTS):])
+    return tests_interpreted.run(code, CASES, _RESULTS, timeout=1800)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -25,10 +25,7 @@ context-parallel rows: bf16 measured <= 7.4e-3 (the torch path in bf16: <= 6.0e-
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import traceback
 
 import pytest
@@ -36,8 +33,8 @@ import torch
 
 from glm5_train.model import sparse_mla, triton_sparse_mla
 from glm5_train.model.sparse_mla import SparseLatentAttention, absorbed_sparse_attention
+from tests import interpreted as tests_interpreted
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCALE = 0.3
 # Largest difference allowed, relative to the largest reference value (see the docstring).
 F32_REL, F16_REL = 1e-5, 5e-3
@@ -449,22 +446,15 @@ def _run_checks() -> None:
             outcome[name] = None
         except Exception:  # noqa: BLE001 - reported to the parent, which fails that test
             outcome[name] = traceback.format_exc()
-    print(_RESULTS + json.dumps(outcome), flush=True)
+    tests_interpreted.report(_RESULTS, outcome)
 
 
 @pytest.fixture(scope="session")
 def interpreted() -> dict[str, str | None]:
     """{check: None if it passed, else its traceback}, from one interpreter-mode process."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    code = "from tests.test_triton_sparse_mla import _run_checks; _run_checks()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600, check=False)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(_RESULTS)]
-    assert proc.returncode == 0 and lines, (
-        f"the interpreter-mode process failed (status {proc.returncode}):\n"
-        f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len(_RESULTS):])
+    return tests_interpreted.run(
+        "from tests.test_triton_sparse_mla import _run_checks; _run_checks()", [], _RESULTS,
+        timeout=600)
 
 
 @pytest.mark.parametrize("check", CHECKS)

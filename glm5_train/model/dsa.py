@@ -352,6 +352,7 @@ class _SelectedScores(torch.autograd.Function):
     recomputes a chunk's gathered keys and logits in backward. Per chunk: one row gather of
     the picked keys into a reused buffer, then batched matmuls over the B*T queries (G below):
     logits [G, Hi, K] = q [G, Hi, Di] x keys^T, the head sum [G, 1, K] = w [G, 1, Hi] x ReLU.
+    The model's KL runs the same chunks fused with the KL (``_SelectedKL``).
     """
 
     @staticmethod
@@ -363,36 +364,24 @@ class _SelectedScores(torch.autograd.Function):
         out = torch.empty(batch, seq, picks, dtype=keys.rows.dtype, device=k_BSD.device)
         for start in range(0, seq, rows):
             chunk = slice(start, min(seq, start + rows))
-            k_GKD = keys.gather(keys.row_index(topk_BSK[:, chunk]), chunk.stop - start, scratch)
-            relu_GHK = torch.bmm(_chunk_rows(q_BSHD, chunk), k_GKD.transpose(1, 2))
-            w_G1H = _chunk_rows(w_BSH, chunk).unsqueeze(1)
-            out[:, chunk] = torch.bmm(w_G1H, relu_GHK.mul_(scale).relu_()).view(batch, -1, picks)
+            index_GK = _chunk_scores(q_BSHD, k_BSD, w_BSH, topk_BSK, keys, scratch, chunk,
+                                     scale)[0]
+            out[:, chunk] = index_GK.view(batch, -1, picks)
         return out
 
     @staticmethod
     def backward(ctx, grad_BSK):
         q_BSHD, k_BSD, w_BSH, topk_BSK = ctx.saved_tensors
-        batch, seq, picks = topk_BSK.shape
         keys, scratch = RowTable(fp32_at_least(k_BSD)), Scratch(k_BSD.device)
         dq, dw = (torch.empty(t.shape, dtype=compute_dtype(t), device=t.device)
                   for t in (q_BSHD, w_BSH))
         dk_rows = torch.zeros_like(keys.rows)
-        for start in range(0, seq, ctx.rows):
-            chunk = slice(start, min(seq, start + ctx.rows))
-            flat = keys.row_index(topk_BSK[:, chunk])
-            k_GKD = keys.gather(flat, chunk.stop - start, scratch)
-            q_GHD, w_GH = _chunk_rows(q_BSHD, chunk), _chunk_rows(w_BSH, chunk)
-            g_GK = _chunk_rows(grad_BSK, chunk)
-            relu_GHK = torch.bmm(q_GHD, k_GKD.transpose(1, 2)).mul_(ctx.scale).relu_()
-            dw[:, chunk] = torch.bmm(relu_GHK, g_GK.unsqueeze(2)).view(batch, -1, w_GH.shape[1])
-            # dI/dlogit = g x w x scale where the ReLU passes (its output > 0), else 0: built
-            # in the ReLU's buffer (sign() is that 0/1 mask there).
-            dlogits_GHK = relu_GHK.sign_().mul_(g_GK.unsqueeze(1)).mul_(
-                w_GH.unsqueeze(2) * ctx.scale)
-            dq[:, chunk] = torch.bmm(dlogits_GHK, k_GKD).view(batch, -1, *q_BSHD.shape[2:])
-            dk_rows.index_add_(0, flat, torch.bmm(dlogits_GHK.transpose(1, 2), q_GHD,
-                                                  out=scratch.get("dkeys", k_GKD.shape,
-                                                                  k_GKD.dtype)).flatten(0, 1))
+        for start in range(0, topk_BSK.shape[1], ctx.rows):
+            chunk = slice(start, min(topk_BSK.shape[1], start + ctx.rows))
+            _, parts, valid_GK = _chunk_scores(q_BSHD, k_BSD, w_BSH, topk_BSK, keys, scratch,
+                                               chunk, ctx.scale)
+            g_GK = _chunk_rows(grad_BSK, chunk).masked_fill(~valid_GK, 0.0)
+            _scores_backward(g_GK, parts, ctx.scale, keys, chunk, dq, dw, dk_rows, scratch)
         return (dq.to(q_BSHD.dtype), keys.as_input_layout(dk_rows).to(k_BSD.dtype),
                 dw.to(w_BSH.dtype), None, None, None)
 
