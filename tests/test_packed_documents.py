@@ -120,8 +120,10 @@ def test_core_attention_with_document_starts_equals_the_bool_mask(stage):
     (doc_out, doc_grads, doc_kl), (bool_out, bool_grads, bool_kl), (free_out, _, _) = results
     assert torch.allclose(doc_out, bool_out, rtol=1e-5, atol=1e-6)
     assert abs(doc_kl[0] - bool_kl[0]) <= 1e-5 * abs(bool_kl[0]) + 1e-9
-    for name, grad in bool_grads.items():
-        assert torch.allclose(doc_grads[name], grad, rtol=1e-4, atol=1e-6), name
+    for name, grad in bool_grads.items():  # atol: fp32 round-off of the largest gradient
+        # (the dense path runs document by document there: other summation order)
+        atol = 1e-6 * float(grad.abs().max())
+        assert torch.allclose(doc_grads[name], grad, rtol=1e-4, atol=atol), name
     assert not torch.allclose(doc_out, free_out, rtol=1e-3)
 
 

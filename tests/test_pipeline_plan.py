@@ -284,12 +284,12 @@ def _estimated_forward_bytes(cfg: GLM5Config, inputs: plan.MemoryInputs) -> int:
 
 
 def _document_mask(batch: int, seq: int) -> torch.Tensor:
-    """Packed documents as data.reset_attention_mask builds them: causal within a document,
-    nothing across documents; True = masked out."""
+    """Packed documents as data.reset_attention_mask hands them to the model: each token's
+    document start, int64 [batch, seq] (``key_masks.DocumentStarts``; no [s, s] mask)."""
     doc_BS = torch.randint(0, 3, (batch, seq), generator=torch.Generator().manual_seed(1))
     doc_BS = doc_BS.sort(-1).values
-    allowed = (doc_BS[:, :, None] == doc_BS[:, None, :]) & torch.ones(seq, seq).tril().bool()
-    return ~allowed[:, None]
+    first = torch.searchsorted(doc_BS, doc_BS)  # each row's first token of the same document
+    return first.long()
 
 
 @pytest.mark.parametrize("mtp_steps, loss_chunk_tokens", [(0, 0), (3, 0), (3, 100)])
@@ -314,8 +314,9 @@ def test_activation_estimate_matches_a_measured_forward(tiny, mtp_steps, loss_ch
 @pytest.mark.parametrize("document_mask", [False, True])
 def test_dense_attention_estimate_matches_a_measured_forward(tiny, document_mask):
     """index_topk >= seq: every layer (MTP's included) runs dense attention, q/k/v padded to
-    one width on SDPA's flash kernel (layers.equal_width_attention); with packed-document
-    masks each layer also keeps a float [b, 1, s, s] mask. Measured: exact without the mask."""
+    one width on SDPA's flash kernel (layers.equal_width_attention); packed documents run
+    document by document (``DSACoreAttention._dense_by_document``) and keep no mask: the same
+    bytes as without documents."""
     seq, batch = 128, 2
     cfg = dataclasses.replace(tiny, index_topk=seq)
     inputs = plan.MemoryInputs(seq_length=seq, micro_batch_size=batch, activation_bytes=4,
@@ -327,9 +328,10 @@ def test_dense_attention_estimate_matches_a_measured_forward(tiny, document_mask
           f"{estimate} B, measured {measured} B")
     assert abs(estimate - measured) <= 0.01 * measured
     layers = cfg.num_hidden_layers + memory.mtp_steps(cfg)
-    if document_mask:  # the mask term itself is seen: the estimate without it falls short
+    if document_mask:  # no [b, 1, s, s] mask kept (it would add 4 b s^2 bytes a layer)
         unmasked = _estimated_forward_bytes(cfg, dataclasses.replace(inputs, document_mask=False))
-        assert measured - unmasked >= 0.9 * layers * 4 * batch * seq * seq
+        assert estimate == unmasked
+        assert abs(measured - unmasked) < 0.01 * layers * 4 * batch * seq * seq
 
 
 @pytest.mark.parametrize("mtp_steps, loss_chunk_tokens, document_mask",
