@@ -127,12 +127,17 @@ LENGTHS = "420,230,100,70,40,30,25,20"
 
 @pytest.fixture(scope="module")
 def chat_prefix(tmp_path_factory):
-    where = tmp_path_factory.mktemp("flexible_cp")
-    source, prefix = str(where / "chats.jsonl"), str(where / "sft")
+    return prepare_chats(str(tmp_path_factory.mktemp("flexible_cp")), LENGTHS, 512)
+
+
+def prepare_chats(where: str, lengths: str, seq_length: int) -> str:
+    """Synthetic chats of the given token lengths packed into ``seq_length``-token sequences
+    by the users' tools; the data prefix."""
+    source, prefix = os.path.join(where, "chats.jsonl"), os.path.join(where, "sft")
     for tool in (["tools/synthetic_chat.py", "--output", source, "--tokenizer", TOKENIZER,
-                  "--lengths", LENGTHS],
+                  "--lengths", lengths],
                  ["tools/prepare_chat_sft.py", "--input", source, "--output-prefix", prefix,
-                  "--tokenizer", TOKENIZER, "--seq-length", "512"]):
+                  "--tokenizer", TOKENIZER, "--seq-length", str(seq_length)]):
         subprocess.run([sys.executable, *tool], cwd=REPO, check=True, capture_output=True)
     return prefix
 

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import subprocess
-import sys
 import tempfile
 import traceback
 
@@ -164,8 +162,9 @@ def case_flexible_cp_groups(work: str) -> list[str]:
     run's plans hold a group of 4 and groups of 2. The reference replays the same plans whole
     on one process (``parallel.flexible_cp_plan_ranks``)."""
     from tests.parity import FP32, compare, run_job
+    from tests.test_flexible_cp import prepare_chats
 
-    prefix = _chat_data(work)
+    prefix = prepare_chats(work, CHAT_LENGTHS, 128)
     data = ["parallel=single", "data=chat_sft", f"data.paths=[{prefix}]",
             f"data.tokenizer={TOKENIZER}", "data.reset_position_ids=true",
             "train.seq_length=128", "parallel.cp_groups=flexible",
@@ -187,16 +186,6 @@ def case_flexible_cp_groups(work: str) -> list[str]:
 # Conversation lengths (tokens) packed into two 128-token sequences: the longest needs a
 # group of 4 (32 tokens a rank), the middle ones groups of 2.
 CHAT_LENGTHS = "110,60,50,30,20,12"
-
-
-def _chat_data(work: str) -> str:
-    source, prefix = os.path.join(work, "chats.jsonl"), os.path.join(work, "sft")
-    for tool in (["tools/synthetic_chat.py", "--output", source, "--tokenizer", TOKENIZER,
-                  "--lengths", CHAT_LENGTHS],
-                 ["tools/prepare_chat_sft.py", "--input", source, "--output-prefix", prefix,
-                  "--tokenizer", TOKENIZER, "--seq-length", "128"]):
-        subprocess.run([sys.executable, *tool], cwd=REPO, check=True, capture_output=True)
-    return prefix
 
 
 # ------------------------------------------------------------ running the cases, reporting
