@@ -276,3 +276,13 @@ def test_dense_attention_runs_document_by_document_without_a_t_by_s_mask():
     torch.testing.assert_close(out, masked, rtol=1e-5, atol=1e-5)
     for got, ref in zip(grads, ref_grads):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_document_bounds_read_contiguous_documents_and_refuse_malformed_starts():
+    from glm5_train.model.key_masks import document_bounds, document_starts_from_boundaries
+
+    starts = document_starts_from_boundaries([[3, 5], [6]], 8)
+    assert document_bounds(starts) == [[(0, 3), (3, 5), (5, 8)], [(0, 6), (6, 8)]]
+    for bad in ([[1, 1, 2]], [[0, 0, 5]], [[0, 2, 2]], [[0, -1, 0]]):
+        with pytest.raises(ValueError, match="document starts must give every token"):
+            document_bounds(torch.tensor(bad))

@@ -235,3 +235,17 @@ def test_triton_kernel_switch_is_refused_on_cpu_without_the_interpreter():
         compose_job(["model=glm5_tiny", KERNEL])
     with pytest.raises(ValueError, match="dsa.sparse_kernel='cuda': use one of"):
         compose_job(["model=glm5_tiny", "dsa.sparse_kernel=cuda"])
+
+
+def test_triton_kernel_switch_refuses_an_interpreter_that_cannot_run_the_kernels(monkeypatch):
+    """Under Triton's interpreter of triton 3.6 (which fails on the kernels' loops with NumPy
+    2) the switch is refused before any work, naming the fix."""
+    from glm5_train.job_config import compose_job
+    from glm5_train.model import triton_sparse_mla
+
+    monkeypatch.setattr(triton_sparse_mla, "interpreted", lambda: True)
+    monkeypatch.setattr(triton_sparse_mla.triton, "__version__", "3.6.0")
+    with pytest.raises(ValueError, match=r"pip install 'triton>=3.7'"):
+        compose_job(["model=glm5_tiny", KERNEL])
+    monkeypatch.setattr(triton_sparse_mla.triton, "__version__", "3.7.1")
+    compose_job(["model=glm5_tiny", KERNEL])  # accepted

@@ -279,3 +279,34 @@ def test_job_absorbed_matches_masked_dense(tmp_path, nprocs, layout):
     problems = compare(masked, absorbed.records, ABSORBED_VS_MASKED)
     assert not problems, "\n".join(problems)
     assert all(r["indexer_kl"] > 0 for r in absorbed.records)  # the sparse-stage KL ran
+
+
+def test_bf16_activations_with_fp32_up_projection_weights_run_backward():
+    """The absorbed op casts the up-projection weights to the activations' dtype in forward
+    and backward alike (a bf16 query with fp32 weights)."""
+    gen = torch.Generator().manual_seed(5)
+    query = torch.randn(S, B, N, DN + R, generator=gen).bfloat16().requires_grad_()
+    key = torch.randn(S, B, 1, C + R, generator=gen).bfloat16().requires_grad_()
+    weight = torch.randn(N, DN + DV, C, generator=gen, requires_grad=True)
+    idx, valid = _picks(gen, S, B, K)
+    out, _ = absorbed_sparse_attention(query, key, weight[:, :DN], weight[:, DN:], idx, valid,
+                                       SCALE)
+    out.float().square().sum().backward()
+    assert query.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.float32
+    assert weight.grad.abs().max() > 0
+
+
+def test_triton_kernels_refused_under_deterministic_algorithms(monkeypatch):
+    """dsa.sparse_kernel=triton where the kernels could run, but deterministic algorithms are
+    requested: refused in one line naming the fix (their key gradients are atomic adds)."""
+    from glm5_train.model import sparse_mla, triton_sparse_mla
+
+    monkeypatch.setattr(triton_sparse_mla, "interpreted", lambda: True)
+    q = torch.zeros(1, 2, 1, 4)
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(RuntimeError, match="use dsa.sparse_kernel=auto or torch"):
+            sparse_mla.runs_kernel("triton", q, q[:, :, 0])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert sparse_mla.runs_kernel("triton", q, q[:, :, 0])

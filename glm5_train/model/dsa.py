@@ -306,15 +306,15 @@ class DSAIndexer(torch.nn.Module):
     def selected_scores(self, x_BSH: torch.Tensor, qr_BSQ: torch.Tensor,
                         topk_BSK: torch.Tensor, shard: ContextShard | None = None,
                         keys: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Differentiable I at each query's selected keys only, [B, T, K] fp32 (unmasked):
-        ``scores(...).gather(-1, topk_BSK)`` at O(B T K) memory (``_SelectedScores``).
-        ``shard`` / ``keys`` as in ``select_blockwise``."""
+        """Differentiable I at each query's selected keys only, [B, T, K] fp32:
+        ``scores(...).gather(-1, topk_BSK)`` at O(B T K) memory (``_SelectedScores``; -inf,
+        and no gradient, at a pick outside 0..S-1). ``shard`` / ``keys`` as in
+        ``select_blockwise``. The model's KL runs ``selected_kl`` (fused) instead."""
         shard = shard or context_shard(None, x_BSH.shape[1], x_BSH.device)
         k_BSD, w_BTH = keys if keys is not None else self.sequence_keys(x_BSH, shard)
         q_BTHD = self.project_queries(qr_BSQ, shard.positions)
         return _SelectedScores.apply(q_BTHD, k_BSD, w_BTH, topk_BSK, self.head_dim ** -0.5,
                                      selected_chunk_rows(*topk_BSK.shape[::2], self.head_dim))
-
 
     def selected_kl(self, x_BSH: torch.Tensor, qr_BSQ: torch.Tensor, picks_BTK: torch.Tensor,
                     target_BTK: torch.Tensor, shard: ContextShard | None = None,

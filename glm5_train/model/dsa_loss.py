@@ -89,6 +89,11 @@ def _check_triton_kernel_runs(sparse_attention: str) -> None:
         raise ValueError("dsa.sparse_kernel=triton without a GPU runs the kernels under "
                          "Triton's CPU interpreter: start the job with TRITON_INTERPRET=1 in "
                          "its environment (or use dsa.sparse_kernel=auto)")
+    if triton_sparse_mla.interpreted() and not triton_sparse_mla.interpreter_runs_kernels():
+        raise ValueError(f"dsa.sparse_kernel=triton on CPU: the interpreter of triton "
+                         f"{triton_sparse_mla.triton.__version__} cannot run the kernels (3.6 "
+                         "fails with NumPy 2 on their loops); pip install 'triton>=3.7' or use "
+                         "dsa.sparse_kernel=auto")
 
 
 class KLMeter:

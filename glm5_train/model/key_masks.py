@@ -60,8 +60,16 @@ def allowed_block(mask: KeyMask, t0: int, t1: int, s0: int, s1: int) -> torch.Te
 
 def document_bounds(start_BT: torch.Tensor) -> list[list[tuple[int, int]]]:
     """Per batch row, its documents' (first, past-the-last) rows, in order, from the document
-    starts of whole sequences (rows 0..T-1 at positions 0..T-1)."""
+    starts of whole sequences (rows 0..T-1 at positions 0..T-1). Starts that do not describe
+    contiguous documents (row 0 starting one, each row starting one or continuing the row
+    before's) are refused."""
     seq = start_BT.shape[1]
+    rows = torch.arange(seq, device=start_BT.device)
+    continues = torch.nn.functional.pad(start_BT[:, 1:] == start_BT[:, :-1], (1, 0))
+    if not bool(((start_BT == rows) | continues).all()):
+        raise ValueError("document starts must give every token its own document's first "
+                         "position (row 0 starts one; a token starts one or continues the "
+                         "one before): build them with key_masks.document_starts_from_*")
     bounds = []
     for row in start_BT.tolist():
         firsts = sorted(set(row))

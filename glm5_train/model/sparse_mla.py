@@ -233,6 +233,10 @@ def runs_kernel(kernel: str, q_lat: torch.Tensor, kv: torch.Tensor) -> bool:
         raise RuntimeError(f"dsa.sparse_kernel=triton cannot run on {q_lat.device} tensors "
                            "here: it needs triton and, off CUDA, TRITON_INTERPRET=1 set before "
                            "Python starts (or use dsa.sparse_kernel=auto)")
+    if torch.are_deterministic_algorithms_enabled():
+        raise RuntimeError("dsa.sparse_kernel=triton under torch.use_deterministic_algorithms"
+                           "(True): the kernels add key gradients atomically (run-to-run "
+                           "differences in the last bits); use dsa.sparse_kernel=auto or torch")
     return True
 
 
@@ -337,7 +341,7 @@ class AbsorbedSparseMLA(torch.autograd.Function):
         dq_abs_N = dq_SB[..., :latent].transpose(0, 1).to(query.dtype)
         q_nope_N = query.reshape(seq * batch, heads, -1)[..., :dn].transpose(0, 1)
         d_w_uk = torch.bmm(q_nope_N.transpose(1, 2), dq_abs_N)
-        d_q_nope = torch.bmm(dq_abs_N, w_uk.transpose(1, 2)).transpose(0, 1)
+        d_q_nope = torch.bmm(dq_abs_N, w_uk.to(dq_abs_N.dtype).transpose(1, 2)).transpose(0, 1)
         d_query = torch.cat([d_q_nope, dq_SB[..., latent:].to(query.dtype)], dim=-1)
         d_latent_key = dkv.transpose(0, 1).unsqueeze(2).to(latent_key.dtype)
         return (d_query.view(query.shape), d_latent_key, d_w_uk.to(w_uk.dtype),

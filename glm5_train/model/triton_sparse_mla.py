@@ -78,6 +78,14 @@ def interpreted() -> bool:
     return available() and not isinstance(_sparse_mla_fwd, triton.runtime.JITFunction)
 
 
+def interpreter_runs_kernels() -> bool:
+    """Whether this triton's interpreter runs the kernels: 3.6's fails with NumPy 2 on every
+    loop bounded by a scalar argument (checked: 3.6.0 fails, 3.7.1 and 3.9.0 run them);
+    compiled for a GPU, 3.6 is fine."""
+    major, minor = (int(part) for part in triton.__version__.split(".")[:2])
+    return (major, minor) >= (3, 7)
+
+
 def _exact_bf16_dot_in_interpreter() -> None:
     """Make the interpreter's ``tl.dot`` read bf16 operands as numbers. It keeps bf16 as raw
     uint16 bits and its dot multiplies those integers (triton 3.9: ~1e10 for unit inputs;
