@@ -219,9 +219,11 @@ def _log(rt: Runtime, logger: MetricsLogger, record: dict, meter: CommMeter,
     """Add the per-rank figures (memory, communication, saved bytes, the step's CPU time: the
     work each rank did, which on an oversubscribed machine wall time cannot show) and log."""
     record["mem_rss_bytes"], record["mem_peak_bytes"] = gather_memory()
-    record["step_cpu_ms"] = [r[0] for r in gather_per_rank([cpu_ms])]
-    # Each rank's Triton sparse-MLA launches so far (forward, backward): where they ran.
-    record["sparse_kernel_launches"] = gather_per_rank(list(triton_sparse_mla.LAUNCHES.values()))
+    # With the step's CPU time, each rank's Triton sparse-MLA launches so far (forward,
+    # backward): where they ran. One gather for both.
+    ranks = gather_per_rank([cpu_ms, *triton_sparse_mla.LAUNCHES.values()])
+    record["step_cpu_ms"] = [r[0] for r in ranks]
+    record["sparse_kernel_launches"] = [r[1:] for r in ranks]
     if rt.last_plan is not None:
         record["flexible_cp"] = plan_record(rt.last_plan)
     record.update(gather_fields(meter, buffer_bytes(rt.chunks, rt.optimizer, rt.zero2)))

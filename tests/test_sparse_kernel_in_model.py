@@ -46,8 +46,7 @@ WITH_MTP = [o for o in SMALL if o != NO_MTP]
 KERNEL, TORCH = "dsa.sparse_kernel=triton", "dsa.sparse_kernel=torch"
 
 
-def _parity(nprocs: int, layout: list[str], reference: list[str], work: str,
-            check_layout: bool = True) -> list[str]:
+def _parity(nprocs: int, layout: list[str], reference: list[str], work: str) -> list[str]:
     """The kernel run in ``layout`` on ``nprocs`` ranks against the torch path on one process
     (``reference`` overrides); the problems found (empty: parity, and the kernels ran)."""
     from tests.parity import FP32, assert_layout_ran, compare, run_job
@@ -56,11 +55,10 @@ def _parity(nprocs: int, layout: list[str], reference: list[str], work: str,
     got = run_job(nprocs, [*layout, KERNEL], os.path.join(work, "kernel"))
     problems = compare(ref.records, got.records, FP32)
     problems += _launch_problems(ref.records, got.records, nprocs)
-    if check_layout:
-        try:
-            assert_layout_ran(got, nprocs, [*layout, KERNEL])
-        except AssertionError as error:
-            problems.append(str(error))
+    try:
+        assert_layout_ran(got, nprocs, [*layout, KERNEL])
+    except AssertionError as error:
+        problems.append(str(error))
     return problems
 
 
@@ -141,7 +139,7 @@ def case_dense_warmup_then_sparse_stage(work: str) -> list[str]:
                "checkpoint.load_optimizer=false"]
     resumed.remove("checkpoint.load=null")
     return _parity(2, ["parallel=single", "parallel.context_parallel_size=2", *resumed],
-                   ["parallel=single", *resumed], work, check_layout=False)
+                   ["parallel=single", *resumed], work)
 
 
 def case_packed_documents_cp2(work: str) -> list[str]:

@@ -452,11 +452,8 @@ def _chunk_scores(q_BTHD, k_BSD, w_BTH, picks_BTK, keys: RowTable, scratch: Scra
                   chunk: slice, scale: float):
     """One chunk's index scores I [G, K] (-inf at invalid picks), what their backward needs
     (flat rows, gathered keys, q, w, the ReLU'd logits) and the validity [G, K]."""
-    picks_GK = picks_BTK[:, chunk].flatten(0, 1).long()
-    valid_GK = (picks_GK >= 0) & (picks_GK < keys.seq)
-    batch = picks_BTK.shape[0]
-    flat = keys.row_index(torch.where(valid_GK, picks_GK, 0).view(batch, -1,
-                                                                  picks_GK.shape[-1]))
+    flat, valid_BTK = keys.pick_rows(picks_BTK[:, chunk])
+    valid_GK = valid_BTK.flatten(0, 1)
     k_GKD = keys.gather(flat, chunk.stop - chunk.start, scratch)
     q_GHD, w_GH = _chunk_rows(q_BTHD, chunk), _chunk_rows(w_BTH, chunk)
     relu_GHK = torch.bmm(q_GHD, k_GKD.transpose(1, 2)).mul_(scale).relu_()

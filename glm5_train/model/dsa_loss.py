@@ -284,7 +284,7 @@ def sparse_indexer_kl(module, x: torch.Tensor, qr: torch.Tensor, topk_BSK: torch
     (whole sequences): ``selected_indexer_kl`` after projecting the indexer's keys."""
     x_in, qr_in = _detached_inputs(module, x, qr)
     shard = context_shard(None, x_in.shape[1], x_in.device)
-    picks = torch.where(valid_BSK, topk_BSK, -1).to(torch.int32)
+    picks = triton_sparse_mla.picks_from(topk_BSK, valid_BSK)
     return selected_indexer_kl(module, x_in, qr_in, picks, probs_BSK, shard,
                                module.indexer.sequence_keys(x_in, shard))
 

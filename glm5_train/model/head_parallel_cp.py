@@ -109,7 +109,9 @@ class HeadParallelCP:
                 x_in, qr_in, None, shard=shard, keys=tuple(k.detach() for k in keys))
             picks_BTK = picks_from(topk_BTK, picked_BTK > float("-inf"))  # int32, -1: none
             del topk_BTK, picked_BTK
-        out_hp, probs_BSK = step.sparse(q_hp, latent, gather_selection(picks_BTK, shard))
+        # Every row's picks (natural order) for this rank's heads: one all-gather of int32.
+        all_picks = gather_sequence_no_grad(picks_BTK, shard, dim=1)
+        out_hp, probs_BSK = step.sparse(q_hp, latent, all_picks)
         out = self._back(out_hp, step.rows)
         if not with_loss:
             return out
@@ -227,12 +229,6 @@ def up_project(latent: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor | No
     key = torch.cat([k_nope, k_pe[:, :, None].expand(-1, -1, w_uk.shape[0], -1)], dim=-1)
     value = None if w_uv is None else torch.einsum("sbc,nvc->sbnv", c, w_uv)
     return key, value
-
-
-def gather_selection(picks_BTK: torch.Tensor, shard: ContextShard) -> torch.Tensor:
-    """Every row's int32 picks [B, S, K] (-1: none), natural order, from each rank's own
-    rows: one all-gather."""
-    return gather_sequence_no_grad(picks_BTK, shard, dim=1)
 
 
 def sum_over_context_heads(probs_BSK: torch.Tensor, shard: ContextShard,

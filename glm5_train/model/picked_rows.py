@@ -56,6 +56,12 @@ class RowTable:
         batch_base = torch.arange(self.batch, device=idx_BTK.device) * self.b_step
         return (idx_BTK * self.s_step + batch_base[:, None, None]).flatten()
 
+    def pick_rows(self, picks_BTK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat table rows [B*T*K] and validity [B, T, K] of picks that may be invalid: a pick
+        is valid in 0..S-1 (-1: none); an invalid one reads row 0 of its batch (to be masked)."""
+        valid = (picks_BTK >= 0) & (picks_BTK < self.seq)
+        return self.row_index(torch.where(valid, picks_BTK, 0).long()), valid
+
     def gather(self, rows: torch.Tensor, tokens: int, scratch: Scratch) -> torch.Tensor:
         """[B*T, K, D] picked keys in the compute dtype (gathered first: only the chunk's rows
         are cast), written into ``scratch``."""

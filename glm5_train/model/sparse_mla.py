@@ -85,7 +85,7 @@ def latent_attention_forward(q_lat: torch.Tensor, kv: torch.Tensor, picks: torch
     buffer = Scratch(q_lat.device)
     for t0 in range(0, seq, rows):
         chunk = slice(t0, min(seq, t0 + rows))
-        flat, valid = _chunk_picks(table, picks[:, chunk])
+        flat, valid = table.pick_rows(picks[:, chunk])
         keys = table.gather(flat, chunk.stop - t0, buffer)
         q = fp32_at_least(q_lat[:, chunk]).reshape(keys.shape[0], heads, -1)
         logits = torch.bmm(keys, q.transpose(1, 2))  # [B*T, K, N]
@@ -113,7 +113,7 @@ def latent_attention_backward(q_lat: torch.Tensor, kv: torch.Tensor, picks: torc
     for t0 in range(0, seq, rows):
         chunk = slice(t0, min(seq, t0 + rows))
         tokens = chunk.stop - t0
-        flat, valid = _chunk_picks(table, picks[:, chunk])
+        flat, valid = table.pick_rows(picks[:, chunk])
         keys = table.gather(flat, tokens, buffer)  # [B*T, K, D]
         q = fp32_at_least(q_lat[:, chunk]).reshape(batch * tokens, heads, width)
         d_out = fp32_at_least(grad_out[:, chunk]).reshape(batch * tokens, heads, dv)
@@ -143,14 +143,6 @@ def latent_attention_backward(q_lat: torch.Tensor, kv: torch.Tensor, picks: torc
         dkeys = buffer.get("dkeys", keys.shape, keys.dtype)
         dkv_rows.index_add_(0, flat, torch.bmm(both, swapped, out=dkeys).view(-1, width))
     return dq.to(q_lat.dtype), table.as_input_layout(dkv_rows).to(kv.dtype)
-
-
-def _chunk_picks(table: RowTable, picks_BTK: torch.Tensor):
-    """A chunk's flat table rows and validity: a pick is valid in 0..S-1 (-1: none); invalid
-    ones read row 0 of their batch and are masked."""
-    valid = (picks_BTK >= 0) & (picks_BTK < table.seq)
-    idx = torch.where(valid, picks_BTK, 0).long()
-    return table.row_index(idx), valid
 
 
 class SparseLatentAttention(torch.autograd.Function):
