@@ -22,6 +22,26 @@ if REPO not in sys.path:  # run as `python launch/local.py` too
 from glm5_train.job_config import CONFIG_ERRORS, compose_job, one_line  # noqa: E402
 from glm5_train.pipeline_plan import resolve_pipeline_layout  # noqa: E402
 from parallel.layout import validate_layout  # noqa: E402
+from launch.usage import launcher_help, wants_help  # noqa: E402
+
+HELP_WHAT = """Train GLM-5 on this machine: compose the Hydra config the job will see (the arguments
+are Hydra overrides, passed to the job unchanged), check the layout, the data and the tokenizer,
+then start torchrun --standalone with TP x PP x CP x DP processes (DP = parallel.data_parallel_size,
+default 1) on glm5_train.train. A config, layout or data error stops it before torchrun, in one
+line. With no arguments: the tiny GLM-5 on 8 CPU processes (TP2 x PP2 x VPP2 x DP2, EP2), 30
+steps, on a corpus built from this Python's standard library."""
+HELP_EXAMPLES = [
+    "# the main job: 8 processes, 30 steps, a checkpoint at the end in outputs/<run id>/",
+    "python -m launch.local",
+    "# 2 processes (PP2), 4 steps, in a run directory of your choice",
+    "python -m launch.local parallel=pp2 train.train_iters=4 train.warmup_iters=1 "
+    "hydra.run.dir=outputs/pp2",
+    "# chat SFT on data made by tools/prepare_chat_sft.py (same tokenizer, same seq length)",
+    "python -m launch.local parallel=single data=chat_sft data.paths=[data/sft] \\",
+    "    data.tokenizer=tests/data/glm_tiny_tokenizer train.seq_length=256",
+    "# resume a run from its newest checkpoint (checkpoint.load=auto is the default)",
+    "python -m launch.local hydra.run.dir=outputs/pp2 parallel=pp2 train.train_iters=8",
+]
 
 
 def nproc_for(job) -> int:
@@ -35,6 +55,10 @@ def torchrun_command(nproc: int, overrides: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    if wants_help(argv):  # before Hydra, which would read --help as a malformed override
+        print(launcher_help("python -m launch.local [-h] [hydra overrides...]", HELP_WHAT,
+                            HELP_EXAMPLES))
+        return 0
     job = compose_job(argv)
     nproc = nproc_for(job)
     t = job.train

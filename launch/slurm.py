@@ -46,6 +46,7 @@ from glm5_train.run_dir import (
     register_resolvers,
 )
 from launch.slurm_plan import Allocation, LaunchError, Plan, parallel_config, plan_processes
+from launch.usage import launcher_help, wants_help
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_DIR = os.path.join(REPO, "configs")
@@ -57,6 +58,21 @@ PORT_SPAN = 17000
 USER_ERRORS = (LaunchError, RunDirTaken, FileNotFoundError, CompactHydraException,
                OmegaConfBaseException)
 USAGE_ERROR_STATUS = 2
+HELP_WHAT = """The batch step of launch/slurm.sbatch (submit that script; this module runs inside
+the allocation): plans processes per node from the layout and the allocation (one per GPU, or
+world size / nodes without GPUs), refuses a layout that does not fit in one line, claims the run
+directory outputs/slurm_<jobid> (a requeued attempt resumes there from its newest checkpoint) and
+starts one srun step with one rank per task. The arguments are the job's Hydra overrides,
+unchanged. SIGUSR1 (--signal=B:USR1@300) makes the ranks save and the job requeue itself."""
+HELP_EXAMPLES = [
+    "# two CPU nodes: the tiny GLM-5 on 4 ranks (PP2 x DP2), 8 steps, a checkpoint every 4",
+    "sbatch --nodes=2 launch/slurm.sbatch parallel=pp2 parallel.data_parallel_size=2 \\",
+    "    train.train_iters=8 checkpoint.save_interval=4",
+    "# GPU nodes: ask slurm for the GPUs; one rank per GPU (here 256)",
+    "sbatch --nodes=32 --gpus-per-node=8 launch/slurm.sbatch model=glm5_744b \\",
+    "    parallel=glm5_slime_256gpu train=glm5_pretrain \\",
+    "    data.paths=[/lustre/corpus/glm_text_document] data.tokenizer=/models/GLM-5",
+]
 
 
 @dataclass(frozen=True)
@@ -271,6 +287,11 @@ def requeue_self(job: SlurmJob, console: Console) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if wants_help(argv):  # before the slurm checks: answers outside an allocation too
+        print(launcher_help("sbatch --nodes=N [--gpus-per-node=G] launch/slurm.sbatch "
+                            "[hydra overrides...]   (runs python -m launch.slurm [-h] ...)",
+                            HELP_WHAT, HELP_EXAMPLES))
+        return 0
     banner: list[str] = []
     job = SlurmJob.from_env(os.environ)
     say(f"slurm job {job.job_id}, attempt {job.attempt + 1}, code from {checkout_of_job_code()}",

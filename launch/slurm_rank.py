@@ -44,6 +44,13 @@ def interface_towards(address: str) -> tuple[str, str] | None:
 
 
 def main(argv: list[str]) -> int:
+    if any(arg in ("-h", "--help") for arg in argv):  # not Hydra's: it would start the job
+        print(f"usage: python -m launch.slurm_rank [-h] [hydra overrides...]   (srun runs it)\n\n"
+              f"{__doc__.strip()}\n\nExamples:\n  # not run by hand: submit the job, "
+              f"launch/slurm.py starts this once per rank\n"
+              f"  sbatch --nodes=2 launch/slurm.sbatch parallel=pp2 parallel.data_parallel_size=2\n"
+              f"  python -m launch.slurm --help   # the config groups and keys")
+        return 0
     env = dict(os.environ)
     env.update(torch_env(env))
     route = interface_towards(env["MASTER_ADDR"])

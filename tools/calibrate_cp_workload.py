@@ -33,6 +33,15 @@ from parallel.flexible_cp import Workload, fit_workload
 TOKENIZER = os.path.join(REPO, "tests", "data", "glm_tiny_tokenizer")
 
 
+# --help's epilog: what a first run types
+EXAMPLES = r"""Examples:
+  # fit the flexible-CP workload model of the tiny GLM-5 (four lengths, 3 steps each)
+  python tools/calibrate_cp_workload.py model=glm5_tiny
+  # shorter lengths and the frozen-indexer stage, the configuration you will train
+  python tools/calibrate_cp_workload.py model=glm5_tiny dsa=frozen_indexer --lengths 256,512 --steps 2
+"""
+
+
 def run_job(overrides: list[str], run_dir: str) -> list[dict]:
     """One-process training job; its metrics.jsonl records (exits with its log on failure)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -92,7 +101,9 @@ def calibrate(lengths: list[int], overrides: list[str], steps: int) -> Workload:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="1024,2048,4096,8192")
     parser.add_argument("--steps", type=int, default=3)
     args, overrides = parser.parse_known_args()

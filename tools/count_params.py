@@ -113,6 +113,14 @@ PARAMS_DTYPE_NAME = "bf16"
 # ----------------------------------------------------------------------------------------------
 
 
+# --help's epilog: what a first run types
+EXAMPLES = r"""Examples:
+  python tools/count_params.py model=glm5_744b
+  python tools/count_params.py model=glm5_tiny model.num_hidden_layers=6
+  python tools/count_params.py model=glm5_tiny --materialize   # allocate on CPU (small configs)
+"""
+
+
 def build_chunks(cfg: GLM5Config, materialize: bool):
     """Build the model as training does. On meta (default) nothing is allocated: megatron's
     ``use_cpu_initialization`` path creates its weights with ``torch.empty`` and no device,
@@ -440,7 +448,9 @@ def _header(cfg: GLM5Config, materialize: bool, seconds: float, built: Built) ->
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog=EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*",
                    help="Hydra overrides, e.g. model=glm5_744b model.num_hidden_layers=4")
     p.add_argument("--materialize", action="store_true",

@@ -44,6 +44,16 @@ SPAN = re.compile(r"(forward|backward) chunk (\d+) micro-batch (\d+)$")
 COMM = re.compile(r"[a-z_]+:\d+$")
 
 
+# --help's epilog: what a first run types
+EXAMPLES = r"""Examples:
+  # trace step 2 of a PP2 x VPP2 run, then draw it beside the planner's replay
+  torchrun --nproc-per-node 2 -m glm5_train.train parallel=pp2_vpp2 train.train_iters=2 \
+      train.profile_steps=[2,2] hydra.run.dir=outputs/pp2_vpp2_trace
+  python tools/draw_timeline.py outputs/pp2_vpp2_trace
+  python tools/draw_timeline.py outputs/pp2_vpp2_trace --memory   # traced with train.profile_memory=true
+"""
+
+
 def trace_events(run_dir: str, rank: int) -> list[dict]:
     with open(os.path.join(run_dir, "profile", f"rank{rank:05d}.json"), encoding="utf-8") as f:
         return json.load(f)["traceEvents"]
@@ -126,7 +136,9 @@ def draw(axis, timed: dict[int, list[TimedOp]], comms: dict[int, list] | None, t
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir")
     parser.add_argument("--output", help="default: <run dir>/profile/timeline.png")
     parser.add_argument("--memory", action="store_true",

@@ -29,11 +29,29 @@ from parallel.process_groups import destroy_distributed  # noqa: E402
 # ----------------------------------------------------------------------------------------------
 
 
+# --help's epilog: what a first run types
+EXAMPLES = r"""Examples:
+  # a tiny random HF GLM-5 (the shapes of model=glm5_tiny) to try the round trip on
+  python tools/hf_checkpoint.py make-tiny --hf-dir /tmp/hf_tiny
+  # HF -> a weights-only checkpoint in the PP2 layout (2 processes)
+  torchrun --nproc-per-node 2 tools/hf_checkpoint.py import --hf-dir /tmp/hf_tiny \
+      --save /tmp/ckpt_hf model=glm5_tiny parallel=pp2 model.mtp_num_steps=0
+  # a training run's checkpoint -> HF safetensors + config.json + tokenizer +
+  # generation_config.json (transformers' from_pretrained / generate load it)
+  torchrun --nproc-per-node 1 tools/hf_checkpoint.py export --load outputs/<run>/checkpoints \
+      --hf-dir /tmp/hf_out model=glm5_tiny parallel=single data.tokenizer=tests/data/glm_tiny_tokenizer
+"""
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="tools/hf_checkpoint.py",
         description="Convert between Hugging Face GLM-5 checkpoints and this project's "
-                    "distributed checkpoints; run under torchrun in any layout.")
+                    "distributed checkpoints; run under torchrun in any layout (import: "
+                    "every rank reads only the slices it owns; export: streamed one decoder "
+                    "layer per shard through rank 0). Hydra overrides after the options "
+                    "name the model and layout (python -m launch.local --help lists them).",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="HF safetensors -> weights-only distributed checkpoint")
     imp.add_argument("--hf-dir", required=True, help="HF model directory (config.json, "

@@ -28,8 +28,18 @@ from glm5_train.train import quiet_megatron  # noqa: E402
 from parallel import mcore_compat, process_groups  # noqa: E402
 
 
+# --help's epilog: what a first run types
+EXAMPLES = r"""Examples:
+  # logits of a 2-process (TP2) checkpoint for tokens.pt (int64 [B, S])
+  torchrun --nproc-per-node 2 tools/logits.py --load outputs/run/checkpoints \
+      --tokens tokens.pt --out logits.pt model=glm5_tiny parallel=tp2
+"""
+
+
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--load", required=True, help="checkpoint.save directory")
     parser.add_argument("--tokens", required=True, help="torch file with int64 tokens [B, S]")
     parser.add_argument("--out", required=True, help="where to write fp32 logits [B, S, V]")

@@ -7,6 +7,24 @@
 # distribution with that check waived (its C++ dataset helpers compile here). torch 2.13.0
 # first and alone, as in the README (its CPU build is on local disk on the dev machines).
 set -euo pipefail
+usage() {
+  cat <<'TXT'
+usage: tools/mcore_release_venv.sh [-h] VERSION DIR
+
+Build a virtual environment at DIR holding this checkout on megatron-core VERSION (torch 2.13.0
+first, then the release, built from its source distribution with its Python check waived on
+Python < 3.12, then the project with its dev extras), for checking the project against another
+megatron-core release on this machine (tests/test_mcore_release.py reads GLM5_MCORE_0_19_PYTHON).
+
+Examples:
+  bash tools/mcore_release_venv.sh 0.19.2 /tmp/venv-mcore-0.19.2
+  GLM5_MCORE_0_19_PYTHON=/tmp/venv-mcore-0.19.2/bin/python python -m pytest -q tests/test_mcore_release.py
+TXT
+}
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+  usage
+  exit 0
+fi
 if [ $# -ne 2 ]; then
   echo "usage: $0 VERSION DIR   (e.g. $0 0.19.2 /tmp/venv-mcore-0.19)" >&2
   exit 2

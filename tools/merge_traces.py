@@ -20,6 +20,13 @@ import sys
 RANK_FILE = re.compile(r"rank(\d+)\.json$")
 
 
+# --help's epilog: what a first run types
+EXAMPLES = r"""Examples:
+  python tools/merge_traces.py outputs/pp2_vpp2_trace/profile
+  python tools/merge_traces.py outputs/pp2_vpp2_trace/profile --output /tmp/merged.json
+"""
+
+
 def rank_traces(directory: str) -> dict[int, dict]:
     """{rank: its trace} for every ``rank<N>.json`` in ``directory``."""
     found = {}
@@ -66,7 +73,9 @@ def annotation_counts(trace: dict) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", help="the run's profile/ directory")
     parser.add_argument("--output", help="default: <directory>/merged.json")
     args = parser.parse_args(argv)

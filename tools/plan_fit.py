@@ -81,6 +81,15 @@ NO_RECOMPUTE = ["activations.recompute_granularity=null", "activations.recompute
                 "activations.recompute_num_layers=null", "activations.recompute_modules=[]"]
 
 
+# --help's epilog: what a first run types
+EXAMPLES = r"""Examples:
+  # the 744B SFT at 202,752 tokens on 256 H100
+  python tools/plan_fit.py +experiment=glm5_sft_202k
+  python tools/plan_fit.py +experiment=glm5_sft_202k parallel.context_parallel_size=8 --dp 1
+  python tools/plan_fit.py --recipes   # the published GLM-5 recipes, then on fewer GPUs
+"""
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """The plan with one technique changed: ``removes`` names a technique the plan uses that
@@ -177,7 +186,9 @@ class Fit:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog=EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=glm5_sft_202k")
     p.add_argument("--dp", type=int, default=None,
                    help="data-parallel size (default: parallel.data_parallel_size, else 1)")

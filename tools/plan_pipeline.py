@@ -67,8 +67,18 @@ GIB, MIB = 2**30, 2**20
 PLACEMENTS = ("with_loss", "split")
 
 
+# --help's epilog: what a first run types
+EXAMPLES = r"""Examples:
+  python tools/plan_pipeline.py model=glm5_tiny parallel=pp2_vpp2
+  python tools/plan_pipeline.py model=glm5_tiny parallel=pp2_vpp2 --balance memory
+  python tools/plan_pipeline.py model=glm5_744b train=glm5_pretrain parallel=glm5_slime_256gpu --dp 32
+"""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog=EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=glm5_744b "
                    "parallel.pipeline_model_parallel_size=8")
     p.add_argument("--dp", type=int, default=None,

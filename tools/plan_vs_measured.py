@@ -29,6 +29,13 @@ from glm5_train.job_config import compose_job
 from glm5_train.run_dir import run_overrides
 
 
+# --help's epilog: what a first run types
+EXAMPLES = r"""Examples:
+  python tools/plan_vs_measured.py outputs/<run>
+  python tools/plan_vs_measured.py outputs/<run> --step 4
+"""
+
+
 def step_record(run_dir: str, step: int | None) -> dict:
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as handle:
         records = [json.loads(line) for line in handle if line.strip()]
@@ -50,7 +57,9 @@ def compare(run_dir: str, step: int | None = None) -> tuple[list[str], dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir")
     parser.add_argument("--step", type=int)
     args = parser.parse_args(argv)

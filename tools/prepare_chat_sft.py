@@ -35,8 +35,21 @@ from glm5_train.chat_data import OVERLONG_CHOICES, write_chat_sft_dataset  # noq
 from glm5_train.data import expand_inputs  # noqa: E402
 
 
+# --help's epilog: what a first run types
+EXAMPLES = r"""Examples:
+  # with the offline tiny GLM-style tokenizer in the repository
+  python tools/prepare_chat_sft.py --input tests/data/chat_small.jsonl --output-prefix data/sft \
+      --tokenizer tests/data/glm_tiny_tokenizer --seq-length 256
+  # GLM-5's own tokenizer; cut conversations longer than a sequence instead of refusing them
+  python tools/prepare_chat_sft.py --input chats.jsonl --output-prefix data/sft \
+      --tokenizer /models/GLM-5 --seq-length 202752 --overlong truncate
+"""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog=EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True,
                    help="chat jsonl files or globs (one conversation per line)")
     p.add_argument("--output-prefix", required=True,

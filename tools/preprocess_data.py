@@ -31,8 +31,18 @@ from glm5_train.tokenizer import build_tokenizer  # noqa: E402
 __all__ = ["build_indexed_dataset", "main"]
 
 
+# --help's epilog: what a first run types
+EXAMPLES = r"""Examples:
+  python tools/preprocess_data.py --input 'corpus/*.jsonl' --output-prefix data/corpus --tokenizer byte
+  python tools/preprocess_data.py --input docs/*.md --output-prefix data/docs \
+      --tokenizer tests/data/glm_tiny_tokenizer
+"""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog=EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True,
                    help="input files or globs (.jsonl/.json = one document per line)")
     p.add_argument("--output-prefix", required=True,

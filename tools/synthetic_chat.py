@@ -28,6 +28,15 @@ from glm5_train.chat_data import ChatTemplateEncoder, Conversation
 WORDS = ["alpha", "beta", "gamma", "delta", "kernel", "tensor", "shard", "group", "token", "layer", "expert", "router", "cache", "pipeline", "stage", "gradient", "norm", "scale", "sparse", "dense", "index", "query", "key", "value", "latent", "rope", "window", "chunk", "batch", "rank", "node", "host", "device", "stream"]
 
 
+# --help's epilog: what a first run types
+EXAMPLES = r"""Examples:
+  python tools/synthetic_chat.py --output chats.jsonl --tokenizer tests/data/glm_tiny_tokenizer \
+      --lengths 200,120,80
+  python tools/synthetic_chat.py --output chats.jsonl --tokenizer <hf-dir> \
+      --long-tail 64 --short-max 8192 --long 65536,131072,202752 --seed 0
+"""
+
+
 def long_tail_lengths(count: int, short_max: int, long: list[int], seed: int) -> list[int]:
     """``count`` lengths log-uniform in [128, short_max], then the ``long`` ones, shuffled."""
     rng = random.Random(seed)
@@ -64,7 +73,9 @@ class LengthWriter:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", required=True)
     parser.add_argument("--tokenizer", required=True, help="local Hugging Face tokenizer dir")
     parser.add_argument("--lengths", help="comma-separated token lengths")

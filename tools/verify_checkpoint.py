@@ -24,6 +24,13 @@ if _REPO_ROOT not in sys.path:
 from glm5_train import checkpoint_store as store
 
 
+# --help's epilog: what a first run types
+EXAMPLES = r"""Examples:
+  python tools/verify_checkpoint.py outputs/<run>/checkpoints
+  python tools/verify_checkpoint.py outputs/<run>/checkpoints/iter_0000004
+"""
+
+
 def describe(directory: str, problem: str | None) -> str:
     """The line for one checkpoint directory, given ``store.verify``'s answer for it."""
     name = os.path.basename(os.path.normpath(directory))
@@ -78,7 +85,9 @@ def check_path(path: str) -> tuple[bool, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tools/verify_checkpoint.py",
-                                     description=__doc__.split("\n\n")[0])
+                                     description=__doc__.split("\n\n")[0],
+                                     epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", metavar="PATH",
                         help="a save directory or one checkpoint directory")
     args = parser.parse_args(argv)
