@@ -6,6 +6,8 @@ Fast, no processes. Checked here:
   (c) every relative link in README.md and docs/*.md resolves (file, and #anchor to a heading by
       GitHub's slug rules), (d) the README is at most 200 lines, (e) the README links every page
       of docs/ directly, (f) every row of the README's feature table links a doc that exists,
+  (g) every repository file path the README and docs write out (`parallel/x.py`,
+      `python tools/x.py`, ...) exists, so a moved or renamed file shows where docs still name it,
   and the lines CI and users rely on stay in the README.
 
 The map's convention (stated at its top in the README): inside the map's code block an
@@ -33,6 +35,10 @@ PENDING_DOCS = {"docs/journeys.md": "small end-to-end journeys, being written"}
 
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^()\s]+)(?:\s+\"[^\"]*\")?\)")
 NAME = re.compile(r"^[\w.+-]+\.\w+$")
+# A repository file path written out in prose or code: a top folder, then a name with one of
+# these extensions (module references such as `glm5_train/model/dsa.DSAIndexer` do not match).
+FILE_PATH = re.compile(r"(?<![\w/.-])((?:glm5_train|parallel|launch|tools|bench|tests|configs|docs)"
+                       r"/[\w/.-]*\w\.(?:py|sh|sbatch|yaml|md|png|jsonl?))(?![\w/])")
 
 
 # --- the checkers (each takes a repository root, so the tests below can plant faults) -------
@@ -195,6 +201,13 @@ def linked_files(root: str, path: str) -> set[str]:
     return out
 
 
+def absent_paths(root: str, rel: str) -> list[str]:
+    """Repository file paths the markdown file ``rel`` writes out that do not exist."""
+    found = FILE_PATH.findall(read(root, rel))
+    return sorted({f"{rel}: {path}" for path in found
+                   if path not in PENDING_DOCS and not os.path.exists(os.path.join(root, path))})
+
+
 def feature_rows(readme: str) -> list[str]:
     rows = [line for line in section(readme, FEATURES_HEADING).splitlines()
             if line.startswith("|")]
@@ -232,6 +245,14 @@ def test_every_relative_link_in_the_readme_and_docs_resolves():
     for rel in ["README.md", *doc_pages(REPO)]:
         bad += broken_links(REPO, os.path.join(REPO, rel))
     assert not bad, "broken links:\n" + "\n".join(bad)
+
+
+def test_every_file_path_the_readme_and_docs_name_exists():
+    bad = []
+    for rel in ["README.md", *doc_pages(REPO)]:
+        bad += absent_paths(REPO, rel)
+    assert not bad, ("files named in the README or docs that do not exist (moved or renamed? "
+                     "update the text, or name the tool command instead):\n" + "\n".join(bad))
 
 
 def test_readme_is_at_most_200_lines():
@@ -341,6 +362,14 @@ def test_checker_catches_broken_links_and_anchors(tmp_path):
     assert any("docs/b.md" in b for b in bad) and any("#nowhere" in b for b in bad)
     assert any("outside the repository" in b for b in bad)
     assert linked_files(root, os.path.join(root, "README.md")) >= {"docs/a.md", "docs/b.md"}
+
+
+def test_checker_catches_a_named_path_that_is_gone(tmp_path):
+    root = str(tmp_path)
+    write(root, "tools/plan_fit.py")
+    write(root, "docs/a.md", "Run `python tools/plan_fit.py`; the costs are in\n"
+          "`glm5_train/model/stage_costs.py` (`glm5_train/model/dsa.DSAIndexer` is a name).\n")
+    assert absent_paths(root, "docs/a.md") == ["docs/a.md: glm5_train/model/stage_costs.py"]
 
 
 def test_github_slug_rules():
