@@ -23,6 +23,30 @@ import torch.distributed as dist
 
 from parallel.grad_norms import ParamGradNorms
 
+NONFINITE_POLICIES = ("skip", "stop")
+
+
+@dataclass
+class NonfiniteOptions:
+    """``train.nonfinite*`` keys (part of the job's TrainConfig)."""
+
+    # A step whose loss or gradients are not finite (reported with step, rank, first parameter
+    # and samples): "stop" the job, or "skip" its update (the batch counts as consumed) up to
+    # nonfinite_max_consecutive steps in a row and nonfinite_max_total in the run.
+    nonfinite: str = "stop"
+    nonfinite_max_consecutive: int = 3
+    nonfinite_max_total: int = 20
+
+
+def check_nonfinite_options(opts: NonfiniteOptions) -> None:
+    if opts.nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"train.nonfinite={opts.nonfinite!r}: use 'stop' (end the job at a "
+                         "non-finite step) or 'skip' (drop its update, within the caps)")
+    for name in ("nonfinite_max_consecutive", "nonfinite_max_total"):
+        if getattr(opts, name) < 1:
+            raise ValueError(f"train.{name}={getattr(opts, name)} must be >= 1 (use "
+                             "train.nonfinite=stop to allow no skipped step)")
+
 
 class NonFiniteStepError(FloatingPointError):
     """The job stops at a non-finite step (train.nonfinite=stop, or skip past its caps)."""

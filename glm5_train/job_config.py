@@ -18,13 +18,16 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from glm5_train.activation_config import ActivationsConfig
+from glm5_train.bad_steps import NonfiniteOptions, check_nonfinite_options
 from glm5_train.checkpoint import CheckpointConfig
 from glm5_train.data import DataConfig
 from glm5_train.model.config import GLM5Config
 from glm5_train.model.dsa_loss import DSATrainingConfig
+from glm5_train.profiling import ProfileOptions, check_profile_options
 from glm5_train.run_dir import register_resolvers, run_id
-from parallel.int4_qat import check_group_size
+from parallel.int4_qat import Int4QATOptions, check_group_size
 from parallel.layout import ParallelConfig
+from parallel.muon import MuonOptions, check_muon_options
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -47,8 +50,16 @@ def one_line(err: BaseException) -> str:
     return message
 
 
+# train.warmup_iters=null: this many warm-up steps, but at most half the run (a run of 4 steps
+# or fewer would otherwise spend every step warming up, the first at learning rate 0).
+DEFAULT_WARMUP_STEPS = 5
+
+
 @dataclass
-class TrainConfig:
+class TrainConfig(ProfileOptions, NonfiniteOptions, Int4QATOptions, MuonOptions):
+    """The ``train`` config group: steps, batch, precision, AdamW and its schedule here; each
+    technique's ``train.*`` keys in its own module (``*Options`` above, checked there)."""
+
     train_iters: int = 20
     global_batch_size: int = 8
     micro_batch_size: int = 1
@@ -59,7 +70,7 @@ class TrainConfig:
     # AdamW with linear warm-up and cosine decay, in optimizer steps.
     lr: float = 3e-3
     min_lr: float = 3e-4
-    warmup_iters: int = 5
+    warmup_iters: int | None = None  # null: DEFAULT_WARMUP_STEPS, at most half the run
     lr_decay_iters: int | None = None
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
@@ -68,37 +79,21 @@ class TrainConfig:
     clip_grad: float = 1.0
     # "adamw", or "muon": Muon on weight matrices + AdamW on embedding/head/norms/biases/router.
     optimizer: str = "adamw"
-    muon_momentum: float = 0.95
-    muon_nesterov: bool = True
-    muon_ns_steps: int = 5
-    muon_split_mla: bool = True  # Muon Split: per-head W_UQ / W_UK / W_UV (GLM-5 default)
-    # With parallel.use_distributed_optimizer: one owner rank per matrix (true), or the naive
-    # reference where every rank gathers every Muon gradient (false; for bench/muon_comm.py).
-    muon_zero_redundant: bool = True
     # Log every parameter's reduced, pre-clipping gradient L2 norm per step in metrics.jsonl
     # (``param_grad_norms``: {global tensor name: norm}, the same names in every layout; see
     # parallel/grad_norms.py). For parity checks and debugging: one all_gather_object per step.
     log_param_grad_norms: bool = False
-    # A step whose loss or gradients are not finite (reported with step, rank, first parameter
-    # and samples): "stop" the job, or "skip" its update (the batch counts as consumed) up to
-    # nonfinite_max_consecutive steps in a row and nonfinite_max_total in the run.
-    nonfinite: str = "stop"
-    nonfinite_max_consecutive: int = 3
-    nonfinite_max_total: int = 20
-    # torch.profiler traces of steps [first, last] (glm5_train/profiling.py); None: none.
-    profile_steps: list[int] | None = None
-    profile_shapes: bool = False
-    profile_memory: bool = False
-    # INT4 quantisation-aware training (parallel/int4_qat.py): the routed experts' weights
-    # enter every forward as weight-only symmetric INT4, one bfloat16 scale per
-    # int4_group_size inputs of a row (the weights export as that INT4 checkpoint bit for bit:
-    # tools/hf_checkpoint.py export --int4).
-    int4_qat: bool = False
-    int4_group_size: int = 32
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.params_dtype]
+
+    @property
+    def warmup_steps(self) -> int:
+        """The learning-rate warm-up's length in optimizer steps (warmup_iters resolved)."""
+        if self.warmup_iters is not None:
+            return self.warmup_iters
+        return min(DEFAULT_WARMUP_STEPS, self.train_iters // 2)
 
     def validate(self) -> None:
         for name in ("train_iters", "global_batch_size", "micro_batch_size", "seq_length",
@@ -113,23 +108,19 @@ class TrainConfig:
             raise ValueError(f"train.min_lr={self.min_lr} must lie in [0, train.lr={self.lr}]")
         if self.optimizer not in ("adamw", "muon"):
             raise ValueError(f"train.optimizer={self.optimizer!r}: use 'adamw' or 'muon'")
-        if self.warmup_iters < 0 or self.warmup_iters > self.train_iters:
-            raise ValueError(f"train.warmup_iters={self.warmup_iters} must lie in "
-                             f"[0, train.train_iters={self.train_iters}]")
-        _check_nonfinite(self)
-        _check_profile_steps(self)
+        _check_warmup(self)
+        check_muon_options(self)
+        check_nonfinite_options(self)
+        check_profile_options(self, self.train_iters)
 
 
-def _check_profile_steps(t: TrainConfig) -> None:
-    steps = t.profile_steps
-    if steps is None:
-        return
-    if (not isinstance(steps, list) or len(steps) != 2
-            or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
-            or not 1 <= steps[0] <= steps[1] <= t.train_iters):
-        raise ValueError(f"train.profile_steps={steps}: give [first, last] step numbers with "
-                         f"1 <= first <= last <= train.train_iters={t.train_iters}, e.g. "
-                         "train.profile_steps=[2,3], or null for no trace")
+def _check_warmup(t: TrainConfig) -> None:
+    warmup, steps = t.warmup_iters, t.train_iters
+    if warmup is not None and not 0 <= warmup <= steps:
+        raise ValueError(f"train.warmup_iters={warmup} must lie in [0, train.train_iters="
+                         f"{steps}]: set e.g. train.warmup_iters={steps // 2}, or "
+                         f"train.warmup_iters=null ({DEFAULT_WARMUP_STEPS} steps, at most half "
+                         "the run)")
 
 
 @dataclass
@@ -214,16 +205,6 @@ def _check_flexible_cp(job: JobConfig) -> None:
                          f"{job.activations.offload_micro_batches}: offloading plans a fixed "
                          "micro-batch count, flexible groups vary it per batch; set "
                          "activations.offload_micro_batches=0")
-
-
-def _check_nonfinite(t: TrainConfig) -> None:
-    if t.nonfinite not in ("skip", "stop"):
-        raise ValueError(f"train.nonfinite={t.nonfinite!r}: use 'stop' (end the job at a "
-                         "non-finite step) or 'skip' (drop its update, within the caps)")
-    for name in ("nonfinite_max_consecutive", "nonfinite_max_total"):
-        if getattr(t, name) < 1:
-            raise ValueError(f"train.{name}={getattr(t, name)} must be >= 1 (use "
-                             "train.nonfinite=stop to allow no skipped step)")
 
 
 def _check_adam(t: TrainConfig) -> None:

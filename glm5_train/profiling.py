@@ -16,9 +16,32 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass
+class ProfileOptions:
+    """``train.profile_*`` keys (part of the job's TrainConfig)."""
+
+    # torch.profiler traces of steps [first, last]; None: none.
+    profile_steps: list[int] | None = None
+    profile_shapes: bool = False
+    profile_memory: bool = False
+
+
+def check_profile_options(opts: ProfileOptions, train_iters: int) -> None:
+    steps = opts.profile_steps
+    if steps is None:
+        return
+    if (not isinstance(steps, list) or len(steps) != 2
+            or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
+            or not 1 <= steps[0] <= steps[1] <= train_iters):
+        raise ValueError(f"train.profile_steps={steps}: give [first, last] step numbers with "
+                         f"1 <= first <= last <= train.train_iters={train_iters}, e.g. "
+                         "train.profile_steps=[2,3], or null for no trace")
 
 
 def profiling_now() -> bool:

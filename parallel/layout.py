@@ -10,13 +10,33 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from parallel.context_parallel import check_shardable
-from parallel.hierarchical_all_to_all import node_split
+from parallel.context_parallel import (
+    CP_COMMS,
+    ContextCommOptions,
+    check_context_comm,
+    check_shardable,
+    context_parallel_rank_lists,
+)
+from parallel.deferred_wgrad import DeferredWgradOptions, check_deferred_wgrad
+from parallel.flexible_cp import CP_GROUPS, FlexibleCPOptions, check_flexible_cp
+from parallel.host_optimizer import HostOptimizerOptions, check_host_optimizer
+from parallel.layout_error import LayoutError
+from parallel.pipeline_layout import (
+    MTP_PLACEMENTS,
+    PipelineScheduleOptions,
+    check_interleaving,
+    check_mtp_placement,
+)
+from parallel.pipeline_zero2 import PipelineZero2Options, check_pipeline_zero2
+
+# Re-exported: the names code and tests import from this module.
+__all__ = ["CP_COMMS", "CP_GROUPS", "MTP_PLACEMENTS", "LayoutError", "ParallelConfig",
+           "ParallelSizes", "context_parallel_rank_lists", "validate_layout"]
 
 
 class ModelShape(Protocol):
@@ -39,7 +59,9 @@ class ModelShape(Protocol):
 
 @dataclass
 class ParallelSizes:
-    """The parallel sizes megatron-core's TransformerConfig needs (subset of ParallelConfig)."""
+    """The parallel sizes, in megatron-core's names: the one place they are declared and mapped
+    to megatron-core's keywords (``mcore_kwargs``), for its TransformerConfig and its process
+    groups. ``ParallelConfig`` is these plus each technique's options."""
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -50,80 +72,6 @@ class ParallelSizes:
     sequence_parallel: bool = False
     pipeline_model_parallel_layout: str | None = None
     moe_token_dispatcher_type: str = "alltoall"
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-
-@dataclass
-class ParallelConfig:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: int | None = None
-    context_parallel_size: int = 1
-    sequence_parallel: bool = False
-    pipeline_model_parallel_layout: str | None = None
-    moe_token_dispatcher_type: str = "alltoall"
-    use_distributed_optimizer: bool = False
-    overlap_grad_reduce: bool = False
-    backend: str | None = None  # None: nccl with CUDA, gloo without
-    # Optional: the launcher starts TP x PP x CP x this many processes; when set, the job checks
-    # the world size agrees. Null: derived from the world size.
-    data_parallel_size: int | None = None
-    # Where the MTP layer goes when no layout is given and PP > 1 (the layout is then balanced
-    # by glm5_train.pipeline_plan): "split" (GLM-5: MTP transformer on the stage before the
-    # loss stage, its output head with the main one) or "with_loss" (megatron-core's).
-    mtp_placement: str = "split"
-    # The balancer evens out compute per stage among layouts whose ranks fit this many GiB
-    # (estimated); null: no limit, memory only breaks ties.
-    stage_memory_limit_gib: float | None = None
-    # Pipeline ZeRO2 (parallel/pipeline_zero2.py): keep 1/dp of each chunk's gradients plus two
-    # shared full-size accumulation buffers, instead of every chunk's full gradient buffer.
-    # Needs use_distributed_optimizer=true (it steps those slices).
-    pipeline_zero2: bool = False
-    # Interleaved schedule: consecutive micro-batches a virtual stage runs before the next
-    # (megatron-core's microbatch_group_size_per_vp_stage; null: PP). Larger groups keep more
-    # activations in flight but cut Pipeline ZeRO2's reduce-scatters to one per group.
-    microbatch_group_size_per_vp_stage: int | None = None
-    # Context parallelism's exchange (context_parallel_size > 1): "all_gather" (queries stay on
-    # their sequence shard, the latent and indexer keys are all-gathered) or "head_parallel"
-    # (Ulysses: queries go to head shards over the whole sequence by all-to-all, outputs come
-    # back; glm5_train/model/head_parallel_cp.py). head_parallel's all-to-all runs in two levels
-    # with cp_node_size (global ranks per node: inside each node, then across nodes;
-    # parallel/hierarchical_all_to_all.py); null: one flat all-to-all over the CP group.
-    cp_comm: str = "all_gather"
-    cp_node_size: int | None = None
-    # Context-parallel groups (parallel/flexible_cp.py): "fixed" (every sequence over
-    # context_parallel_size ranks) or "flexible" (per global batch, the data-parallel ranks form
-    # CP groups of 1 .. flexible_cp_max_size ranks, powers of two, sized to each chat SFT
-    # conversation and filled by the workload model below; context_parallel_size stays 1).
-    cp_groups: str = "fixed"
-    flexible_cp_max_size: int = 1
-    # The workload model: seconds per causal token pair of a document (the DSA indexer), per
-    # selected key (sparse attention and its KL), per token (the rest). Measured with
-    # tools/calibrate_cp_workload.py; the defaults are glm5_tiny's on a 2-core CPU (measured at
-    # 512-4096 tokens, fit within 3%; past the top-k the selected-key term folds into token).
-    flexible_cp_cost_pair: float = 1.03e-7
-    flexible_cp_cost_selected: float = 0.0
-    flexible_cp_cost_token: float = 3.30e-4
-    # Replay: plan each global batch as for this many data-parallel ranks and run every bin of
-    # the plan whole on this one process (null: plan for the run's own ranks). Reproduces a
-    # larger run's micro-batches in one process, e.g. to check its numerics.
-    flexible_cp_plan_ranks: int | None = None
-    # Optimizer state in host memory (parallel/host_optimizer.py, megatron-core's hybrid
-    # optimizer): the first optimizer_offload_fraction of the parameter elements step on the
-    # host (fp32 copies, AdamW moments there; gradients copied over, updated values back), the
-    # rest on the device; overlap_cpu_optimizer_d2h_h2d: the copies on side streams, per
-    # parameter (CUDA). With Muon: its AdamW part's state on the host, whole (parallel/muon.py;
-    # its matrices' momentum stays on the device).
-    optimizer_cpu_offload: bool = False
-    optimizer_offload_fraction: float = 1.0
-    overlap_cpu_optimizer_d2h_h2d: bool = False
-    # Deferred weight gradients (parallel/deferred_wgrad.py, ZB-H1 style): linear layers'
-    # weight-gradient GEMMs leave the backward and run inside the pipeline p2p waits, so a
-    # stage's input gradient reaches the stage before it sooner. Needs PP > 1.
-    defer_weight_grads: bool = False
 
     @property
     def model_parallel_size(self) -> int:
@@ -142,22 +90,24 @@ class ParallelConfig:
             return self.expert_tensor_parallel_size
         return 1 if self.expert_model_parallel_size > 1 else self.tensor_model_parallel_size
 
-    def sizes(self) -> ParallelSizes:
-        return ParallelSizes(
-            tensor_model_parallel_size=self.tensor_model_parallel_size,
-            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
-            expert_model_parallel_size=self.expert_model_parallel_size,
-            expert_tensor_parallel_size=self.expert_tp,
-            context_parallel_size=self.context_parallel_size,
-            sequence_parallel=self.sequence_parallel,
-            pipeline_model_parallel_layout=self.pipeline_model_parallel_layout,
-            moe_token_dispatcher_type=self.moe_token_dispatcher_type,
-            extra={"batch_p2p_comm": not self.uses_gloo,
-                   **({"microbatch_group_size_per_vp_stage":
-                       self.microbatch_group_size_per_vp_stage}
-                      if self.microbatch_group_size_per_vp_stage else {})},
-        )
+    def mcore_kwargs(self) -> dict[str, Any]:
+        """megatron-core's TransformerConfig keywords for this layout (the expert TP size
+        resolved); ``parallel.process_groups`` takes its group sizes from the same map."""
+        kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(ParallelSizes)}
+        kwargs["expert_tensor_parallel_size"] = self.expert_tp
+        return kwargs
+
+
+@dataclass
+class DataParallelOptions:
+    """``parallel.*`` keys of data parallelism and the process groups' backend."""
+
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    backend: str | None = None  # None: nccl with CUDA, gloo without
+    # Optional: the launcher starts TP x PP x CP x this many processes; when set, the job checks
+    # the world size agrees. Null: derived from the world size.
+    data_parallel_size: int | None = None
 
     @property
     def uses_gloo(self) -> bool:
@@ -167,8 +117,20 @@ class ParallelConfig:
         return (self.backend or ("nccl" if torch.cuda.is_available() else "gloo")) == "gloo"
 
 
-class LayoutError(ValueError):
-    """An impossible parallel layout, found before any process group is created."""
+@dataclass
+class ParallelConfig(DeferredWgradOptions, HostOptimizerOptions, FlexibleCPOptions,
+                     ContextCommOptions, PipelineZero2Options, PipelineScheduleOptions,
+                     DataParallelOptions, ParallelSizes):
+    """The ``parallel`` config group: megatron-core's sizes, then data parallelism, then each
+    technique's options, declared and checked in the technique's own module (the keys stay
+    flat: ``parallel.pipeline_zero2``, ``parallel.cp_comm``, ...)."""
+
+    def mcore_kwargs(self) -> dict[str, Any]:
+        kwargs = super().mcore_kwargs()
+        kwargs["batch_p2p_comm"] = not self.uses_gloo
+        if self.microbatch_group_size_per_vp_stage:
+            kwargs["microbatch_group_size_per_vp_stage"] = self.microbatch_group_size_per_vp_stage
+        return kwargs
 
 
 def validate_layout(par: ParallelConfig, model: ModelShape, world_size: int,
@@ -177,25 +139,27 @@ def validate_layout(par: ParallelConfig, model: ModelShape, world_size: int,
 
     These are the rules megatron-core (and torch.distributed) would otherwise enforce only
     after the process groups exist, mostly deep in model construction or the first step;
-    each check names the megatron-core code it mirrors."""
+    each check names the megatron-core code it mirrors. A technique's own rules live beside
+    it (``check_*`` from its module)."""
     _check_types(par)
     _check_positive(par)
     dp = _check_world(par, world_size)
     _check_backend(par)
     _check_tensor(par, model)
     _check_widths(par, model)
+    check_mtp_placement(par)
     _check_pipeline(par, model)
-    _check_zero2(par)
-    _check_deferred_wgrad(par)
-    _check_optimizer_offload(par)
+    check_pipeline_zero2(par)
+    check_deferred_wgrad(par)
+    check_host_optimizer(par)
     _check_experts(par, model, dp)
     _check_dispatcher(par)
     _check_sequence(par, model, seq_length)
     if par.cp_groups != "flexible":  # flexible: the plan sets the micro-batches per step
         _check_batch(global_batch_size, micro_batch_size, dp)
-        _check_interleaving(par, global_batch_size // max(1, micro_batch_size * dp))
-    _check_context_comm(par, model, world_size)
-    _check_context_groups(par, dp, seq_length)
+        check_interleaving(par, global_batch_size // max(1, micro_batch_size * dp))
+    check_context_comm(par, model.num_attention_heads, world_size)
+    check_flexible_cp(par, dp, seq_length)
     return dp
 
 
@@ -310,14 +274,8 @@ def _check_widths(par: ParallelConfig, model: ModelShape) -> None:
                 f"dividing {width}, or change the model")
 
 
-MTP_PLACEMENTS = ("split", "with_loss")
-
-
 def _check_pipeline(par: ParallelConfig, model: ModelShape) -> None:
     pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
-    if par.mtp_placement not in MTP_PLACEMENTS:
-        raise LayoutError(f"parallel.mtp_placement={par.mtp_placement!r}: use one of "
-                          f"{list(MTP_PLACEMENTS)}")
     # parallel_state.py:746: any VPP size (even 1) needs PP > 1.
     if vpp is not None and (vpp < 1 or pp == 1):
         raise LayoutError(
@@ -340,48 +298,6 @@ def _check_pipeline(par: ParallelConfig, model: ModelShape) -> None:
             f"model.num_hidden_layers={layers} cannot be placed evenly on pipeline x virtual "
             f"stages = {pp} x {vpp or 1} = {stages}: choose PP x VPP dividing {layers}, or give "
             "parallel.pipeline_model_parallel_layout (e.g. 'Et|tt|t|tL') for an uneven split")
-
-
-def _check_optimizer_offload(par: ParallelConfig) -> None:
-    if not par.optimizer_cpu_offload:
-        return
-    fraction = par.optimizer_offload_fraction
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
-            or not 0.0 <= fraction <= 1.0:
-        raise LayoutError(f"parallel.optimizer_offload_fraction={fraction!r}: the share of the "
-                          "parameter elements whose optimizer state lives in host memory must "
-                          "lie in [0, 1] (1.0: all of it)")
-
-
-def _check_zero2(par: ParallelConfig) -> None:
-    if not par.pipeline_zero2:
-        return
-    if not par.use_distributed_optimizer:
-        raise LayoutError(
-            "parallel.pipeline_zero2=true with parallel.use_distributed_optimizer=false: ZeRO2 "
-            "keeps only each rank's gradient slice, which only the distributed optimizer "
-            "steps; set parallel.use_distributed_optimizer=true")
-    if par.overlap_grad_reduce:
-        raise LayoutError(
-            "parallel.pipeline_zero2=true with parallel.overlap_grad_reduce=true: ZeRO2 runs "
-            "its own reduce-scatters, overlapped with the next chunk's backward; set "
-            "parallel.overlap_grad_reduce=false")
-
-
-def _check_deferred_wgrad(par: ParallelConfig) -> None:
-    if not par.defer_weight_grads:
-        return
-    if par.pipeline_model_parallel_size == 1:
-        raise LayoutError(
-            "parallel.defer_weight_grads=true with pipeline_model_parallel_size=1: deferred "
-            "weight gradients fill pipeline waits, and without a pipeline there are none; set "
-            "pipeline_model_parallel_size > 1 or parallel.defer_weight_grads=false")
-    if par.overlap_grad_reduce:
-        raise LayoutError(
-            "parallel.defer_weight_grads=true with parallel.overlap_grad_reduce=true: "
-            "megatron-core's overlapped reduction starts a bucket when autograd hands it every "
-            "weight gradient, and deferred ones arrive later, outside autograd; set "
-            "parallel.overlap_grad_reduce=false")
 
 
 def _check_experts(par: ParallelConfig, model: ModelShape, dp: int) -> None:
@@ -447,131 +363,3 @@ def _check_batch(global_batch_size: int, micro_batch_size: int, dp: int) -> None
             f"train.global_batch_size={global_batch_size} must be a multiple of "
             f"train.micro_batch_size x data-parallel size = {micro_batch_size} x {dp}: "
             f"use e.g. train.global_batch_size={nearest}")
-
-
-def _check_interleaving(par: ParallelConfig, num_microbatches: int) -> None:
-    """megatron-core's interleaved schedule (schedules.py:995 and :1007) runs micro-batches in
-    groups of microbatch_group_size_per_vp_stage (PP when null, model_parallel_config.py:448):
-    a group size in [PP, micro-batches per step], and a last group empty or >= PP."""
-    pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
-    group = par.microbatch_group_size_per_vp_stage
-    interleaved = vpp is not None and vpp > 1
-    name = (f"parallel.microbatch_group_size_per_vp_stage={group}" if group is not None
-            else f"the interleaved schedule's micro-batch group (PP={pp}, as "
-            "microbatch_group_size_per_vp_stage=null)")
-    if group is not None and not interleaved:
-        raise LayoutError(f"{name} needs the interleaved schedule "
-                          "(virtual_pipeline_model_parallel_size >= 2): set it to null")
-    if not interleaved:
-        return
-    size = group or pp
-    micro = ("micro-batches per step = global_batch_size / (micro_batch_size x data-parallel "
-             f"size) = {num_microbatches}")
-    or_group = " (or change the group size)" if group else ""
-    if not pp <= size <= num_microbatches:
-        raise LayoutError(f"{name} must lie in [PP={pp}, {micro}] (megatron-core's interleaved "
-                          "schedule): raise train.global_batch_size or lower "
-                          f"train.micro_batch_size{or_group}")
-    if 0 < num_microbatches % size < pp:
-        raise LayoutError(
-            f"{name}: the last group would hold {num_microbatches % size} < PP={pp} "
-            f"micro-batches ({micro}): make the micro-batches per step a multiple of {size}, "
-            f"or leave a remainder >= {pp}{or_group}")
-
-
-CP_COMMS = ("all_gather", "head_parallel")
-
-
-CP_GROUPS = ("fixed", "flexible")
-
-
-def _check_context_groups(par: ParallelConfig, dp: int, seq_length: int) -> None:
-    """parallel.cp_groups=flexible (parallel/flexible_cp.py): groups of power-of-two sizes cut
-    from the data-parallel ranks, each rank holding seq_length / flexible_cp_max_size tokens
-    per micro-batch."""
-    largest = par.flexible_cp_max_size
-    if par.cp_groups not in CP_GROUPS:
-        raise LayoutError(f"parallel.cp_groups={par.cp_groups!r}: use one of {list(CP_GROUPS)}")
-    if par.cp_groups == "fixed":
-        if largest != 1:
-            raise LayoutError(f"parallel.flexible_cp_max_size={largest} sizes flexible CP "
-                              "groups, but parallel.cp_groups='fixed': set "
-                              "parallel.cp_groups=flexible or parallel.flexible_cp_max_size=1")
-        return
-    fix = "launch the ranks as data parallel (the groups are cut from them)"
-    if par.context_parallel_size != 1:
-        raise LayoutError(f"parallel.cp_groups=flexible with context_parallel_size="
-                          f"{par.context_parallel_size}: flexible groups replace the fixed one; "
-                          f"set context_parallel_size=1 and {fix}")
-    if par.cp_comm != "all_gather":
-        raise LayoutError(f"parallel.cp_groups=flexible runs the all_gather exchange only: set "
-                          f"parallel.cp_comm=all_gather (not {par.cp_comm!r})")
-    for name, value in (("flexible_cp_max_size", largest), ("data-parallel size", dp)):
-        if value < 1 or value & (value - 1):
-            raise LayoutError(f"parallel.cp_groups=flexible needs a power-of-two {name}, got "
-                              f"{value}: groups are aligned power-of-two blocks of the data-"
-                              "parallel ranks")
-    if par.pipeline_model_parallel_size > 1 and largest > dp:
-        raise LayoutError(f"parallel.flexible_cp_max_size={largest} > the data-parallel size "
-                          f"{dp} under pipeline parallelism (every rank's micro-batches must "
-                          f"hold the same tokens): lower it to <= {dp} or {fix}")
-    split = par.tensor_model_parallel_size if par.sequence_parallel else 1
-    unit = 2 * largest * split
-    if seq_length % unit:
-        raise LayoutError(f"train.seq_length={seq_length} is not divisible by 2 x "
-                          f"parallel.flexible_cp_max_size{' x TP' if split > 1 else ''} = {unit}"
-                          ": each rank holds seq_length / flexible_cp_max_size tokens, zigzag-"
-                          "sharded in 2 chunks per rank; pick a multiple of it")
-    replay, processes = par.flexible_cp_plan_ranks, dp * par.model_parallel_size
-    if replay is not None and processes != 1:
-        raise LayoutError(f"parallel.flexible_cp_plan_ranks={replay} replays a plan on one "
-                          f"process, but the layout has {processes}: set it to null")
-    if replay is not None and (replay < 1 or replay & (replay - 1)):
-        raise LayoutError(f"parallel.flexible_cp_plan_ranks={replay} must be a power of two "
-                          "(the data-parallel size of the run whose plans it replays)")
-    for name in ("flexible_cp_cost_pair", "flexible_cp_cost_selected", "flexible_cp_cost_token"):
-        if getattr(par, name) < 0:
-            raise LayoutError(f"parallel.{name}={getattr(par, name)} must be >= 0 (measure it "
-                              "with tools/calibrate_cp_workload.py)")
-
-
-def _check_context_comm(par: ParallelConfig, model: ModelShape, world_size: int) -> None:
-    """parallel.cp_comm / cp_node_size (glm5_train/model/head_parallel_cp.py): the head split
-    and the node split the head-parallel all-to-all needs (checked again on the real groups
-    when they are built, parallel/hierarchical_all_to_all.node_split)."""
-    if par.cp_comm not in CP_COMMS:
-        raise LayoutError(f"parallel.cp_comm={par.cp_comm!r}: use one of {list(CP_COMMS)}")
-    node = par.cp_node_size
-    if node is not None and par.cp_comm != "head_parallel":
-        raise LayoutError(f"parallel.cp_node_size={node} sets the nodes of the head-parallel "
-                          "all-to-all, but parallel.cp_comm='all_gather' has none: set "
-                          "parallel.cp_comm=head_parallel or parallel.cp_node_size=null")
-    if par.cp_comm != "head_parallel":
-        return
-    tp, cp = par.tensor_model_parallel_size, par.context_parallel_size
-    heads = model.num_attention_heads // tp
-    if heads % cp:
-        raise LayoutError(
-            f"parallel.cp_comm=head_parallel splits the {heads} attention heads of each "
-            f"tensor-parallel rank (model.num_attention_heads={model.num_attention_heads} / "
-            f"TP {tp}) over context_parallel_size={cp} ranks: pick a CP size dividing {heads} "
-            "or parallel.cp_comm=all_gather")
-    if node is None:
-        return
-    if node < 1 or world_size % node:
-        raise LayoutError(f"parallel.cp_node_size={node} must be a positive divisor of the "
-                          f"world size {world_size} (global ranks per node, e.g. GPUs per "
-                          "node), or null (one flat all-to-all)")
-    for ranks in context_parallel_rank_lists(tp, cp, world_size):
-        try:
-            node_split(ranks, node)
-        except ValueError as err:
-            raise LayoutError(f"parallel.cp_node_size={node}: {err}") from None
-
-
-def context_parallel_rank_lists(tp: int, cp: int, world_size: int) -> list[list[int]]:
-    """Global ranks of every CP group under megatron-core's default order "tp-cp-ep-dp-pp"
-    (TP innermost, then CP): ranks base + TP x j, j < CP."""
-    block = tp * cp
-    return [[outer * block + t + tp * j for j in range(cp)]
-            for outer in range(world_size // block) for t in range(tp)]

@@ -20,6 +20,12 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from parallel.layout import ParallelConfig
 
+# The sizes megatron-core's initialize_model_parallel takes, by their (shared) names in
+# ParallelConfig.mcore_kwargs().
+GROUP_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+               "virtual_pipeline_model_parallel_size", "context_parallel_size",
+               "expert_model_parallel_size", "expert_tensor_parallel_size")
+
 
 def world_from_env() -> tuple[int, int, int]:
     """(rank, world size, local rank) from torchrun's environment; 1 process without it."""
@@ -38,15 +44,9 @@ def init_distributed(par: ParallelConfig, seed: int) -> None:
         os.environ.setdefault("MASTER_PORT", "29500")
         dist.init_process_group(backend=backend, store=_attempt_store(rank, world), rank=rank,
                                 world_size=world)
+    sizes = par.mcore_kwargs()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=par.tensor_model_parallel_size,
-        pipeline_model_parallel_size=par.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
-        context_parallel_size=par.context_parallel_size,
-        expert_model_parallel_size=par.expert_model_parallel_size,
-        expert_tensor_parallel_size=par.expert_tp,
-        get_embedding_ranks=first_stage_only,
-    )
+        **{name: sizes[name] for name in GROUP_SIZES}, get_embedding_ranks=first_stage_only)
     model_parallel_cuda_manual_seed(seed)
 
 

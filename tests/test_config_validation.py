@@ -14,7 +14,7 @@ from hydra.errors import CompactHydraException
 
 from glm5_train.job_config import CONFIG_DIR, TrainConfig, compose_job, one_line
 from glm5_train.model.config import GLM5Config, to_mcore_config
-from glm5_train.pipeline_plan import resolve_pipeline_layout
+from glm5_train.plan import resolve_pipeline_layout
 from launch.local import _main_or_error, nproc_for
 from parallel.layout import LayoutError, ParallelConfig, validate_layout
 from tests.parity import REPO
@@ -61,7 +61,7 @@ def test_impossible_layouts_are_named(par, world, fragment):
 
 
 def test_with_mtp_an_uneven_pipeline_is_balanced_not_refused():
-    """With MTP the layout is balanced for the placement (glm5_train.pipeline_plan), so 4
+    """With MTP the layout is balanced for the placement (glm5_train.plan), so 4
     layers on 3 stages are fine; overlapped grad reduction would race with the embedding tie."""
     assert check(ParallelConfig(pipeline_model_parallel_size=3), 3, mtp_num_steps=3) == 1
     with pytest.raises(LayoutError, match="overlap_grad_reduce=true with pipeline"):
@@ -194,7 +194,7 @@ def test_shipped_layouts_pass_every_rule(name):
     # And megatron-core's own config checks (TransformerConfig.__post_init__, no process
     # group needed) accept what validation accepted.
     job.parallel.pipeline_model_parallel_layout = resolve_pipeline_layout(job, dp)
-    to_mcore_config(job.model, job.parallel.sizes(), t.torch_dtype)
+    to_mcore_config(job.model, job.parallel, t.torch_dtype)
 
 
 def test_the_full_scale_layout_passes_every_rule():
@@ -328,3 +328,90 @@ def test_distributed_optimizer_modes_accept_checkpoints(optimizer, zero2):
                     train=TrainConfig(optimizer=optimizer),
                     checkpoint=CheckpointConfig(save="/x", load="/y"))
     job.validate()
+
+
+# ---- per-technique config: keys and checks beside each technique, sizes written once ----------
+
+TECHNIQUE_OPTIONS = {  # config class -> module that declares and checks it
+    "DeferredWgradOptions": "parallel.deferred_wgrad",
+    "HostOptimizerOptions": "parallel.host_optimizer",
+    "FlexibleCPOptions": "parallel.flexible_cp",
+    "ContextCommOptions": "parallel.context_parallel",
+    "PipelineZero2Options": "parallel.pipeline_zero2",
+    "PipelineScheduleOptions": "parallel.pipeline_layout",
+    "MuonOptions": "parallel.muon",
+    "Int4QATOptions": "parallel.int4_qat",
+    "NonfiniteOptions": "glm5_train.bad_steps",
+    "ProfileOptions": "glm5_train.profiling",
+}
+
+
+def test_each_technique_declares_its_own_keys():
+    """The parallel and train groups are composed of the techniques' own option classes; every
+    shipped key is declared by exactly one of them (or the group's core) and keeps its name."""
+    import dataclasses
+
+    import yaml
+    groups = {"parallel": (ParallelConfig, "parallel/single.yaml", True),  # lists every key
+              "train": (TrainConfig, "train/tiny.yaml", False)}
+    for group, (config, shipped, every) in groups.items():
+        with open(os.path.join(CONFIG_DIR, shipped)) as f:
+            keys = set(yaml.safe_load(f))
+        names = [f.name for f in dataclasses.fields(config)]
+        assert len(names) == len(set(names)), group
+        assert keys == set(names) if every else keys <= set(names), (group, keys ^ set(names))
+    bases = {base.__name__: base.__module__ for base in
+             (*ParallelConfig.__mro__, *TrainConfig.__mro__)}
+    for name, module in TECHNIQUE_OPTIONS.items():
+        assert bases.get(name) == module, f"{name} should be declared in {module}"
+
+
+def _sources(*folders: str) -> str:
+    text = []
+    for folder in folders:
+        for dirpath, _, files in os.walk(os.path.join(REPO, folder)):
+            for name in (f for f in files if f.endswith(".py")):
+                with open(os.path.join(dirpath, name)) as f:
+                    text.append(f.read())
+    return "\n".join(text)
+
+
+def test_a_parallel_size_is_written_once():
+    """Sizes reach megatron-core through ParallelSizes.mcore_kwargs only: no hand-written
+    keyword map (``context_parallel_size=par.context_parallel_size``) anywhere, and the model
+    config and process groups both take their sizes from that map."""
+    import dataclasses
+    import inspect
+
+    from megatron.core import parallel_state
+
+    from parallel.layout import ParallelSizes
+    from parallel.process_groups import GROUP_SIZES
+    source = _sources("parallel", "glm5_train", "launch", "tools", "bench")
+    sizes = [f.name for f in dataclasses.fields(ParallelSizes)]
+    for name in sizes:
+        by_hand = rf"\b{name}=(par|parallel|sizes|self|job\.parallel)\.{name}\b"
+        assert not re.search(by_hand, source), f"{name} mapped by hand"
+    accepted = inspect.signature(parallel_state.initialize_model_parallel).parameters
+    assert set(GROUP_SIZES) <= set(sizes) and set(GROUP_SIZES) <= set(accepted)
+    par = ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                         virtual_pipeline_model_parallel_size=2, context_parallel_size=2,
+                         expert_model_parallel_size=2, sequence_parallel=True,
+                         microbatch_group_size_per_vp_stage=4)
+    mcore = to_mcore_config(GLM5Config(**TINY), par)
+    for name, value in par.mcore_kwargs().items():
+        assert getattr(mcore, name) == value, name
+    assert mcore.expert_tensor_parallel_size == 1  # unset with EP > 1: GLM-5's expert TP
+
+
+def test_short_runs_warm_up_over_half_the_run_by_default():
+    """train.warmup_iters=null: 5 warm-up steps, at most half the run, so a 1-4 step run is
+    accepted; an explicit value past the run is refused, naming the key and both fixes."""
+    assert [TrainConfig(train_iters=n).warmup_steps for n in (1, 2, 4, 9, 10, 30)] == \
+        [0, 1, 2, 4, 5, 5]
+    TrainConfig(train_iters=1).validate()
+    with pytest.raises(ValueError, match=r"train.warmup_iters=5 must lie in \[0, "
+                       r"train.train_iters=3\]: set e.g. train.warmup_iters=1, or "
+                       r"train.warmup_iters=null"):
+        TrainConfig(train_iters=3, warmup_iters=5).validate()
+    assert compose_job(["train.train_iters=3"]).train.warmup_steps == 1

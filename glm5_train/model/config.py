@@ -204,7 +204,8 @@ def to_mcore_config(model: GLM5Config, par: ParallelSizes,
                     params_dtype: torch.dtype = torch.float32,
                     perform_initialization: bool = True,
                     use_cpu_initialization: bool = True,
-                    recompute: Recompute | None = None) -> MLATransformerConfig:
+                    recompute: Recompute | None = None,
+                    overrides: dict | None = None) -> MLATransformerConfig:
     """Map GLM-5's HF-named architecture plus a parallel layout onto megatron-core's config.
 
     ``use_cpu_initialization``: True builds parameters with no device (the CPU, or whatever a
@@ -212,7 +213,8 @@ def to_mcore_config(model: GLM5Config, par: ParallelSizes,
     them on ``torch.cuda.current_device()`` as megatron-core's GPU path does (the trainer on
     CUDA, see ``glm5_train.train.build_model``).
     ``recompute``: activation recompute; its megatron-core fields (full granularity,
-    ``mla_up_proj``) go into the config, the rest is built by ``build_model_chunks``."""
+    ``mla_up_proj``) go into the config, the rest is built by ``build_model_chunks``.
+    ``overrides``: megatron-core fields set last (a benchmark's ``moe_grouped_gemm``)."""
     model.validate()
     bf16 = params_dtype == torch.bfloat16
     kwargs = dict(
@@ -261,20 +263,11 @@ def to_mcore_config(model: GLM5Config, par: ParallelSizes,
         moe_router_load_balancing_type="seq_aux_loss" if model.moe_aux_loss_coeff else "none",
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
         moe_grouped_gemm=False,
-        moe_token_dispatcher_type=par.moe_token_dispatcher_type,
         # MTP: megatron-core builds mtp_num_layers parameter sets; our model applies them for
         # model.mtp_num_steps steps (glm5_train.model.mtp).
         mtp_num_layers=model.mtp_sets or None,
         mtp_loss_scaling_factor=model.mtp_loss_weight,
-        # Parallelism.
-        tensor_model_parallel_size=par.tensor_model_parallel_size,
-        pipeline_model_parallel_size=par.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
-        expert_model_parallel_size=par.expert_model_parallel_size,
-        expert_tensor_parallel_size=par.expert_tensor_parallel_size,
-        context_parallel_size=par.context_parallel_size,
-        sequence_parallel=par.sequence_parallel,
-        pipeline_model_parallel_layout=par.pipeline_model_parallel_layout,
+        # Parallelism: the sizes come from par.mcore_kwargs() below.
         pipeline_dtype=params_dtype,
         # Numerics and kernels: nothing fused that needs CUDA or TE.
         params_dtype=params_dtype,
@@ -290,8 +283,9 @@ def to_mcore_config(model: GLM5Config, par: ParallelSizes,
         persist_layer_norm=False,
         deterministic_mode=False,
     )
+    kwargs.update(par.mcore_kwargs())
     kwargs.update((recompute or Recompute()).mcore_fields())
-    kwargs.update(par.extra)
+    kwargs.update(overrides or {})
     if kwargs["context_parallel_size"] == 1:
         return MLATransformerConfig(**kwargs)
     # megatron-core refuses "dsa" with CP > 1 in __post_init__ because its own DSA attention
