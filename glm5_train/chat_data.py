@@ -424,10 +424,12 @@ def pack_conversations(conversations: Iterable[EncodedConversation], seq_length:
 
 
 def fit_to_length(conversations: Iterable[EncodedConversation], seq_length: int,
-                  overlong: str, counts: dict) -> Iterator[EncodedConversation]:
+                  overlong: str, counts: dict,
+                  dropped: list[str] | None = None) -> Iterator[EncodedConversation]:
     """Conversations longer than ``seq_length``: refused (``overlong='refuse'``) or cut to
     their first ``seq_length`` tokens (``'truncate'``; dropped if no assistant token is left).
-    ``counts`` receives 'truncated' and 'dropped'."""
+    ``counts`` receives 'truncated' and 'dropped'; ``dropped``, when given, one line per
+    dropped conversation: where it is (file:line) and why."""
     for conv in conversations:
         if len(conv) <= seq_length:
             yield conv
@@ -442,6 +444,9 @@ def fit_to_length(conversations: Iterable[EncodedConversation], seq_length: int,
             yield cut
         else:
             counts["dropped"] += 1
+            if dropped is not None:
+                dropped.append(f"{conv.where}: {len(conv)} tokens, and its first {seq_length} "
+                               "(--seq-length) hold no assistant token")
 
 
 # --------------------------------------------------------------------------------------------
@@ -505,9 +510,11 @@ class _Writer:
 
 def write_chat_sft_dataset(files: list[str], output_prefix: str, tokenizer_dir: str,
                            seq_length: int, overlong: str = "refuse", open_sequences: int = 64,
-                           end_of_turn_tokens: Iterable[str] = ()) -> dict:
+                           end_of_turn_tokens: Iterable[str] = (),
+                           dropped: list[str] | None = None) -> dict:
     """Render, mask, pack and write ``files`` (chat jsonl) as the chat SFT dataset
-    ``output_prefix``; returns its metadata (counts included). Nothing is written on error."""
+    ``output_prefix``; returns its metadata (counts included). Nothing is written on error.
+    ``dropped``, when given, receives where and why each dropped conversation was dropped."""
     _check_write_args(files, seq_length, overlong, open_sequences)
     encoder = ChatTemplateEncoder(tokenizer_dir, end_of_turn_tokens)
     counts = {"conversations": 0, "sequences": 0, "tokens": 0, "loss_tokens": 0,
@@ -516,7 +523,7 @@ def write_chat_sft_dataset(files: list[str], output_prefix: str, tokenizer_dir: 
     writer = _Writer(output_prefix, encoder.vocab_size)
     try:
         encoded = (encoder.encode(conv) for conv in read_conversations(files))
-        fitted = fit_to_length(encoded, seq_length, overlong, counts)
+        fitted = fit_to_length(encoded, seq_length, overlong, counts, dropped)
         for sequence in pack_conversations(fitted, seq_length, open_sequences):
             writer.add_sequence(sequence)
             _count(counts, sequence)

@@ -413,3 +413,88 @@ def test_training_loss_is_over_assistant_tokens_only(sft, tmp_path):
     for wrong in ("all", "unshifted"):
         assert abs(ref[wrong] - ref["masked"]) > 1e-4 * ref["masked"], ref
     assert records[1]["loss"] < first["loss"]
+
+
+# ------------------------------------------------------------ the launcher checks before torchrun
+
+LAUNCH_SFT = ["parallel=single", "data=chat_sft", f"data.tokenizer={TOKENIZER}",
+              "train.train_iters=1", "train.warmup_iters=0"]
+
+
+def test_launcher_refuses_a_sequence_length_mismatch_before_torchrun(sft, capsys, monkeypatch):
+    """Data packed at 1024 tokens, a job at 512: the launcher's one line, the job's text."""
+    import launch.local as L
+
+    started = []
+    monkeypatch.setattr(L, "run_torchrun", lambda *args: started.append(args) or 0)
+    prefix, _ = sft
+    assert L._main_or_error([*LAUNCH_SFT, f"data.paths=[{prefix}]",
+                             "train.seq_length=512"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"launch: error: train.seq_length=512 but the chat SFT dataset "
+                           f"{prefix} is packed into sequences of 1024 tokens")
+    assert "set train.seq_length=1024" in last  # value, rule and fix in the one line
+    assert started == []
+
+
+def test_launcher_refuses_data_made_with_another_tokenizer_before_torchrun(tmp_path):
+    """A corpus tokenized with the tiny GLM tokenizer (ids up to 319) trained with the byte
+    tokenizer (258 ids): refused by the launcher itself, torchrun never started (its line
+    'launch: N processes' never printed, no rank output), in the time of a config compose."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"line {i} of text"}) + "\n" for i in range(8)))
+    D.build_indexed_dataset([str(docs)], str(tmp_path / "docs"), HFTokenizer(TOKENIZER))
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.local", "parallel=single", f"data.paths=[{tmp_path}/docs]",
+         "data.tokenizer=byte", f"hydra.run.dir={tmp_path}/run"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"launch: error: dataset {tmp_path}/docs.bin: document 0")
+    assert "past the vocabulary's 258 ids" in last and "set data.tokenizer" in last
+    assert "processes:" not in proc.stdout and "glm5_train" not in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_launcher_ends_with_the_jobs_error_when_the_job_fails_in_torchrun(tmp_path):
+    """An error only the running job finds (no checkpoint where checkpoint.load points): the
+    launcher's last line is the job's one-line error, after torchrun's failure summary."""
+    empty = tmp_path / "no_checkpoints"
+    empty.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.local", "parallel=single", "train.train_iters=1",
+         "train.warmup_iters=0", f"checkpoint.load={empty}", "checkpoint.save=null",
+         f"hydra.run.dir={tmp_path}/run"],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    job_line = next(line for line in lines if "glm5_train: error: " in line)
+    message = job_line.split("glm5_train: error: ", 1)[1]
+    assert str(empty) in message
+    assert lines[-1] == f"launch: error: {message}", proc.stderr[-3000:]
+
+
+def test_prepare_names_the_conversations_it_drops(tmp_path):
+    """--overlong truncate: each dropped conversation by file:line and why, the first 10, then
+    a count; the summary line (which scripts parse) stays last and unchanged in form."""
+    chat = tmp_path / "long_prompts.jsonl"
+    long_user = {"messages": [{"role": "user", "content": "word " * 200},
+                              {"role": "assistant", "content": "ok"}]}
+    short = {"messages": [{"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": "hello"}]}
+    chat.write_text("".join(json.dumps(c) + "\n" for c in [short] + [long_user] * 12))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tools", "prepare_chat_sft.py"), "--input",
+         str(chat), "--output-prefix", str(tmp_path / "sft"), "--tokenizer", TOKENIZER,
+         "--seq-length", "64", "--overlong", "truncate"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    named = [line for line in lines if line.startswith(f"dropped {chat}:")]
+    assert [line.split(":")[1] for line in named] == [str(n) for n in range(2, 12)]
+    assert "hold no assistant token" in named[0] and "--seq-length" in named[0]
+    assert lines[-2] == "dropped ... and 2 more"
+    assert lines[-1].startswith("conversations=1 ") and " dropped=12 " in lines[-1]

@@ -69,15 +69,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# Dropped conversations named one per line up to this many; the rest counted in one line.
+DROPPED_SHOWN = 10
+
+
+def report_dropped(dropped: list[str]) -> None:
+    """Which conversations --overlong truncate dropped (file:line, why): a count alone leaves
+    the user to find them."""
+    for line in dropped[:DROPPED_SHOWN]:
+        print(f"dropped {line}")
+    if len(dropped) > DROPPED_SHOWN:
+        print(f"dropped ... and {len(dropped) - DROPPED_SHOWN} more")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    dropped: list[str] = []
     try:
         meta = write_chat_sft_dataset(expand_inputs(args.input), args.output_prefix,
                                       args.tokenizer, args.seq_length, args.overlong,
-                                      args.open_sequences, args.end_of_turn_token)
+                                      args.open_sequences, args.end_of_turn_token, dropped)
     except (FileNotFoundError, ValueError, ImportError) as err:
         print(f"prepare_chat_sft: error: {err}", file=sys.stderr)
         return 1
+    report_dropped(dropped)
+    # the summary stays the last line, as it was: scripts parse it
     print(f"conversations={meta['conversations']} sequences={meta['sequences']} "
           f"tokens={meta['tokens']} loss_tokens={meta['loss_tokens']} "
           f"truncated={meta['truncated']} dropped={meta['dropped']} fill={meta['fill']:.3f} "
