@@ -1,12 +1,8 @@
 """GLM-5 pre-training on megatron-core."""
 
-import warnings
+# Before any megatron-core import (any glm5_train module makes one): megatron-core warns at
+# import time, once per rank, about libraries a CPU run cannot have. Which library warnings a
+# run hides, and why each does not apply, is one registry: glm5_train/known_warnings.py.
+from glm5_train import known_warnings
 
-# megatron-core warns at import time, once per rank, that Transformer Engine / Apex are absent
-# and it falls back to torch; without them (CPU, or a plain CUDA install) that is expected. The
-# filters must exist before the first megatron-core import, which any glm5_train module does,
-# so a job's console (one line for a config error) is not drowned in per-rank warnings.
-# megatron-core 0.19 adds one for absl-py (its HyperCommGrid falls back to the logging module).
-for _pattern in ("Transformer Engine and Apex are not installed", "Apex is not installed",
-                 "absl.logging is not installed"):
-    warnings.filterwarnings("ignore", message=_pattern)
+known_warnings.install()

@@ -13,12 +13,10 @@ makes every rank agree on what the step needs: a non-finite loss or gradient any
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -28,6 +26,7 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 
+from glm5_train import known_warnings
 from glm5_train.assembly import Runtime, assemble, iterators, validate_job
 from glm5_train.bad_steps import (
     BatchPosition,
@@ -360,11 +359,9 @@ def _should_save(job: JobConfig, iteration: int) -> bool:
 
 
 def quiet_megatron() -> None:
-    """megatron-core logs every parameter name at INFO and warns at import that TE/Apex are
-    absent (expected on CPU); keep the console to our progress lines and real problems."""
-    for pattern in ("Transformer Engine and Apex are not installed", "Apex is not installed"):
-        warnings.filterwarnings("ignore", message=pattern)
-    logging.getLogger("megatron").setLevel(logging.WARNING)
+    """The registry's filters and logger levels (glm5_train/known_warnings.py), for the tools
+    that load megatron-core models outside the job."""
+    known_warnings.install()
 
 
 CONFIG_ERROR_STATUS = 2  # as launch.local's (and argparse's) usage errors
@@ -375,14 +372,17 @@ PEER_EXIT_WAIT_S = 60.0
 
 def main() -> None:
     register_resolvers()
-    quiet_megatron()
+    # Now that this process is a rank of a run (its environment says so: also in ranks forked
+    # from a process that imported glm5_train earlier), the warnings glm5_train/known_warnings
+    # does not hide show once per run, not once per rank.
+    known_warnings.install()
     # Without this Hydra's run_and_report prints every error itself, traceback and all, on
     # every rank; with it errors propagate, and composition errors reach the handler below.
     os.environ["HYDRA_FULL_ERROR"] = "1"
 
     @hydra.main(version_base=None, config_path=_config_dir(), config_name="config")
     def _run(tree) -> None:
-        quiet_megatron()  # Hydra has just (re)configured logging
+        known_warnings.install()  # Hydra has just (re)configured logging: its console handler
         try:  # everything that can refuse the config, before any process group exists
             job = JobConfig.from_hydra(tree)
             validate_job(job)
