@@ -10,7 +10,7 @@ absorbed sparse attention) through ``bench/job.py`` (torchrun). Measured, from m
 ``saved_bytes_peak`` (the most bytes saved for backward resident at once on a rank,
 parameters apart: ``parallel/activation_accounting.py``), ``offloaded_bytes`` /
 ``reloaded_bytes``; step time from the metrics' tokens/s (step 1, the warm-up, left out when
-more steps ran). Predicted: ``glm5_train/pipeline_plan.py`` ``plan_report`` on the same job
+more steps ran). Predicted: ``glm5_train.plan.plan_report`` on the same job
 config (per pipeline rank ``peak_activation_bytes`` and ``offloaded_bytes``), with the
 relative error (predicted - measured) / measured. The planner does not model the working set
 of a recompute unit re-run in backward, nor transient workspace.

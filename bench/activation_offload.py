@@ -6,7 +6,7 @@ Runs the tiny GLM-5 on PP2 x VPP2 (2 CPU processes, MTP split) with 8 micro-batc
 three times: no offloading, the pipeline warm-up offloaded (``offload_micro_batches`` = rank
 0's warm-up count, 2 x (PP - 1) + (VPP - 1) x PP = 4), and every candidate forward offloaded
 (``--micro-batches``). Reads the measured ``saved_bytes_peak`` / ``offloaded_bytes`` per rank
-from ``metrics.jsonl`` and the planner's prediction for each (``glm5_train/pipeline_plan.py``).
+from ``metrics.jsonl`` and the planner's prediction for each (``glm5_train.plan.plan_report``).
 Time is the ratio of median tokens/s (2 shared cores, CPU copies: noisy, and on CPU host
 memory is device memory, so only the bytes are meaningful here).
 Last line: ``ours=<rank-0 peak, all offloaded> baseline=<rank-0 peak, none> theory=<planned>

@@ -11,7 +11,7 @@ tiny GLM-5 (``model=glm5_tiny``, fp32) in the DSA sparse stage with the indexer 
 tokens (``model.max_position_embeddings`` raised to the length). Measured, from metrics.jsonl:
 ``saved_bytes_peak`` (most bytes saved for backward resident at once, parameters apart:
 ``parallel/activation_accounting.py``) per token, and the process's peak RSS
-(``mem_peak_bytes``); beside each, the planner's prediction (``glm5_train/pipeline_plan.py``,
+(``mem_peak_bytes``); beside each, the planner's prediction (``glm5_train/plan/``,
 closed-form: saved bytes; static + saved bytes beside the RSS, which also holds the
 interpreter, libraries and transient workspace the planner does not model).
 

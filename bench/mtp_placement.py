@@ -6,7 +6,7 @@ Runs the tiny GLM-5 (MTP: 1 layer x 3 steps) on PP2 x VPP2 (2 CPU processes) twi
 placement, each with the layout the job balances for it, and reads from ``metrics.jsonl`` the
 exact per-rank bytes of parameters, gradient buffers and optimizer state (counted from the
 tensors, ``parallel/comm_meter.py``) and the bytes each rank sent. The same layouts are then costed
-by the planner (``glm5_train/pipeline_plan.py``) to show its parameter model agrees with the
+by the planner (``glm5_train/plan/``) to show its parameter model agrees with the
 measured bytes. Time is a ratio of the two runs' median tokens/s (2 shared cores: noisy).
 Last line: ``ours=<bytes> baseline=<bytes> theory=<bytes> ratio=<ours/baseline>`` for the
 largest rank's static bytes (params + grads + optimizer), split (ours) vs with_loss, theory =
@@ -49,7 +49,7 @@ def run(placement: str, steps: int, seq: int, run_dir: str) -> tuple[list[dict],
 
 def planned_static(layout: str, steps: int, seq: int) -> list[int]:
     """The planner's static bytes per pipeline rank for ``layout`` in the same job."""
-    from glm5_train.pipeline_plan import inputs_from_job, parse_layout, plan_report
+    from glm5_train.plan import inputs_from_job, parse_layout, plan_report
     from glm5_train.job_config import compose_job
 
     job = compose_job(["model=glm5_tiny", "parallel=pp2_vpp2", "train.global_batch_size=8",

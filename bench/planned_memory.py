@@ -1,7 +1,7 @@
 """The planner's prediction for a training job, and the measured figures to set beside it
 (shared by bench/long_context.py and bench/activation_memory.py).
 
-The prediction is ``glm5_train.pipeline_plan.plan_report`` on the job's own config (composed
+The prediction is ``glm5_train.plan.plan_report`` on the job's own config (composed
 from the same overrides the run gets) and the stages it runs: its resolved pipeline layout
 (given, or balanced for the MTP placement), else megatron-core's even split. On CPU SDPA runs
 its math path: ``inputs_from_job`` plans it there (``fused_attention`` from the device).
@@ -20,7 +20,7 @@ if REPO not in sys.path:
 from job import run_training
 
 from glm5_train.job_config import compose_job
-from glm5_train.pipeline_plan import PlanReport, inputs_from_job, job_pipeline, plan_report
+from glm5_train.plan import PlanReport, inputs_from_job, job_pipeline, plan_report
 
 
 def planned(overrides: list[str], world: int) -> PlanReport:

@@ -65,7 +65,7 @@ def in_place_expert_bytes(args, pipeline_rank: int) -> int:
     if args.ep != args.dp:
         return 0
     from glm5_train.job_config import compose_job
-    from glm5_train.pipeline_plan import job_plan
+    from glm5_train.plan import job_plan
 
     report = job_plan(compose_job(job_overrides("zero2", args, args.micro[0])), args.dp)
     return 4 * sum(s.costs.expert_params for s in report.stages if s.rank == pipeline_rank)

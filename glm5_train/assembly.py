@@ -34,7 +34,6 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-from glm5_train.activation_memory import build_activation_tracker
 from glm5_train.data import (
     build_train_iterator,
     build_train_valid_test_datasets,
@@ -53,7 +52,7 @@ from glm5_train.model.glm5 import (
 from glm5_train.model.head_parallel_cp import install as install_head_parallel_cp
 from glm5_train.model.init_weights import initialize_weights
 from glm5_train.optim import attach_schedule_hooks, build_optimizer, build_scheduler, wrap_ddp
-from glm5_train.pipeline_plan import resolve_pipeline_layout
+from glm5_train.plan import build_activation_tracker, resolve_pipeline_layout
 from glm5_train.tokenizer import build_tokenizer
 from parallel import deferred_wgrad, int4_qat, mcore_compat, process_groups
 from parallel.activation_offload import ActivationTracker
@@ -242,7 +241,7 @@ def build_model(job: JobConfig, groups: ProcessGroupCollection,
     megatron's own ``get_model`` moves every chunk. On CPU nothing moves."""
     where = comm_device()
     recompute = job.activations.recompute()
-    config = to_mcore_config(job.model, job.parallel.sizes(), job.train.torch_dtype,
+    config = to_mcore_config(job.model, job.parallel, job.train.torch_dtype,
                              use_cpu_initialization=where.type == "cpu", recompute=recompute)
     eod = build_tokenizer(job.data.tokenizer).eod if eod_token_id is None else eod_token_id
     chunks = build_model_chunks(job.model, config, dsa_training=job.dsa, eod_token_id=eod,

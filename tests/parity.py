@@ -31,9 +31,9 @@ import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 
-from glm5_train import plan_check
 from glm5_train.job_config import compose_job
-from glm5_train.pipeline_plan import PipelineLayout, job_pipeline
+from glm5_train.plan import PipelineLayout, job_pipeline
+from glm5_train.plan import check as plan_check
 from parallel.process_groups import _free_port as free_port
 from tests import spawn
 
@@ -390,7 +390,7 @@ def pipeline_log_problems(log: str, layout: Layout) -> list[str]:
 
 def memory_problems(record: dict, job) -> list[str]:
     """Per global rank, the planner's parameter, gradient, optimizer-state and activation
-    bytes against the run's (``glm5_train.plan_check``: which fields, and how close)."""
+    bytes against the run's (``glm5_train.plan.check``: which fields, and how close)."""
     return plan_check.problems(job, record)
 
 

@@ -21,7 +21,7 @@ from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
 
 from glm5_train.activation_config import ActivationsConfig
 from glm5_train.job_config import compose_job
-from glm5_train.pipeline_plan import inputs_from_job, plan_report
+from glm5_train.plan import inputs_from_job, plan_report
 from parallel import mcore_compat
 from parallel.activation_accounting import SavedTensorMeter
 from parallel.activation_offload import ActivationOffloader, ActivationTracker
@@ -348,7 +348,7 @@ def test_planner_predicts_the_dense_warmup_peaks(tmp_path, world, layout):
     """dsa=dense_warmup (all but the indexer frozen, the model's forward without autograd,
     each layer's chunked dense KL run backward at once): per rank, the measured
     saved_bytes_peak within 5% of the plan (received inputs in flight, saved by
-    glm5.GradientBridge, plus one layer's KL graph: stage_costs.dense_indexer_kl_bytes).
+    glm5.GradientBridge, plus one layer's KL graph: activations.dense_indexer_kl_bytes).
     Measured (2 steps, 64 tokens): exact on both layouts (206,336 B; 271,872 B per rank;
     4.99 MB and 6.0 / 6.3 MB before the grad-free forward). With offloading nothing is left
     to move: 0 bytes offloaded, planned and measured, the same peaks."""

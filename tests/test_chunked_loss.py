@@ -25,7 +25,8 @@ from megatron.core.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 
-from glm5_train.model.stage_costs import MemoryInputs, loss_head_activation_bytes
+from glm5_train.plan import MemoryInputs
+from glm5_train.plan.activations import loss_head_activation_bytes
 from parallel.chunked_cross_entropy import chunked_vocab_parallel_cross_entropy
 from tests.parity import FP32, Tolerances, assert_layout_ran, compare, run_job
 from tests.spawn import model_parallel, run_ranks
@@ -122,7 +123,7 @@ def test_saves_nothing_of_tokens_by_vocab():
     weight_ptr = weight.untyped_storage().data_ptr()
     activations = sum(n for p, n in storage.items() if p != weight_ptr)
     assert activations == tokens * (4 * width + 8 + 4), storage
-    # The planner's term for one chunked head (glm5_train/model/stage_costs.py), exactly.
+    # The planner's term for one chunked head (glm5_train/plan/activations.py), exactly.
     cfg = SimpleNamespace(hidden_size=width, vocab_size=vocab)
     inputs = MemoryInputs(seq_length=tokens, activation_bytes=4, loss_chunk_tokens=16)
     assert loss_head_activation_bytes(cfg, inputs) == activations

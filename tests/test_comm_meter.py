@@ -5,7 +5,7 @@ communication and buffer fields in metrics.jsonl.
     meter covers (torch.distributed, megatron-core's import-time bound names, the device layer's
     torch.distributed view, P2POp batches) and compare each count with its rule, computed by hand.
 (b) The real job on DP2 (tests/parity.py ``run_job``, 3 steps): the gradient buffers hold the
-    model's parameter count x 4 bytes (the closed-form count of glm5_train/model/param_count.py), and
+    model's parameter count x 4 bytes (the closed-form count of glm5_train/plan/param_count.py), and
     the step's all-reduce bytes are the DDP gradient reduction, 2 (n-1) / n x the buffer, plus
     the small known all-reduces, each named below. With the distributed optimizer the
     reduction is a reduce-scatter and the parameters come back by an all-gather.
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from glm5_train.job_config import compose_model_config
-from glm5_train.model import param_count
+from glm5_train.plan import param_count
 from parallel import comm_meter as cm
 from tests.parity import run_job
 from tests.spawn import run_ranks
@@ -281,7 +281,7 @@ def test_unique_bytes_counts_shared_storage_once():
 
 def _tiny_parameter_count() -> tuple[int, object]:
     """The tiny GLM-5's parameters (main model + MTP layer) from the closed-form formula
-    (glm5_train/model/param_count.py): independent of the built model and of megatron-core's
+    (glm5_train/plan/param_count.py): independent of the built model and of megatron-core's
     buffers."""
     cfg = compose_model_config(["model=glm5_tiny"])
     return param_count.formula_totals(cfg).total + param_count.mtp_formula_totals(cfg).total, cfg

@@ -3,10 +3,10 @@
 Per global rank, from the run's own metrics.jsonl: the bytes saved for backward at the step's peak
 (``saved_bytes_peak``: seq_length / CP tokens per rank, plus the whole sequence's gathered latent
 and indexer keys where the attention keeps them) and, with offloading, the bytes moved to host,
-against ``glm5_train.pipeline_plan``'s plan of the same job; and the bytes each rank sent on its
+against ``glm5_train.plan``'s plan of the same job; and the bytes each rank sent on its
 context-parallel group (``comm_by_op`` all_gather / reduce_scatter at the CP size: the latent and
 indexer keys, the MTP targets' token ids) and, without pipeline parallelism, the MTP rolls' p2p
-sends: exactly the planner's (``stage_costs.dsa_context_parallel_comm`` and friends).
+sends: exactly the planner's (``glm5_train.plan.context_parallel_comm.dsa_context_parallel_comm`` and friends).
 
 Tolerances, from the measured runs (1 step, 64 tokens, tiny GLM-5, fp32): peaks within 0.24% of the
 plan on every rank of every layout here (the same -0.2% as without CP: the planner leaves out a
@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 
 from glm5_train.job_config import compose_job
-from glm5_train.pipeline_plan import job_plan
+from glm5_train.plan import job_plan
 from tests.parity import BASE_OVERRIDES, assert_layout_ran, layout_of, run_job
 
 PEAK_RTOL = 0.01

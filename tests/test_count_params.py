@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 
-from glm5_train.model import param_count
+from glm5_train.plan import param_count
 
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 

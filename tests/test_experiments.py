@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from glm5_train.job_config import compose_job
-from glm5_train.pipeline_plan import (
+from glm5_train.plan import (
     context_parallel_sent,
     inputs_from_job,
     job_pipeline,

@@ -5,6 +5,10 @@ Layers, bottom to top (a module may import its own layer and the ones below):
     parallel          techniques; only the standard library, torch, megatron-core, parallel.*
     glm5_train.model  the GLM-5 model; + parallel.*
     glm5_train        the training job (data, loss, optimizer set-up, assembly, checkpoints, HF)
+                      and, within it, the planner, glm5_train.plan (PLANNER_MAY_IMPORT):
+                      + glm5_train.model, glm5_train.job_config with its config sections,
+                      parallel.*; nothing in glm5_train.model, parallel or glm5_train.job_config
+                      imports it (the job and everything above reach it through its front)
     launch            launchers
     tools, bench      command-line front ends and benchmarks
     tests             (may import anything listed in TEST_IMPORTS_OF_TOOLS from tools/)
@@ -134,6 +138,35 @@ def layer_of(module: str) -> str:
     if module == "glm5_train.model" or module.startswith("glm5_train.model."):
         return "glm5_train.model"
     return top
+
+
+# The planner (glm5_train/plan/) is a unit of the glm5_train layer: it reads the job's config
+# and the model's shapes and prices them, so it may import only these; and what it prices must
+# not depend on it (PLANNER_FORBIDDEN_IN: the model, the techniques, the job config).
+PLANNER = "glm5_train.plan"
+PLANNER_MAY_IMPORT = (PLANNER, "glm5_train.model", "glm5_train.job_config",
+                      "glm5_train.activation_config", "parallel")
+PLANNER_FORBIDDEN_IN = ("glm5_train.model", "parallel", "glm5_train.job_config")
+
+
+def _within(module: str, units: tuple[str, ...]) -> bool:
+    return any(module == unit or module.startswith(unit + ".") for unit in units)
+
+
+def planner_violations(imports: list[Import], modules: set[str]) -> list[str]:
+    """Project imports that break the planner's place (PLANNER_MAY_IMPORT, PLANNER_FORBIDDEN_IN)."""
+    problems = []
+    for imp in imports:
+        target = resolve(imp.imported, modules)
+        if target is None:
+            continue
+        if _within(imp.importer, (PLANNER,)) and not _within(target, PLANNER_MAY_IMPORT):
+            problems.append(f"{imp.importer}:{imp.line} imports {target}: the planner may import "
+                            f"only {list(PLANNER_MAY_IMPORT)}")
+        if _within(target, (PLANNER,)) and _within(imp.importer, PLANNER_FORBIDDEN_IN):
+            problems.append(f"{imp.importer}:{imp.line} imports {target}: nothing in "
+                            f"{list(PLANNER_FORBIDDEN_IN)} may import the planner")
+    return problems
 
 
 ALLOWED = {
@@ -266,6 +299,14 @@ def test_allow_lists_are_used():
     assert set(TEST_IMPORTS_OF_TOOLS) <= edges, set(TEST_IMPORTS_OF_TOOLS) - edges
 
 
+def test_planner_stays_in_its_place():
+    """The planner imports only the model, the job config and parallel/; none of them imports
+    it."""
+    imports, modules = _tree()
+    problems = planner_violations(imports, modules)
+    assert not problems, "planner imports:\n  " + "\n  ".join(problems)
+
+
 def test_parallel_knows_nothing_of_the_model():
     """No module of parallel/ imports glm5_train or tools (the rule the issue states)."""
     imports, modules = _tree()
@@ -313,8 +354,40 @@ def test_checker_catches_a_cycle_hidden_in_a_function(tmp_path):
 def test_checker_catches_a_library_importing_tools(tmp_path):
     imports, modules = _scratch(tmp_path, {
         "glm5_train/__init__.py": "",
-        "glm5_train/stage_costs.py": "from tools.count_params import layer_terms\n",
+        "glm5_train/plan/stage_model.py": "from tools.count_params import layer_terms\n",
         "tools/count_params.py": "def layer_terms():\n    return []\n",
     })
     problems = layering_violations(imports, modules)
     assert problems and "imports tools.count_params" in problems[0], problems
+
+
+def test_checker_catches_the_model_or_the_job_config_importing_the_planner(tmp_path):
+    imports, modules = _scratch(tmp_path, {
+        "glm5_train/__init__.py": "",
+        "glm5_train/plan/__init__.py": "",
+        "glm5_train/plan/inputs.py": "from glm5_train.job_config import JobConfig\n",
+        "glm5_train/job_config.py": "from glm5_train.plan.inputs import MemoryInputs\n",
+        "glm5_train/model/__init__.py": "",
+        "glm5_train/model/glm5.py": "from glm5_train.plan import param_count\n",
+    })
+    problems = planner_violations(imports, modules)
+    assert len(problems) == 2, problems
+    assert "glm5_train.job_config:1 imports glm5_train.plan.inputs" in problems[0], problems
+    assert "glm5_train.model.glm5:1 imports glm5_train.plan" in problems[1], problems
+    assert import_cycles(imports, modules) == [["glm5_train.job_config", "glm5_train.plan.inputs"]]
+
+
+def test_checker_catches_the_planner_importing_the_job(tmp_path):
+    imports, modules = _scratch(tmp_path, {
+        "glm5_train/__init__.py": "",
+        "glm5_train/assembly.py": "import torch\n",
+        "glm5_train/plan/__init__.py": "",
+        "glm5_train/plan/pipeline.py": "from glm5_train.assembly import build\n"
+                                       "from glm5_train.model.config import GLM5Config\n",
+        "glm5_train/model/__init__.py": "",
+        "glm5_train/model/config.py": "import dataclasses\n",
+    })
+    problems = planner_violations(imports, modules)
+    assert len(problems) == 1 and "glm5_train.plan.pipeline:1 imports glm5_train.assembly" in (
+        problems[0]), problems
+    assert not layering_violations(imports, modules)  # one layer: only the planner's rule sees it

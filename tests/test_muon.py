@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glm5_train import plan_check
 from glm5_train.job_config import compose_job
+from glm5_train.plan import check as plan_check
 from parallel.distributed_muon import MatrixSlot, _subtract, assign_owners
 from parallel.muon import MatrixLayout, newton_schulz, orthogonal_update
 from tests.parity import BASE_OVERRIDES, BF16, assert_layout_ran, compare, run_job
@@ -148,7 +148,7 @@ def test_bf16_distributed_muon_on_zero2_matches_one_process(tmp_path):
 
 
 def test_the_planner_gives_muon_state_and_the_check_catches_a_wrong_one(tmp_path):
-    """Muon's optimizer bytes as planned (glm5_train.plan_check): one process exactly (fp32
+    """Muon's optimizer bytes as planned (glm5_train.plan.check): one process exactly (fp32
     momentum per matrix element, AdamW's moments on the rest); distributed Muon at DP2 as
     the DP group's total, which a state 2% larger on one rank (a matrix's momentum kept
     twice) breaks, though each rank alone stays within the uneven per-rank tolerance."""

@@ -1,9 +1,9 @@
-"""Tests for glm5_train/pipeline_plan.py and tools/plan_pipeline.py.
+"""Tests for the planner (glm5_train/plan/) and tools/plan_pipeline.py.
 
 Layout rules (each violation a LayoutError naming the value and the rule), placement detection,
 the balancer on the tiny and the 744B model, the schedule replay against megatron-core's own
-warm-up formula and schedule table, parameter bytes against glm5_train/model/param_count.py's formula, the
-activation estimate against a measured forward of the tiny model, and the CLI.
+warm-up formula and schedule table, parameter bytes against glm5_train/plan/param_count.py's
+formula, the activation estimate against a measured forward of the tiny model, and the CLI.
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ import torch
 
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
-from glm5_train.model import stage_costs as memory
-from glm5_train import pipeline_plan as plan
+from glm5_train import plan
+from glm5_train.plan import activations, context_parallel_comm, param_count, stage_model
 from glm5_train.model.config import GLM5Config
 from parallel.layout import LayoutError
 from glm5_train.job_config import compose_model_config
-from glm5_train.model import param_count
 from parallel.activation_accounting import SavedTensorMeter
 from parallel.process_groups import single_process_group
 from parallel.recompute import Recompute
@@ -187,7 +186,7 @@ def test_uniform_peak_is_megatron_warmup_plus_one(pp, vpp, microbatches, group):
 def test_parameter_bytes_sum_to_the_count_params_formula(tiny, big):
     for cfg in (tiny, big):
         sets = plan.mtp_sets(cfg)
-        mtp = memory.mtp_layer_params(cfg)
+        mtp = stage_model.mtp_layer_params(cfg)
         assert sets * mtp == param_count.mtp_params(cfg) - sets * \
             param_count.expert_bias_params(cfg)  # HF's count holds the bias buffer
         total = param_count.formula_totals(cfg).total + sets * mtp
@@ -274,13 +273,13 @@ def _estimated_forward_bytes(cfg: GLM5Config, inputs: plan.MemoryInputs) -> int:
     """The planner's terms for what _measured_forward_bytes measures: embedding ids, the
     decoder layers, final norm, the MTP steps, and a head + loss per prediction."""
     steps = cfg.mtp_num_steps
-    layer = {moe: memory.layer_part(cfg, moe, inputs) for moe in (False, True)}
-    layers = memory.chunk_layers_part(cfg, layer, [bool(m) for m in cfg.moe_layer_pattern],
+    layer = {moe: stage_model.layer_part(cfg, moe, inputs) for moe in (False, True)}
+    layers = stage_model.chunk_layers_part(cfg, layer, [bool(m) for m in cfg.moe_layer_pattern],
                                       inputs, input_counted=False).activation_bytes
     return (8 * inputs.tokens + layers
-            + memory.rms_norm_bytes(inputs.tokens, cfg.hidden_size, inputs)  # final norm
-            + steps * memory.mtp_step_activation_bytes(cfg, inputs)
-            + (1 + steps) * memory.loss_head_activation_bytes(cfg, inputs))
+            + activations.rms_norm_bytes(inputs.tokens, cfg.hidden_size, inputs)  # final norm
+            + steps * activations.mtp_step_activation_bytes(cfg, inputs)
+            + (1 + steps) * activations.loss_head_activation_bytes(cfg, inputs))
 
 
 def _document_mask(batch: int, seq: int) -> torch.Tensor:
@@ -327,7 +326,7 @@ def test_dense_attention_estimate_matches_a_measured_forward(tiny, document_mask
     print(f"tiny dense forward activations, document mask {document_mask}: estimate "
           f"{estimate} B, measured {measured} B")
     assert abs(estimate - measured) <= 0.01 * measured
-    layers = cfg.num_hidden_layers + memory.mtp_steps(cfg)
+    layers = cfg.num_hidden_layers + plan.mtp_steps(cfg)
     if document_mask:  # no [b, 1, s, s] mask kept (it would add 4 b s^2 bytes a layer)
         unmasked = _estimated_forward_bytes(cfg, dataclasses.replace(inputs, document_mask=False))
         assert estimate == unmasked
@@ -341,7 +340,7 @@ def test_dense_warmup_estimate_matches_a_measured_forward(tiny, mtp_steps, loss_
     """dsa.stage=dense_warmup, every weight frozen but the indexer's, run as the job runs it
     (training mode, grad enabled: GLM5Model.forward goes grad-free itself and each DSA layer
     runs its KL's backward at once): nothing is kept for the output's backward, and the peak
-    is one layer's KL graph while it runs (stage_costs.dense_indexer_kl_bytes, the stage's
+    is one layer's KL graph while it runs (activations.dense_indexer_kl_bytes, the stage's
     transient). Priced by the one-stage GLM5StageModel (the job's planner path). Measured:
     see the printed figures; tolerance 1%."""
     cfg = dataclasses.replace(tiny, mtp_num_steps=mtp_steps)
@@ -349,7 +348,7 @@ def test_dense_warmup_estimate_matches_a_measured_forward(tiny, mtp_steps, loss_
     inputs = plan.MemoryInputs(seq_length=seq, micro_batch_size=batch, activation_bytes=4,
                                fused_attention=False, loss_chunk_tokens=loss_chunk_tokens,
                                document_mask=document_mask, dsa_stage="dense_warmup")
-    stages = memory.GLM5StageModel(cfg, inputs, 1, 0 if memory.mtp_steps(cfg) else None)
+    stages = stage_model.GLM5StageModel(cfg, inputs, 1, 0 if plan.mtp_steps(cfg) else None)
     part = stages.part(0, cfg.first_k_dense_replace, cfg.num_hidden_layers, True)
     assert part.activation_bytes == 0  # nothing held between the forward and the backward
     mask = _document_mask(batch, seq) if document_mask else None
@@ -399,8 +398,8 @@ def test_recompute_estimate_matches_a_measured_forward(tiny, name, mtp_steps):
 
 def _indexer_kl_bytes_744b(big, seq: int) -> int:
     inputs = dataclasses.replace(BIG_INPUTS, seq_length=seq)
-    with_kl = memory.decoder_layer_activation_bytes(big, True, inputs)
-    return with_kl - memory.decoder_layer_activation_bytes(
+    with_kl = activations.decoder_layer_activation_bytes(big, True, inputs)
+    return with_kl - activations.decoder_layer_activation_bytes(
         big, True, dataclasses.replace(inputs, dsa_kl=False))
 
 
@@ -428,7 +427,7 @@ def test_context_parallel_bytes_per_layer_follow_the_gathers_744b(big):
     assert (latent, index) == (576, 128)
 
     def sent(**changes) -> dict[str, int]:
-        return dict(memory.dsa_context_parallel_comm(
+        return dict(context_parallel_comm.dsa_context_parallel_comm(
             big, dataclasses.replace(inputs, **changes),
             2 if changes.get("recompute") else 1))
 
@@ -440,7 +439,7 @@ def test_context_parallel_bytes_per_layer_follow_the_gathers_744b(big):
                                              "reduce_scatter:cp": per_way * index}
     assert sent(dsa_kl=False) == {"all_gather:cp": per_way * (latent + index),
                                   "reduce_scatter:cp": per_way * latent}
-    assert memory.dsa_context_parallel_comm(big, dataclasses.replace(inputs, cp=1)) == ()
+    assert context_parallel_comm.dsa_context_parallel_comm(big, dataclasses.replace(inputs, cp=1)) == ()
 
 
 def test_context_parallel_ranks_keep_the_whole_sequence_keys_744b(big):
@@ -450,8 +449,8 @@ def test_context_parallel_ranks_keep_the_whole_sequence_keys_744b(big):
     values, less their local share."""
     one = dataclasses.replace(BIG_INPUTS, tp=1, sequence_parallel=False, dp=1, seq_length=202_752)
     split = dataclasses.replace(one, cp=16)
-    whole = memory.decoder_layer_activation_bytes(big, True, one)
-    sharded = memory.decoder_layer_activation_bytes(big, True, split)
+    whole = activations.decoder_layer_activation_bytes(big, True, one)
+    sharded = activations.decoder_layer_activation_bytes(big, True, split)
     gathered = 2 * 202_752 * (576 + 128)
     extra = sharded - whole // 16
     assert abs(extra - gathered * 15 / 16) <= 0.01 * gathered, (extra, gathered)
@@ -558,9 +557,9 @@ RANK_ROW = re.compile(r"^\s+(\d+)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+(\S+)\s+
 
 def test_fit_tool_gives_each_ranks_data_pipeline_tensor_and_expert_parallel_bytes():
     """The per-rank table's DP, PP, TP and EP columns are the planner's bytes sent per step
-    (pipeline_plan.planned_traffic: the gradient reduction + parameter all-gather, the
+    (plan.planned_traffic: the gradient reduction + parameter all-gather, the
     pipeline's sends, the tensor- and expert-tensor-parallel exchanges, the expert
-    all-to-all; checked against measured runs by plan_check), n/a where it does not model them
+    all-to-all; checked against measured runs by glm5_train.plan.check), n/a where it does not model them
     (distributed Muon's gradients travel to their owners; its gathers of TP-split matrices are
     planned)."""
     from glm5_train.job_config import compose_job

@@ -1,8 +1,8 @@
-"""The planner's tensor-parallel traffic (glm5_train/model/tensor_parallel_comm.py) against the
+"""The planner's tensor-parallel traffic (glm5_train/plan/tensor_parallel_comm.py) against the
 training job's measured bytes, per rank, from the run's own ``comm_by_group``.
 
 Every parity run with TP > 1 already checks it (tests/parity.py ``assert_layout_ran`` ->
-``plan_check.problems``: TP2, TP2 x PP2, TP2 x PP2 x VPP2 x EP2, expert TP, TP2 without
+``glm5_train.plan.check.problems``: TP2, TP2 x PP2, TP2 x PP2 x VPP2 x EP2, expert TP, TP2 without
 sequence parallelism, CP2 x TP2, ZeRO2, the main job's layout). The runs here cover what those
 do not: bf16 (the experts' combine stays fp32), two sequences per micro-batch, megatron-core's
 whole-logits head, selective and full recompute (what each repeats), TP4, megatron-core's MLA
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import pytest
 
-from glm5_train import plan_check
 from glm5_train.job_config import compose_job, compose_model_config
-from glm5_train.model.stage_costs import MemoryInputs
-from glm5_train.model.tensor_parallel_comm import layer_comm
+from glm5_train.plan import MemoryInputs
+from glm5_train.plan import check as plan_check
+from glm5_train.plan.tensor_parallel_comm import layer_comm
 from parallel.recompute import Recompute
 from tests.parity import BASE_OVERRIDES, assert_layout_ran, run_job
 

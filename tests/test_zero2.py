@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from glm5_train import plan_check
 from glm5_train.job_config import compose_job
+from glm5_train.plan import check as plan_check
 from tests.parity import BASE_OVERRIDES, assert_layout_ran, compare, one_process, run_job
 
 BATCH = ["train.global_batch_size=16"]
@@ -111,8 +111,7 @@ def test_gradients_without_data_parallel_peers_accumulate_in_place(tmp_path):
 def planned_zero2_grad_bytes() -> list[int]:
     """Per pipeline rank: the planner's ZeRO2 gradient bytes for the balanced PP2 x VPP2 split
     layout of the tiny model (its slices plus two accumulation buffers)."""
-    from glm5_train.model.stage_costs import inputs_from_job
-    from glm5_train.pipeline_plan import parse_layout, plan_report
+    from glm5_train.plan import inputs_from_job, parse_layout, plan_report
 
     job = compose_job([*BASE_OVERRIDES, "parallel=pp2_vpp2", *BATCH, *ZERO2])
     layout = parse_layout("Et|ttt|m|L", 2, 2, job.model.num_hidden_layers, job.model.mtp_sets)

@@ -70,7 +70,7 @@ from glm5_train.model.glm5 import (  # noqa: E402
     build_model_chunks,
     transformer_engine_available,
 )
-from glm5_train.model.param_count import (  # noqa: E402
+from glm5_train.plan.param_count import (  # noqa: E402
     HF_ACTIVE_NO_EMBED_PARAMS,
     HF_ACTIVE_PARAMS,
     HF_MAIN_PARAMS,

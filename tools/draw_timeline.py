@@ -31,7 +31,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from glm5_train.job_config import compose_job
-from glm5_train.pipeline_plan import inputs_from_job, job_pipeline, plan_report
+from glm5_train.plan import inputs_from_job, job_pipeline, plan_report
 from glm5_train.run_dir import run_overrides
 from parallel.pipeline_layout import (
     PipelineSchedule,

@@ -6,7 +6,7 @@ Example (the 744B SFT at 202,752 tokens on 256 H100)::
     python tools/plan_fit.py +experiment=glm5_sft_202k parallel.context_parallel_size=8 --dp 1
 
 The job is composed as the training job composes it (any Hydra override works) and planned for
-GPUs (SDPA's fused kernels) by ``glm5_train.pipeline_plan``: per rank the weights, gradients and
+GPUs (SDPA's fused kernels) by ``glm5_train.plan``: per rank the weights, gradients and
 optimizer state of its stages, the activations its pipeline schedule keeps in flight at its peak
 (context parallelism: every rank holds seq_length / CP tokens, and the whole sequence's gathered
 latent and indexer keys where the attention keeps them), plus the working set that recompute
@@ -15,7 +15,7 @@ context-parallel group (the latent and indexer keys gathered, their gradients re
 checked byte for byte against measured runs in tests/test_context_parallel_plan.py), on its
 data-parallel groups (the gradient reduction and the distributed optimizer's parameter
 all-gather, Pipeline ZeRO2's reduce-scatters; n/a under Muon or frozen parameters, which the
-planner does not model) and to its pipeline neighbours (checked against measured runs by glm5_train.plan_check,
+planner does not model) and to its pipeline neighbours (checked against measured runs by glm5_train.plan.check,
 without context parallelism).
 
 It prints the per-rank table, the largest rank against an 80 GB H100 and a 141 GB H200 (counted
@@ -48,7 +48,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from glm5_train.job_config import compose_job
-from glm5_train.pipeline_plan import (
+from glm5_train.plan import (
     PlanReport,
     context_parallel_sent,
     inputs_from_job,
@@ -176,7 +176,7 @@ class Fit:
     cp_bytes: int
     gpus: int
     report: PlanReport
-    # Per pipeline rank: bytes sent per step by kind (pipeline_plan.planned_traffic), only
+    # Per pipeline rank: bytes sent per step by kind (glm5_train.plan.planned_traffic), only
     # the kinds the planner models for this job.
     traffic: tuple[dict[str, int], ...] = ()
 

@@ -13,12 +13,12 @@ The job config is composed exactly as ``launch/local.py`` composes it (any Hydra
 e.g. ``train.seq_length=32768`` or ``dsa=frozen_indexer``). Both MTP placements are planned side by
 side: ``with_loss`` (the MTP layer with the loss on the last stage, megatron-core's) and
 ``split`` (the MTP layer on the stage before, GLM-5's), each balanced by
-``glm5_train.pipeline_plan.balance_layout`` as the training job balances it (compute per stage
+``glm5_train.plan.balance_layout`` as the training job balances it (compute per stage
 first, ``--balance memory`` for the least memory instead). A layout given as
 ``parallel.pipeline_model_parallel_layout`` is checked and shown as given, next to the other
 placement balanced. With MTP off (``model.mtp_num_steps=0``) there is one plan, placement ``none``.
 
-The memory is a closed-form estimate (see ``glm5_train/pipeline_plan.py``): weights, gradients and
+The memory is a closed-form estimate (see ``glm5_train/plan/``): weights, gradients and
 optimizer state of each rank's stages, plus the activations its pipeline schedule keeps in flight
 at its peak. The config's memory options count: ``parallel.use_distributed_optimizer`` (state
 sharded), ``parallel.pipeline_zero2`` (gradient slices plus two accumulation buffers per rank,
@@ -44,7 +44,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from glm5_train.job_config import compose_job
-from glm5_train.pipeline_plan import (
+from glm5_train.plan import (
     NO_MEMORY_LIMIT,
     balance_layout,
     context_parallel_sent,

@@ -4,7 +4,7 @@ its ``hydra/overrides.yaml`` composes:
 
     python tools/plan_vs_measured.py outputs/<run> [--step N]
 
-Measured and planned as ``glm5_train.plan_check`` pairs them (the parity harness checks
+Measured and planned as ``glm5_train.plan.check`` pairs them (the parity harness checks
 the same pairs on every layout it runs), of step N (default: the last logged): parameters,
 gradients (Pipeline ZeRO2: its slices plus its accumulation buffers), optimizer state (AdamW)
 and the peak of bytes saved for backward; with frozen parameters (dense warm-up) parameters
@@ -24,8 +24,8 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from glm5_train import plan_check
 from glm5_train.job_config import compose_job
+from glm5_train.plan import check as plan_check
 from glm5_train.run_dir import run_overrides
 
 

@@ -78,8 +78,8 @@ from glm5_train.model.dsa import DSAIndexer
 from glm5_train.model.dsa_loss import DSATrainingConfig, sparse_indexer_kl
 from glm5_train.model.glm5 import build_model_chunks, transformer_engine_available
 from glm5_train.model.layers import equal_width_attention
-from glm5_train.model.param_count import layer_terms, top_terms
 from glm5_train.model.sparse_mla import absorbed_sparse_attention
+from glm5_train.plan.param_count import layer_terms, top_terms
 from parallel import mcore_compat
 from parallel.layout import ParallelSizes
 
@@ -377,7 +377,7 @@ def one_process_groups(device: torch.device) -> None:
 
 def build_stack(cfg: GLM5Config, device, dtype, use_te: bool, grouped: bool):
     extra = {"moe_grouped_gemm": True} if grouped else {}
-    config = to_mcore_config(cfg, ParallelSizes(extra=extra), dtype,
+    config = to_mcore_config(cfg, ParallelSizes(), dtype, overrides=extra,
                              use_cpu_initialization=device.type != "cuda")
     chunks = build_model_chunks(cfg, config, use_te=use_te,
                                 dsa_training=DSATrainingConfig(stage="sparse"),

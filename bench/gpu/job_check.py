@@ -20,7 +20,7 @@ Runs, most valuable first, glm5_tiny, parallel=single, the optimizer state in ho
 
 Per run: exit status, losses, ``mem_peak_bytes`` (metrics.rank_memory_bytes: the CUDA
 allocator's peak on a GPU, the process's peak RSS on CPU), optimizer bytes on the device and on
-the host, and glm5_train.plan_check's comparison of the planner's bytes (parameters, gradients,
+the host, and glm5_train.plan.check's comparison of the planner's bytes (parameters, gradients,
 optimizer state, host bytes, activations: on CUDA the planner assumes fused attention) with
 the measured ones; for the profiled run the trace's event counts by category ("kernel": CUDA
 kernels recorded; "user_annotation": the labelled ranges) and its allocator events by device
@@ -41,8 +41,8 @@ import tempfile
 import h200_perf
 import torch
 
-from glm5_train import plan_check
 from glm5_train.job_config import compose_job
+from glm5_train.plan import check as plan_check
 
 RESUME_RTOL = 1e-4  # fp32 losses of resumed steps (CUDA atomics reorder sums; a bad resume: 1e-2)
 TINY = ["model=glm5_tiny", "parallel=single"]

@@ -33,7 +33,7 @@ from dataclasses import replace
 import h200_perf
 import torch
 
-from glm5_train.activation_memory import layer_modules
+from glm5_train.plan import layer_modules
 from parallel.activation_accounting import SavedTensorMeter
 from parallel.activation_offload import ActivationOffloader, ActivationTracker
 from parallel.host_optimizer import HostOffloadedOptimizer

@@ -5,7 +5,7 @@ by tensor (``Term``), per component; ``count_built`` groups a built model's para
 same components, so the two can be compared component by component (``tools/count_params.py``
 does, and reconciles both with the released Hugging Face checkpoint, which also holds the
 router's ``e_score_correction_bias``, a buffer in megatron-core). The pipeline planner shards
-these terms per stage (``glm5_train.model.stage_costs``).
+these terms per stage (``glm5_train.plan.stage_model``).
 """
 
 from __future__ import annotations
@@ -291,7 +291,7 @@ def _classify(name: str, rules: tuple[tuple[str, str], ...]) -> str:
     for pattern, key in rules:
         if re.match(pattern, name):
             return key
-    raise ValueError(f"parameter {name!r} fits no component of glm5_train/model/param_count.py: a module "
+    raise ValueError(f"parameter {name!r} fits no component of glm5_train/plan/param_count.py: a module "
                      "was added to the model; add a rule and a formula term")
 
 

@@ -4,8 +4,8 @@ parameter, gradient, optimizer-state and saved-activation bytes, and whether the
 Measured (a ``metrics.jsonl`` record): ``param_bytes``, ``grad_buffer_bytes`` (Pipeline ZeRO2:
 ``zero2_slice_bytes`` + ``zero2_accum_bytes``), ``optimizer_state_bytes`` and
 ``saved_bytes_peak`` (the peak of bytes saved for backward, from saved-tensor hooks).
-Planned: ``pipeline_plan.plan_report`` for the job's layout; a global rank's pipeline rank is
-rank // (world / PP), megatron-core's default order "tp-cp-ep-dp-pp".
+Planned: ``glm5_train.plan.pipeline.plan_report`` for the job's layout; a global rank's
+pipeline rank is rank // (world / PP), megatron-core's default order "tp-cp-ep-dp-pp".
 
 How close each must be (``problems``):
 - parameters: exactly; likewise INT4 QAT's quantised expert copies (``int4_qat_buffer_bytes``);
@@ -36,7 +36,7 @@ the planner models them (``traffic_fields``):
   optimizer (its buckets are padded). Pipeline ZeRO2 reduce-scatters each chunk once per
   group of consecutive micro-batches (once with one chunk per rank), its gradients without
   data-parallel peers not at all, and all-reduces its pinned embedding copies
-  (``pipeline_plan._zero2_reduction_bytes``): within STATE_RTOL (measured <= 0.08%);
+  (``glm5_train.plan.traffic._zero2_reduction_bytes``): within STATE_RTOL (measured <= 0.08%);
 - ``param_gather``: the distributed optimizer's all-gather of the updated parameters, (n-1)/n
   of the parameter bytes; twice with experts split over expert-parallel ranks (megatron-core
   chains an expert optimizer, and each optimizer's step gathers every bucket); within
@@ -45,7 +45,7 @@ the planner models them (``traffic_fields``):
   (unless it is the last) and its input's gradient backward (unless it is the first), each
   the hidden states of this rank's tokens, (1 + MTP steps) times as many from the MTP stage
   on when the MTP layer has a stage of its own (whose shapes then travel first: three int64).
-- ``tensor_parallel``: every op on the ``tp`` group (glm5_train/model/tensor_parallel_comm.py:
+- ``tensor_parallel``: every op on the ``tp`` group (glm5_train/plan/tensor_parallel_comm.py:
   the layers' sequence-parallel gathers and reduce-scatters, the KL's and the loss chunks'
   all-reduces, finalize's all-reduce of the replicated gradients, Muon's gathers of its
   TP-split matrices), exactly; under Pipeline ZeRO2, which all-reduces only a data-parallel
@@ -64,8 +64,9 @@ the planner models them (``traffic_fields``):
   rows included (the meter's ``payload_bytes``): their mean over each pipeline stage's ranks
   exactly (every row dispatched is received once), and each rank at least the half that is
   its own dispatched rows (the other half, what its experts receive, follows the router).
-Not modelled: distributed Muon's gradient traffic (its pieces travel to their owners), tensor-parallel traffic where ``pipeline_plan.tensor_parallel_unmodelled`` says why,
-and the pipeline's sends under context parallelism (the MTP inputs' roll shares their group).
+Not modelled: distributed Muon's gradient traffic (its pieces travel to their owners),
+tensor-parallel traffic where ``traffic.tensor_parallel_unmodelled`` says why, and the pipeline's
+sends under context parallelism (the MTP inputs' roll shares their group).
 """
 
 from __future__ import annotations
@@ -73,11 +74,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from glm5_train.pipeline_plan import (
+from glm5_train.job_config import JobConfig
+from glm5_train.plan.inputs import inputs_from_job
+from glm5_train.plan.pipeline import job_pipeline, plan_report
+from glm5_train.plan.traffic import (
     frozen_parameters,
-    inputs_from_job,
-    job_pipeline,
-    plan_report,
     planned_traffic,
     routed_over_expert_ranks,
     traffic_modelled,
@@ -126,7 +127,7 @@ class RankBytes:
         return abs(self.measured - self.planned) / self.planned
 
 
-def compared_fields(job) -> tuple[str, ...]:
+def compared_fields(job: JobConfig) -> tuple[str, ...]:
     fields = _state_fields(job)
     if job.train.int4_qat:
         fields = (*fields, "int4_qat_buffer")
@@ -138,7 +139,7 @@ def compared_fields(job) -> tuple[str, ...]:
     return fields
 
 
-def _state_fields(job) -> tuple[str, ...]:
+def _state_fields(job: JobConfig) -> tuple[str, ...]:
     if frozen_parameters(job):
         return ("param", "activations")
     par = job.parallel
@@ -161,14 +162,14 @@ class _Plan:
     report: object
 
 
-def _plan(job, record: dict) -> _Plan:
+def _plan(job: JobConfig, record: dict) -> _Plan:
     world = len(record["param_bytes"])
     dp = world // job.parallel.model_parallel_size
     inputs, layout = inputs_from_job(job, dp), job_pipeline(job, dp)
     return _Plan(world, inputs, layout, plan_report(job.model, layout, inputs, job.activations))
 
 
-def rank_bytes(job, record: dict, plan: _Plan | None = None) -> list[RankBytes]:
+def rank_bytes(job: JobConfig, record: dict, plan: _Plan | None = None) -> list[RankBytes]:
     """Planned and measured bytes per global rank for the fields ``compared_fields`` names
     (``plan``: ``_plan(job, record)``, made here when not given)."""
     plan = plan or _plan(job, record)
@@ -203,8 +204,8 @@ def rank_bytes(job, record: dict, plan: _Plan | None = None) -> list[RankBytes]:
     return rows
 
 
-def traffic_fields(job) -> tuple[str, ...]:
-    """The per-step traffic compared: what the planner models (``pipeline_plan.
+def traffic_fields(job: JobConfig) -> tuple[str, ...]:
+    """The per-step traffic compared: what the planner models (``traffic.
     traffic_modelled``) less the pipeline's sends under context parallelism, whose group the
     MTP inputs' roll shares (the meter's counts cannot tell them apart)."""
     par = job.parallel
@@ -212,7 +213,7 @@ def traffic_fields(job) -> tuple[str, ...]:
     return tuple(f for f in traffic_modelled(job) if not (f == "p2p" and shared))
 
 
-def traffic_rows(job, record: dict, plan: _Plan | None = None) -> list[RankBytes]:
+def traffic_rows(job: JobConfig, record: dict, plan: _Plan | None = None) -> list[RankBytes]:
     """Planned and measured bytes sent per step, per global rank, for ``traffic_fields``."""
     fields = traffic_fields(job)
     if not fields:
@@ -252,13 +253,13 @@ def traffic_rows(job, record: dict, plan: _Plan | None = None) -> list[RankBytes
     return rows
 
 
-def comparison_rows(job, record: dict) -> list[RankBytes]:
+def comparison_rows(job: JobConfig, record: dict) -> list[RankBytes]:
     """``rank_bytes`` and ``traffic_rows`` from one plan of the run."""
     plan = _plan(job, record)
     return rank_bytes(job, record, plan) + traffic_rows(job, record, plan)
 
 
-def problems(job, record: dict) -> list[str]:
+def problems(job: JobConfig, record: dict) -> list[str]:
     """What disagrees beyond the tolerances of the module docstring, one line each."""
     plan = _plan(job, record)
     rows = rank_bytes(job, record, plan) + traffic_rows(job, record, plan)
@@ -308,7 +309,7 @@ def tensor_parallel_rtol(inputs) -> float:
     return ZERO2_SLICE_RTOL if inputs.shard_grads else 0.0
 
 
-def padded_expert_gathers(inputs, job) -> bool:
+def padded_expert_gathers(inputs, job: JobConfig) -> bool:
     """Experts split over EP and expert-TP ranks: each rank's dispatched rows follow the
     routing, and on gloo the device layer pads the expert-TP group's uneven all-gathers and
     reduce-scatters to its largest part (parallel/device.py), which the meter counts."""

@@ -1,6 +1,8 @@
-"""GLM-5's side of activation accounting and offloading: which modules are the offloadable
-layers of a chunk, and the tracker the Runtime owns (``parallel.activation_accounting``,
-``parallel.activation_offload``; the schedule replay is ``parallel.pipeline_layout``'s)."""
+"""The running job's side of the activation plan: which modules of a chunk are the layers that
+``activations.offload_layers`` names, and the tracker the Runtime owns, which meters saved
+bytes and offloads the selected layers on the schedule ``parallel.pipeline_layout.offload_plan``
+plans (``parallel.activation_accounting``, ``parallel.activation_offload``). The planner prices
+the same offloading (``glm5_train.plan.pipeline.plan_report``); this module applies it."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import unwrap_model
 
+from glm5_train.job_config import JobConfig
 from parallel.activation_accounting import SavedTensorMeter
 from parallel.activation_offload import ActivationOffloader, ActivationTracker
 from parallel.device import comm_device
@@ -26,7 +29,7 @@ def layer_modules(chunk: torch.nn.Module,
     return layers
 
 
-def build_activation_tracker(job, chunks: list, groups: ProcessGroupCollection,
+def build_activation_tracker(job: JobConfig, chunks: list, groups: ProcessGroupCollection,
                              num_microbatches: int) -> ActivationTracker:
     """The meter always (metrics: saved bytes per rank); the offloader when
     ``activations.offload_micro_batches`` > 0, on this rank's selected layers."""

@@ -55,7 +55,7 @@ data-parallel rank owns (parallel/pipeline_zero2.py): planned as an even 1/(DP x
 Muon (``muon_gather_comm``) the TP-split matrices' fp32 updates are all-gathered whole for
 Newton-Schulz, except those Muon Split orthogonalises per head.
 
-Checked per rank against the meter's counts of the training job's runs (glm5_train.plan_check:
+Checked per rank against the meter's counts of the training job's runs (glm5_train.plan.check:
 exact for the TP group; the expert-TP group's rows follow the routing where experts are split
 over EP ranks, and so do the all-to-alls' bytes, whose payload's mean over a stage's ranks is
 exact). What ``unmodelled`` names is not modelled.
@@ -65,7 +65,8 @@ from __future__ import annotations
 
 from glm5_train.model.config import GLM5Config
 from glm5_train.model.dsa import query_chunk
-from glm5_train.model.param_count import layer_terms, mtp_layer_terms
+from glm5_train.plan.inputs import MemoryInputs, dense_warmup, dsa_sparse
+from glm5_train.plan.param_count import layer_terms, mtp_layer_terms
 from parallel.pipeline_layout import Comm, comm_sum
 
 TP_GATHER, TP_SCATTER, TP_REDUCE = "all_gather:tp", "reduce_scatter:tp", "all_reduce:tp"
@@ -104,7 +105,7 @@ def unmodelled(cfg: GLM5Config, dsa_stage: str, absorbed: bool, seq_length: int,
     return None
 
 
-def _sp(inp, width: int) -> int:
+def _sp(inp: MemoryInputs, width: int) -> int:
     """One sequence-parallel exchange of a [tokens, width] activation (module docstring)."""
     return (inp.tp - 1) * inp.sp_tokens * width * inp.activation_bytes
 
@@ -113,29 +114,20 @@ def _all_reduce(n: int, nbytes: int) -> int:
     return 2 * (n - 1) * nbytes // n
 
 
-def _reduced(inp, width: int) -> int:
+def _reduced(inp: MemoryInputs, width: int) -> int:
     """All-reduce of a whole-sequence [T, width] activation (no sequence parallelism)."""
     return _all_reduce(inp.tp, inp.tokens * width * inp.activation_bytes)
 
 
-def _warmup(inp) -> bool:
-    """The dense warm-up runs the model forward only (nothing but the indexer trains)."""
-    return inp.dsa_stage == "dense_warmup"
-
-
-def _sparse(cfg: GLM5Config, inp) -> bool:
-    """The sparse stage selects keys (DSACoreAttention falls back to dense attention, no
-    indexer, no KL, when every key of the sequence fits the top-k)."""
-    return not _warmup(inp) and cfg.index_topk < inp.seq_length
-
-
-def _absorbed(cfg: GLM5Config, inp) -> bool:
+def _absorbed(cfg: GLM5Config, inp: MemoryInputs) -> bool:
     """Our absorbed sparse MLA shares the latent; elsewhere megatron-core's MLA up-projects it
-    with a column-parallel linear, whose backward gathers its input again."""
-    return _sparse(cfg, inp) and inp.absorbed_attention
+    with a column-parallel linear, whose backward gathers its input again. (``dsa_sparse``: the
+    sparse stage selects keys, falling back to dense attention, no indexer, no KL, when every
+    key fits the top-k; ``dense_warmup`` runs the model forward only.)"""
+    return dsa_sparse(cfg, inp) and inp.absorbed_attention
 
 
-def dense_kl_comm(cfg: GLM5Config, inp) -> Comm:
+def dense_kl_comm(cfg: GLM5Config, inp: MemoryInputs) -> Comm:
     """The dense warm-up's KL (dsa_loss._DenseKL): per chunk of r query rows (dsa.query_chunk
     of b x S x (heads per rank + indexer heads) elements per row) the head-summed attention
     [b, rows, keys up to the chunk's last row] fp32 all-reduced over TP, in its forward and again
@@ -149,19 +141,19 @@ def dense_kl_comm(cfg: GLM5Config, inp) -> Comm:
     return ((TP_REDUCE, 2 * sent),)
 
 
-def kl_comm(cfg: GLM5Config, inp) -> Comm:
+def kl_comm(cfg: GLM5Config, inp: MemoryInputs) -> Comm:
     """The sparse KL's all-reduce of the attention summed over each rank's heads at the
     selected keys ([b, s, K] fp32), once per core-attention forward (the dense warm-up's:
     ``dense_kl_comm``)."""
-    if _warmup(inp):
+    if dense_warmup(inp):
         return dense_kl_comm(cfg, inp)
-    if inp.tp == 1 or not inp.dsa_kl or not _sparse(cfg, inp):
+    if inp.tp == 1 or not inp.dsa_kl or not dsa_sparse(cfg, inp):
         return ()
     picks = inp.micro_batch_size * inp.seq * min(cfg.index_topk, inp.seq_length)
     return ((TP_REDUCE, _all_reduce(inp.tp, FP32 * picks)),)
 
 
-def attention_comm(cfg: GLM5Config, inp) -> tuple[Comm, Comm]:
+def attention_comm(cfg: GLM5Config, inp: MemoryInputs) -> tuple[Comm, Comm]:
     """(forward, backward) of one MLA + DSA application (absorbed sparse stage), the KL's
     all-reduce aside (``kl_comm``)."""
     if inp.tp == 1:
@@ -178,16 +170,16 @@ def attention_comm(cfg: GLM5Config, inp) -> tuple[Comm, Comm]:
     return forward, backward
 
 
-def indexer_inputs_comm(cfg: GLM5Config, inp) -> Comm:
+def indexer_inputs_comm(cfg: GLM5Config, inp: MemoryInputs) -> Comm:
     """The indexer's inputs (hidden states and query latent) gathered to the whole sequence
     under SP, inside the core attention (detached: no backward); no indexer runs in the
     dense fallback."""
-    if inp.tp == 1 or not inp.sequence_parallel or not (_sparse(cfg, inp) or _warmup(inp)):
+    if inp.tp == 1 or not inp.sequence_parallel or not (dsa_sparse(cfg, inp) or dense_warmup(inp)):
         return ()
     return ((TP_GATHER, _sp(inp, cfg.hidden_size + cfg.q_lora_rank)),)
 
 
-def up_projection_forward_comm(cfg: GLM5Config, inp) -> Comm:
+def up_projection_forward_comm(cfg: GLM5Config, inp: MemoryInputs) -> Comm:
     """What selective ``mla_up_proj`` recompute sends again: the query up projection's input
     gather and the latent's (both inside its checkpoint)."""
     if inp.tp == 1 or not inp.sequence_parallel:
@@ -195,7 +187,7 @@ def up_projection_forward_comm(cfg: GLM5Config, inp) -> Comm:
     return ((TP_GATHER, _sp(inp, cfg.q_lora_rank + cfg.kv_lora_rank)),)
 
 
-def mlp_comm(cfg: GLM5Config, moe: bool, inp) -> tuple[Comm, Comm]:
+def mlp_comm(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> tuple[Comm, Comm]:
     """(forward, backward) of one dense MLP, or one MoE block (shared expert + routed
     experts)."""
     H = cfg.hidden_size
@@ -215,7 +207,7 @@ def mlp_comm(cfg: GLM5Config, moe: bool, inp) -> tuple[Comm, Comm]:
     return forward, backward
 
 
-def expert_all_to_all_payload(cfg: GLM5Config, inp) -> int:
+def expert_all_to_all_payload(cfg: GLM5Config, inp: MemoryInputs) -> int:
     """Bytes one rank hands to the expert-parallel all-to-alls of one MoE block, forward or
     backward (module docstring): its dispatched rows with their fp32 probabilities, and as many
     rows of expert output combined back (the mean a rank's experts receive)."""
@@ -225,7 +217,7 @@ def expert_all_to_all_payload(cfg: GLM5Config, inp) -> int:
     return rows * (2 * cfg.hidden_size * inp.activation_bytes + FP32)
 
 
-def expert_all_to_all_comm(cfg: GLM5Config, inp) -> tuple[Comm, Comm]:
+def expert_all_to_all_comm(cfg: GLM5Config, inp: MemoryInputs) -> tuple[Comm, Comm]:
     """(forward, backward) bytes sent by the expert-parallel all-to-alls of one MoE block: the
     payload less what stays on the rank, (EP-1)/EP of it where the router spreads the rows
     evenly over the EP ranks."""
@@ -234,7 +226,7 @@ def expert_all_to_all_comm(cfg: GLM5Config, inp) -> tuple[Comm, Comm]:
     return comm, comm
 
 
-def routed_experts_comm(cfg: GLM5Config, inp) -> tuple[Comm, Comm]:
+def routed_experts_comm(cfg: GLM5Config, inp: MemoryInputs) -> tuple[Comm, Comm]:
     """(forward, backward) of the routed experts' token exchange over expert-TP (module
     docstring); the rows are the mean a rank receives."""
     e, forward = inp.expert_tp, ()
@@ -251,12 +243,12 @@ def routed_experts_comm(cfg: GLM5Config, inp) -> tuple[Comm, Comm]:
     return forward, ((ETP_GATHER, combined), (ETP_SCATTER, hidden + probs))
 
 
-def layer_comm(cfg: GLM5Config, moe: bool, inp) -> tuple[Comm, Comm]:
+def layer_comm(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> tuple[Comm, Comm]:
     """One decoder layer (or MTP step's layer) application: (forward + backward + what its
     selective recompute sends again, what a full recompute's second forward sends: the
     forward's exchanges, the KL's all-reduce not, which runs once)."""
     attention, mlp = attention_comm(cfg, inp), mlp_comm(cfg, moe, inp)
-    if _warmup(inp):  # forward only
+    if dense_warmup(inp):  # forward only
         return comm_sum(attention[0], mlp[0], kl_comm(cfg, inp)), comm_sum(attention[0], mlp[0])
     rc, again = inp.recompute, []
     if rc.selects("mla_up_proj"):
@@ -267,7 +259,7 @@ def layer_comm(cfg: GLM5Config, moe: bool, inp) -> tuple[Comm, Comm]:
             comm_sum(attention[0], mlp[0]))
 
 
-def embedding_comm(cfg: GLM5Config, inp, trains: bool = True) -> Comm:
+def embedding_comm(cfg: GLM5Config, inp: MemoryInputs, trains: bool = True) -> Comm:
     """One embedding lookup: forward + (when the embedding trains) backward."""
     if inp.tp == 1:
         return ()
@@ -277,24 +269,24 @@ def embedding_comm(cfg: GLM5Config, inp, trains: bool = True) -> Comm:
     return ((TP_SCATTER, rows), (TP_GATHER, rows if trains else 0))
 
 
-def mtp_projection_comm(cfg: GLM5Config, inp) -> tuple[Comm, Comm]:
+def mtp_projection_comm(cfg: GLM5Config, inp: MemoryInputs) -> tuple[Comm, Comm]:
     """One MTP step's eh_proj over [embedding, hidden] and its output's gather over the hidden
     dimension: (forward, backward); sequence parallel (MTP's layer is MoE, which needs it)."""
     if inp.tp == 1:
         return (), ()
     H = cfg.hidden_size
     forward = ((TP_GATHER, _sp(inp, 2 * H) + _sp(inp, H)),)
-    if _warmup(inp):
+    if dense_warmup(inp):
         return forward, ()
     return forward, ((TP_GATHER, _sp(inp, H) + _sp(inp, 2 * H)), (TP_SCATTER, _sp(inp, 2 * H)))
 
 
-def head_comm(cfg: GLM5Config, inp) -> Comm:
+def head_comm(cfg: GLM5Config, inp: MemoryInputs) -> Comm:
     """One output head + loss: forward + backward (the dense warm-up: forward only)."""
     if inp.tp == 1:
         return ()
     H, T = cfg.hidden_size, inp.tokens
-    backward = 0 if _warmup(inp) else 1
+    backward = 0 if dense_warmup(inp) else 1
     if inp.loss_chunk_tokens > 0:
         c = inp.loss_chunk_tokens
         chunks = [min(c, T - start) for start in range(0, T, c)]
@@ -317,12 +309,12 @@ def _held_terms(cfg: GLM5Config, moe_flags: list[bool], mtp: bool) -> list:
     return terms
 
 
-def grad_sync_bytes(cfg: GLM5Config, inp, moe_flags: list[bool], mtp: bool,
+def grad_sync_bytes(cfg: GLM5Config, inp: MemoryInputs, moe_flags: list[bool], mtp: bool,
                     final_norm: bool) -> int:
     """Once per step: finalize's all-reduce of the replicated gradients over TP for a rank
     holding decoder layers of ``moe_flags``, the MTP parameters (``mtp``) and the final norm;
     under Pipeline ZeRO2 (``inp.shard_grads``) this rank's even share of them."""
-    if inp.tp == 1 or _warmup(inp):  # the warm-up trains the indexer alone: none
+    if inp.tp == 1 or dense_warmup(inp):  # the warm-up trains the indexer alone: none
         return 0
     keys = SP_SYNCED if inp.sequence_parallel else AVERAGED
     params = sum(t.count for t in _held_terms(cfg, moe_flags, mtp) if t.key in keys)
@@ -338,7 +330,7 @@ MUON_GATHERED = frozenset({"o_proj", "dense_mlp", "shared_expert", "eh_proj"})
 MUON_SPLIT = frozenset({"q_up", "kv_up"})
 
 
-def muon_gather_comm(cfg: GLM5Config, inp, moe_flags: list[bool], mtp: bool,
+def muon_gather_comm(cfg: GLM5Config, inp: MemoryInputs, moe_flags: list[bool], mtp: bool,
                      split_mla: bool) -> Comm:
     """Once per step under Muon (``inp.muon``): the fp32 updates of this rank's TP-split
     matrices all-gathered to whole matrices for Newton-Schulz, over TP (dense) and over
