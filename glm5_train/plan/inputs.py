@@ -1,6 +1,10 @@
 """What the planner is given: the job's parallel sizes, batch shape and training options as
-``MemoryInputs``, built from a job config (``inputs_from_job``), and what they decide about
+``MemoryInputs``, built from a ``JobConfig`` (``inputs_from_job``), and what they decide about
 the model's paths (MTP steps, the DSA attention path) that every cost term asks.
+
+``inputs_from_job`` reads the job's fields by name, with no fallback defaults: a field renamed in
+``glm5_train.job_config`` (or ``parallel.layout``) fails here loudly instead of planning the
+default (tests/test_plan_inputs.py changes each field it reads and checks the inputs follow).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from glm5_train.job_config import JobConfig
 from glm5_train.model.config import GLM5Config
 from parallel.layout import LayoutError
 from parallel.recompute import Recompute
@@ -110,7 +115,7 @@ class MemoryInputs:
         return self.tokens // self.tp if self.sequence_parallel else self.tokens
 
 
-def muon_mode(job) -> str | None:
+def muon_mode(job: JobConfig) -> str | None:
     """``MemoryInputs.muon`` of a job."""
     if job.train.optimizer != "muon":
         return None
@@ -119,7 +124,7 @@ def muon_mode(job) -> str | None:
     return "owners" if job.train.muon_zero_redundant else "naive"
 
 
-def inputs_from_job(job, dp: int | None = None, **changes) -> MemoryInputs:
+def inputs_from_job(job: JobConfig, dp: int | None = None, **changes) -> MemoryInputs:
     """MemoryInputs of a JobConfig; ``dp`` defaults to parallel.data_parallel_size or 1. The
     job runs where it is planned (the training job balances its own layout with this): SDPA's
     fused kernels with CUDA, its math path on the CPU (``fused_attention``; a plan for another
@@ -130,38 +135,51 @@ def inputs_from_job(job, dp: int | None = None, **changes) -> MemoryInputs:
     if train.global_batch_size % micro:
         raise LayoutError(f"train.global_batch_size={train.global_batch_size} is not a multiple "
                           f"of train.micro_batch_size x data-parallel size = {micro}")
-    bf16 = train.params_dtype == "bf16"
-    dsa = getattr(job, "dsa", None)
     inputs = MemoryInputs(
         tp=par.tensor_model_parallel_size, ep=par.expert_model_parallel_size,
         etp=par.expert_tensor_parallel_size, cp=par.context_parallel_size, dp=dp,
-        cp_comm=getattr(par, "cp_comm", "all_gather"),
-        sequence_parallel=par.sequence_parallel, seq_length=train.seq_length,
-        micro_batch_size=train.micro_batch_size,
+        cp_comm=par.cp_comm, sequence_parallel=par.sequence_parallel,
+        seq_length=train.seq_length, micro_batch_size=train.micro_batch_size,
         num_microbatches=train.global_batch_size // micro,
-        microbatch_group=getattr(par, "microbatch_group_size_per_vp_stage", None),
-        # fp32 training has no separate master copy: Adam's m and v only.
-        weight_bytes=2 if bf16 else 4, optimizer_bytes=12 if bf16 else 8,
-        activation_bytes=2 if bf16 else 4,
-        distributed_optimizer=par.use_distributed_optimizer,
-        muon=muon_mode(job),
-        optimizer_offload_fraction=(par.optimizer_offload_fraction
-                                    if getattr(par, "optimizer_cpu_offload", False) else 0.0),
-        shard_grads=getattr(par, "pipeline_zero2", False),
-        int4_qat=getattr(train, "int4_qat", False),
-        dsa_kl=bool(getattr(dsa, "trains_indexer", True)),
-        dsa_stage=getattr(dsa, "stage", "sparse"),
-        fused_attention=torch.cuda.is_available(),
-        absorbed_attention=getattr(dsa, "sparse_attention", "absorbed") == "absorbed",
-        document_mask=bool(getattr(getattr(job, "data", None), "reset_attention_mask", False)),
-        loss_chunk_tokens=getattr(getattr(job, "activations", None), "loss_chunk_tokens", 0),
-        recompute=job.activations.recompute() if hasattr(job, "activations") else Recompute())
+        microbatch_group=par.microbatch_group_size_per_vp_stage,
+        **_precision_bytes(job), **_optimizer_inputs(job), **_model_path_inputs(job))
     inputs = dataclasses.replace(inputs, **changes)
     if (inputs.tp * inputs.cp * dp) % (inputs.ep * inputs.expert_tp):
         raise LayoutError(
             f"expert x expert-tensor parallel = {inputs.ep} x {inputs.expert_tp} must divide "
             f"TP x CP x DP = {inputs.tp} x {inputs.cp} x {dp}: raise the data-parallel size")
     return inputs
+
+
+def _precision_bytes(job: JobConfig) -> dict:
+    """Bytes per weight, optimizer-state element and activation value for train.params_dtype
+    (gradients stay fp32: the MemoryInputs default)."""
+    bf16 = job.train.params_dtype == "bf16"
+    # fp32 training has no separate master copy: Adam's m and v only.
+    return {"weight_bytes": 2 if bf16 else 4, "optimizer_bytes": 12 if bf16 else 8,
+            "activation_bytes": 2 if bf16 else 4}
+
+
+def _optimizer_inputs(job: JobConfig) -> dict:
+    """Where the optimizer keeps its state and the gradients: sharding, Muon, host offload,
+    Pipeline ZeRO2, and INT4 QAT's expert copies."""
+    par = job.parallel
+    return {"distributed_optimizer": par.use_distributed_optimizer, "muon": muon_mode(job),
+            "optimizer_offload_fraction": (par.optimizer_offload_fraction
+                                           if par.optimizer_cpu_offload else 0.0),
+            "shard_grads": par.pipeline_zero2, "int4_qat": job.train.int4_qat}
+
+
+def _model_path_inputs(job: JobConfig) -> dict:
+    """Which paths the model runs: the DSA stage and attention, document masks, the loss
+    head's chunking, recompute, and SDPA's fused kernels (with CUDA only)."""
+    dsa = job.dsa
+    return {"dsa_kl": bool(dsa.trains_indexer), "dsa_stage": dsa.stage,
+            "fused_attention": torch.cuda.is_available(),
+            "absorbed_attention": dsa.sparse_attention == "absorbed",
+            "document_mask": bool(job.data.reset_attention_mask),
+            "loss_chunk_tokens": job.activations.loss_chunk_tokens,
+            "recompute": job.activations.recompute()}
 
 
 # ----------------------------------------------------------- what the inputs decide per path
