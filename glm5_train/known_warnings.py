@@ -11,7 +11,7 @@ and whoever upgrades judges it anew (the same warning may then apply, or be gone
 ``install()`` runs when the ``glm5_train`` package is imported, before any megatron-core import
 (its import-time warnings), and again in the job's ``main()`` once the process knows it is a
 rank of a run (and once Hydra has configured logging). Warnings not listed here are never
-hidden: on a multi-rank run each distinct one shows once, by the first rank to emit it.
+hidden: on a multi-rank run each distinct one shows on the first rank to emit it only.
 """
 
 from __future__ import annotations
@@ -92,6 +92,23 @@ KNOWN: tuple[Known, ...] = (
             "developers' to-do, not the user's): a run's user has nothing to change. Bound to "
             "torch 2.13.0, the pinned release: a torch that removes the old names shows it "
             "again."),
+    # On resume (checkpoint.load), megatron-core's torch_dist format read through torch's
+    # distributed checkpoint (DCP):
+    Known(
+        r"`load_state_dict` is deprecated and will be removed in future versions",
+        "megatron.core.dist_checkpointing.strategies.torch", MCORE, ("0.16.1",),
+        category=FutureWarning,
+        why="megatron-core 0.16.1's torch_dist loader calls DCP's load_state_dict, which "
+            "torch renamed load (0.19.2 calls load: no warning). The checkpoint reads the same "
+            "either way; the call is megatron-core's, not the user's."),
+    Known(
+        r"Please use DTensor instead and we are deprecating ShardedTensor",
+        "torch.distributed.checkpoint", "torch", ("2.13.0",), category=FutureWarning,
+        why="megatron-core's torch_dist format hands DCP torch ShardedTensors (its "
+            "mcore_to_pyt_state_dict), which torch plans to replace by DTensor; DCP warns when "
+            "it reads them back. The format is megatron-core's choice, the checkpoint loads "
+            "as written (tests/test_checkpoint*), and the user has nothing to change. Bound to "
+            "torch 2.13.0: a torch that drops ShardedTensor shows it again."),
 )
 
 # Logger levels set by ``install``, with why. Not warning filters: every WARNING still passes.

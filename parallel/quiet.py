@@ -1,4 +1,4 @@
-"""Known library warnings hidden with their reasons, and every other warning shown once per run.
+"""Known library warnings hidden with their reasons; every other warning shown by one rank.
 
 A job on N ranks runs the same library code N times, so each library warning reaches the console
 N times, and most of them are about situations a run is not in (a CUDA tuning hint on a CPU
@@ -17,12 +17,13 @@ to megatron-core with its reason.
   ``warnings.filterwarnings`` filters (before the library is imported, for import-time
   warnings); conditional ones are checked by a ``warnings.showwarning`` hook when the warning
   is emitted; a logger's entries are a ``logging.Filter`` on that logger. Idempotent.
-- ``OncePerRun``: the de-duplication of the warnings still shown.
+- ``OncePerRun``: the de-duplication of the warnings still shown, across the run's ranks.
 
-Once per run, the design. Every rank that emits a warning claims it by creating a file named
-after its text in a directory the run's local ranks share (``O_CREAT | O_EXCL``: exactly one
-creator); the rank that creates it shows the warning, tagged with its rank, the others drop
-it. Warnings and WARNING+ log records on the console go through it. Why not the alternatives:
+Once per run, not once per rank: the design. Every rank that emits a warning claims it by
+creating a file named after its text in a directory the run's local ranks share (``O_CREAT |
+O_EXCL``: exactly one creator); the rank that creates it shows the warning, tagged with its
+rank, then and whenever it recurs there; the other ranks drop it. Warnings and WARNING+ log records on the console go
+through it (log files keep every rank's records). Why not the alternatives:
 
 - only rank 0 shows warnings: a warning that only some other rank emits (its pipeline stage's
   layers, its expert group) would be lost, and we do not hide unknown warnings;
@@ -32,7 +33,9 @@ it. Warnings and WARNING+ log records on the console go through it. Why not the 
   step does not otherwise need.
 
 The file claim needs no communication, works before process groups exist (import time) and on
-a rank about to crash, and costs one ``open`` per distinct warning. What it gives up: which
+a rank about to crash, and costs one ``open`` per distinct warning and rank (Python itself
+shows a warning once per code location). The claims are left in the temporary directory (a
+few bytes per distinct warning, none for a run without any). What it gives up: which
 other ranks emitted the same text (the console says which rank showed it, not that the others
 matched), and on a multi-node run whose ranks share no temporary directory, de-duplication is
 per node (once per node, not once per run). A failed claim (an unwritable directory) shows the
@@ -41,6 +44,7 @@ warning: an I/O problem never hides one.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import logging
@@ -69,6 +73,7 @@ class Known:
         return re.match(self.message, text, re.IGNORECASE) is not None
 
 
+@functools.cache  # read at every install (three per rank): ~1 ms a look-up
 def installed_version(library: str) -> str | None:
     """The public version of an installed distribution (``2.13.0`` for ``2.13.0+cpu``)."""
     try:
@@ -98,11 +103,15 @@ class OncePerRun:
 
     def __init__(self, directory: str, rank: int) -> None:
         self.directory, self.rank = directory, rank
+        self._mine: set[str] = set()  # claim files this rank created
 
-    def first(self, text: str) -> bool:
-        """True on the first claim of ``text`` by any rank of the run (this one now shows it);
-        also on an I/O failure, so that a problem here never hides a warning."""
+    def shows(self, text: str) -> bool:
+        """Whether this rank shows ``text``: it was the first of the run's ranks to claim it
+        (now or earlier: a warning that recurs, a log record each step, keeps showing on that
+        one rank). Also True on an I/O failure, so that a problem here never hides a warning."""
         name = hashlib.sha256(text.encode()).hexdigest()[:32]
+        if name in self._mine:
+            return True
         try:
             os.makedirs(self.directory, exist_ok=True)
             fd = os.open(os.path.join(self.directory, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -110,6 +119,7 @@ class OncePerRun:
             return False
         except OSError:
             return True
+        self._mine.add(name)
         try:  # who showed it, for whoever looks in the directory
             os.write(fd, f"rank {self.rank}: {text}\n".encode())
         finally:
@@ -124,7 +134,7 @@ class _FirstRankOnly(logging.Filter):
         once = _STATE.once
         if once is None or record.levelno < logging.WARNING:
             return True
-        return once.first(f"{record.name}: {record.levelname}: {record.getMessage()}")
+        return once.shows(f"{record.name}: {record.levelname}: {record.getMessage()}")
 
 
 # -------------------------------------------------------------------------------- install
@@ -188,13 +198,13 @@ def _show(message, category, filename, lineno, file=None, line=None) -> None:
     if once is None:
         _STATE.shown_by(message, category, filename, lineno, file, line)
         return
-    if not once.first(f"{filename}:{lineno}: {category.__name__}: {text}"):
+    if not once.shows(f"{filename}:{lineno}: {category.__name__}: {text}"):
         return
     out = file if file is not None else sys.stderr
     if out is None:  # no stderr (pythonw): nowhere to show it, as Python's own showwarning
         return
     try:
-        out.write(f"[rank {once.rank}; shown once per run] "
+        out.write(f"[rank {once.rank}; not repeated for other ranks] "
                   + warnings.formatwarning(message, category, filename, lineno, line))
     except OSError:  # stderr closed: as Python's own showwarning, drop it
         pass
