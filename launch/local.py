@@ -3,16 +3,25 @@
     python -m launch.local [hydra overrides...]
 
 Composes the same Hydra config the job will see, derives ``--nproc-per-node`` as
-TP x PP x CP x DP (DP = ``parallel.data_parallel_size``, default 1), validates the layout, then
-runs ``torchrun --standalone`` on ``glm5_train.train`` with the overrides unchanged. All ranks
-get one run directory through ``GLM5_RUN_ID``.
+TP x PP x CP x DP (DP = ``parallel.data_parallel_size``, default 1), validates the layout and
+runs the job's own data checks (tokenizer, datasets, a chat SFT dataset's tokenizer and
+sequence length; ``glm5_train.assembly.check_data``), then runs ``torchrun --standalone`` on
+``glm5_train.train`` with the overrides unchanged, relaying its output. All ranks get one run
+directory through ``GLM5_RUN_ID``. Errors are one line, ``launch: error: <message>``: a config,
+layout or data error before torchrun starts (status 2, the job's own text); a job that fails
+inside torchrun ends the output with its ``glm5_train: error:`` message (torchrun's status).
+``--help`` lists the config groups (read from ``configs/``) and examples.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
+import signal
+import subprocess
 import sys
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,7 +29,7 @@ if REPO not in sys.path:  # run as `python launch/local.py` too
     sys.path.insert(0, REPO)
 
 from glm5_train.job_config import CONFIG_ERRORS, compose_job, one_line  # noqa: E402
-from glm5_train.pipeline_plan import resolve_pipeline_layout  # noqa: E402
+from glm5_train.plan import resolve_pipeline_layout  # noqa: E402
 from parallel.layout import validate_layout  # noqa: E402
 from launch.usage import launcher_help, wants_help  # noqa: E402
 
@@ -34,7 +43,7 @@ HELP_EXAMPLES = [
     "# the main job: 8 processes, 30 steps, a checkpoint at the end in outputs/<run id>/",
     "python -m launch.local",
     "# 2 processes (PP2), 4 steps, in a run directory of your choice",
-    "python -m launch.local parallel=pp2 train.train_iters=4 train.warmup_iters=1 "
+    "python -m launch.local parallel=pp2 train.train_iters=4 "
     "hydra.run.dir=outputs/pp2",
     "# chat SFT on data made by tools/prepare_chat_sft.py (same tokenizer, same seq length)",
     "python -m launch.local parallel=single data=chat_sft data.paths=[data/sft] \\",
@@ -65,13 +74,88 @@ def main(argv: list[str]) -> int:
     dp = validate_layout(job.parallel, job.model, nproc, t.global_batch_size, t.micro_batch_size,
                          t.seq_length)
     resolve_pipeline_layout(job, dp)  # a bad layout fails here, before any process starts
+    check_job_data(job)  # the job's data and tokenizer checks: a mismatch fails here too
     cmd = torchrun_command(nproc, argv)
     env = dict(os.environ)
     env.setdefault("GLM5_RUN_ID", time.strftime("%Y-%m-%d_%H-%M-%S") + f"_{os.getpid()}")
     env.setdefault("OMP_NUM_THREADS", "1")
     print(f"launch: {nproc} processes: {shlex.join(cmd)}", flush=True)
-    os.execvpe(cmd[0], cmd, env)
-    return 0  # not reached
+    return run_torchrun(cmd, env)
+
+
+def check_job_data(job) -> None:
+    """The job's own data checks (glm5_train.assembly.check_data: the tokenizer against the
+    model's vocabulary, every dataset prefix, a chat SFT dataset's tokenizer and sequence
+    length), run here so a mismatch is one line before torchrun, not a rank's error inside
+    its ~30-line failure summary. Imported here: --help needs none of the model code."""
+    from glm5_train.assembly import check_data
+
+    check_data(job)
+
+
+# The job's one-line error (glm5_train/train.py prints it on rank 0), and, for a crash without
+# one, the exception line that ends a Python traceback.
+JOB_ERROR = re.compile(r"glm5_train: error: (.*)")
+EXCEPTION_LINE = re.compile(r"^(?:\[[^\]]*\]:)?\s*([A-Za-z_][\w.]*(?:Error|Exception): .*)")
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+
+
+class _Relay:
+    """Copies one of torchrun's streams to ours line by line, remembering the job's error."""
+
+    def __init__(self, source, sink) -> None:
+        self.source, self.sink = source, sink
+        self.job_error: str | None = None
+        self.exception: str | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        for raw in iter(self.source.readline, b""):
+            try:
+                self.sink.write(raw)
+                self.sink.flush()
+            except OSError:  # our reader went away (`| head`): keep draining, or torchrun blocks
+                pass
+            line = raw.decode(errors="replace").rstrip()
+            if match := JOB_ERROR.search(line):
+                self.job_error = match.group(1)
+            elif match := EXCEPTION_LINE.match(line):
+                self.exception = match.group(1)
+
+
+def run_torchrun(cmd: list[str], env: dict[str, str]) -> int:
+    """Run torchrun, relaying its output; on failure end with the job's one-line error.
+
+    torchrun runs in its own process group: a Ctrl-C in the terminal reaches only this
+    process, which passes it on once (torchrun treats a second SIGINT during its shutdown as
+    a reason to abort it). SIGTERM, SIGHUP and SIGUSR1 are passed on the same way."""
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    previous = {s: signal.signal(s, lambda signum, _: proc.send_signal(signum))
+                for s in FORWARDED_SIGNALS}
+    try:
+        relays = [_Relay(proc.stdout, sys.stdout.buffer), _Relay(proc.stderr, sys.stderr.buffer)]
+        status = proc.wait()
+        for relay in relays:
+            relay.thread.join()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if status != 0:
+        print(f"launch: error: {failure_line(status, relays)}", file=sys.stderr, flush=True)
+    return status
+
+
+def failure_line(status: int, relays: list[_Relay]) -> str:
+    """The job's own error when a rank printed one; else the last exception a rank raised."""
+    job_error = next((r.job_error for r in relays if r.job_error), None)
+    if job_error:
+        return job_error
+    exception = next((r.exception for r in reversed(relays) if r.exception), None)
+    why = f": {exception}" if exception else ""
+    return (f"the job failed (torchrun exited with status {status}){why}; the ranks' output "
+            "above has the details")
 
 
 def _main_or_error(argv: list[str]) -> int:

@@ -42,6 +42,9 @@ LOCAL_IMPORT_REASONS: dict[tuple[str, str], str] = {
     ("glm5_train.metrics", "write"):
         "torch.utils.tensorboard imports the tensorboard package (optional); only reached "
         "when it is installed",
+    ("launch.local", "check_job_data"):
+        "the job's data checks import the model code (glm5_train.assembly), which the "
+        "launcher's --help must not wait for",
 }
 
 # tests that import a tools/ module in-process, and why (everything else runs tools as users do,
