@@ -263,6 +263,8 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler, model_cfg: GLM5Conf
         scheduler = None
     if restores_optimizer:
         _check_optimizer_matches(path, optimizer)
+    if scheduler is not None:
+        _check_schedule_matches(path, scheduler)
     sharded = _sharded_state(chunks, optimizer if restores_optimizer else None, scheduler,
                              TrainState(), model_cfg, is_loading=True)
     loaded = dist_checkpointing.load(sharded, path)
@@ -285,6 +287,33 @@ def _load_optimizer(optimizer, state: dict) -> None:
         distopt_checkpoint.load_state(optimizer, state)
     else:
         optimizer.load_state_dict(state)
+
+
+# megatron-core's scheduler state -> the train.* key that sets it (the decay's length is
+# train.lr_decay_iters, or train.train_iters when that is null).
+_SCHEDULE_KEYS = {"max_lr": "train.lr", "min_lr": "train.min_lr",
+                  "lr_warmup_steps": "train.warmup_iters", "lr_decay_steps": "train.lr_decay_iters"}
+
+
+def _check_schedule_matches(path: str, scheduler) -> None:
+    """megatron-core's scheduler continues only the schedule it saved: loading one of another
+    shape fails its assertion deep in the load. Say before loading which keys differ and the
+    values that continue the saved schedule (e.g. a run extended from 100 to 200 steps with
+    train.lr_decay_iters=null decays over 200 steps, its checkpoint over 100)."""
+    saved = dist_checkpointing.load_common_state_dict(path).get("scheduler") or {}
+    ours = scheduler.state_dict()
+    differ = [(key, saved[key], ours[key]) for key in _SCHEDULE_KEYS
+              if key in saved and saved[key] != ours[key]]
+    if not differ:
+        return
+    listed = ", ".join(f"{_SCHEDULE_KEYS[key]}: {mine} here, {theirs} there"
+                       for key, theirs, mine in differ)
+    fix = " ".join(f"{_SCHEDULE_KEYS[key]}={theirs}" for key, theirs, _ in differ)
+    raise ValueError(
+        f"checkpoint {path} continues a learning-rate schedule of another shape ({listed}; "
+        "train.lr_decay_iters=null decays over train.train_iters, train.warmup_iters=null "
+        f"warms up over min(5, train_iters / 2)): resume with {fix} to continue it (past its "
+        "decay the rate stays at train.min_lr)")
 
 
 def _check_optimizer_matches(path: str, optimizer) -> None:

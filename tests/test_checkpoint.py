@@ -76,3 +76,19 @@ def test_optimizer_structure_change_is_refused_then_loadable_without_optimizer(t
     records = run_job(2, [*resume, "checkpoint.load_optimizer=false"],
                       str(tmp_path / "weights")).records
     assert [r["step"] for r in records] == [3]
+
+
+def test_extending_a_run_names_the_schedule_keys_that_continue_it(tmp_path):
+    """A run saved at its last step (decay over 2 steps) and resumed to step 4 with
+    train.lr_decay_iters=null would decay over 4: refused before loading, naming the keys and
+    values that continue the saved schedule; with them the run goes on from step 3."""
+    ckpt = tmp_path / "ckpt"
+    base = ["parallel=single", "train.global_batch_size=2", "train.seq_length=64"]
+    run_job(1, [*base, "train.train_iters=2", f"checkpoint.save={ckpt}"], str(tmp_path / "a"))
+    extend = [*base, "train.train_iters=4", f"checkpoint.load={ckpt}"]
+    with pytest.raises(RuntimeError) as err:
+        run_job(1, extend, str(tmp_path / "refused"))
+    assert ("(train.lr_decay_iters: 4 here, 2 there;" in str(err.value)
+            and "resume with train.lr_decay_iters=2 to continue it" in str(err.value))
+    records = run_job(1, [*extend, "train.lr_decay_iters=2"], str(tmp_path / "b")).records
+    assert [r["step"] for r in records] == [3, 4]
