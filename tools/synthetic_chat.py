@@ -93,6 +93,7 @@ def main() -> None:
         lengths = long_tail_lengths(args.long_tail, args.short_max,
                                     [int(x) for x in args.long.split(",") if x], args.seed)
     writer = LengthWriter(args.tokenizer, args.seed)
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w", encoding="utf-8") as out:
         out.writelines(json.dumps(writer.conversation(n)) + "\n" for n in lengths)
     print(f"{args.output}: {len(lengths)} conversations, {sum(lengths)} tokens (targets)")
