@@ -28,13 +28,16 @@ from parallel import quiet
 from parallel.quiet import Known, OncePerRun
 
 MCORE = "megatron-core"
-MCORE_RELEASES = ("0.16.1", "0.19.2")  # as parallel/mcore_compat.WRITTEN_AGAINST
+# As parallel/mcore_compat.WRITTEN_AGAINST; not imported from there: mcore_compat imports
+# megatron-core, and this module must run before megatron-core's first import.
+MCORE_RELEASES = ("0.16.1", "0.19.2")
 
 
 def no_cuda_device() -> bool:
     """The run is on CPU: the job uses CUDA whenever a device is present (parallel/device.py,
-    mcore_compat.install). ``device_count`` asks NVML, not the CUDA driver, so checking it in
-    a process that forks ranks afterwards (tests' fork server) leaves CUDA uninitialised."""
+    mcore_compat.install). ``device_count`` asks NVML before the CUDA driver: checking it in a
+    process that forks ranks afterwards (tests' fork server) does not spoil CUDA in the forks
+    (torch's note on it: it does not "poison fork" when NVML answers)."""
     return torch.cuda.device_count() == 0
 
 

@@ -183,7 +183,7 @@ def once_on_console(root: logging.Logger | None = None) -> None:
 
 
 def hidden(entries: Iterable[Known], text: str, category: type[Warning], filename: str) -> bool:
-    """Whether a conditional entry of ``entries`` hides this warning now (its condition holds)."""
+    """Whether an entry of ``entries`` hides this warning now (its ``when``, if any, holds)."""
     return any(issubclass(category, e.category) and e.matches_text(text)
                and from_module(filename, e.module) and (e.when is None or e.when())
                for e in entries)
