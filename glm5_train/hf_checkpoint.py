@@ -26,6 +26,17 @@ global rank 0, which assembles and writes the shard before moving on, so rank 0 
 one layer. It writes ``model.safetensors.index.json`` and ``config.json`` (HF
 ``GlmMoeDsaConfig`` fields, ``num_nextn_predict_layers`` = the MTP layers written). Tensors keep
 the model's dtype: a round trip HF -> here -> HF is bit-exact when the dtypes agree.
+
+So that transformers can use the export as it is, it also carries the tokenizer the job names
+(``data.tokenizer``: its tokenizer files are copied; the byte tokenizer has none) and
+``generation_config.json`` with its end-of-text id first, then the end-of-turn ids of the
+tokenizer directory's own generation_config (``generate`` stops at any of them), bos and pad
+where known; config.json gets the same ids (transformers' defaults, eos 1 and bos 0, are not
+GLM-5's). Files get the mode a plain ``open()`` gives under the user's umask (0644 under 022;
+safetensors writes 0600). transformers' ``GlmMoeDsaForCausalLM`` has no MTP layer: it lists the
+MTP tensors as unexpected on load (except at GLM-5's own layer 78); export prints a one-line
+note, and ``mtp=False`` (``--no-mtp``) leaves them out. ``make_random_hf`` writes a random HF
+GLM-5 of the config's shapes to try all this on (tools/hf_checkpoint.py make-random).
 """
 
 from __future__ import annotations
@@ -60,9 +71,10 @@ from glm5_train.hf_mapping import (
     mcore_to_hf,
 )
 from glm5_train.job_config import compose_job
+from glm5_train.tokenizer import copy_tokenizer_files, generation_config, special_token_ids
 from glm5_train.model.config import to_mcore_config
 from glm5_train.model.glm5 import build_model_chunks
-from glm5_train.pipeline_plan import resolve_pipeline_layout
+from glm5_train.plan import resolve_pipeline_layout
 from parallel import mcore_compat
 from parallel.layout import validate_layout
 from parallel.process_groups import init_distributed, world_from_env
@@ -186,7 +198,7 @@ def _ensure_distributed(job) -> None:
 
 def _build_chunks(job) -> list[torch.nn.Module]:
     """This rank's chunks, uninitialised (every weight is overwritten by import or load)."""
-    config = to_mcore_config(job.model, job.parallel.sizes(), job.train.torch_dtype,
+    config = to_mcore_config(job.model, job.parallel, job.train.torch_dtype,
                              perform_initialization=False)
     return build_model_chunks(job.model, config)
 
@@ -389,11 +401,14 @@ def _shard_of(name: str, layers: int) -> int:
     return 1 + layer
 
 
-def export_hf(job, load_dir: str, out_dir: str, int4: bool = False) -> dict[str, Any]:
+def export_hf(job, load_dir: str, out_dir: str, int4: bool = False,
+              mtp: bool = True) -> dict[str, Any]:
     """Write the checkpoint under ``load_dir`` (newest iteration) as an HF GLM-5 checkpoint in
     ``out_dir``; ``int4``: the routed experts as INT4 at ``train.int4_group_size``
-    (glm5_train/int4_checkpoint.py). Collective: call on every rank. Returns a report
-    (complete on rank 0)."""
+    (glm5_train/int4_checkpoint.py); ``mtp=False``: without the MTP layer's tensors
+    (``num_nextn_predict_layers`` 0). Also writes the tokenizer files of ``data.tokenizer`` and
+    ``generation_config.json`` (see ``write_hf_extras``). Collective: call on every rank.
+    Returns a report (complete on rank 0)."""
     started = time.perf_counter()
     check_exportable(job.model)
     _ensure_distributed(job)
@@ -401,11 +416,14 @@ def export_hf(job, load_dir: str, out_dir: str, int4: bool = False) -> dict[str,
     load_checkpoint(load_dir, chunks, None, None, job.model)
 
     layers = job.model.num_hidden_layers
-    shards = layers + job.model.mtp_sets + 1
+    mtp_sets = job.model.mtp_sets if mtp else 0
+    shards = layers + mtp_sets + 1
     mine: list[list[Piece]] = [[] for _ in range(shards)]
     for tensor in local_tensors(chunks):
         if tensor.main_replica:  # replicas (TP, DP, expert-DP, embedding copies) go once
             for piece in pieces_of(tensor, layers):
+                if not mtp and is_mtp_name(piece.hf_name, layers, job.model.mtp_sets):
+                    continue
                 mine[_shard_of(piece.hf_name, shards - 1)].append(piece)
     counts = _all_gather([len(s) for s in mine])
     rank = dist.get_rank()
@@ -450,15 +468,87 @@ def export_hf(job, load_dir: str, out_dir: str, int4: bool = False) -> dict[str,
                     {"metadata": {"total_size": total_bytes},
                      "weight_map": dict(sorted(weight_map.items()))})
         hf_config = glm5_to_hf_config(job.model, job.train.torch_dtype)
+        hf_config["num_nextn_predict_layers"] = mtp_sets
         if int4:
             hf_config["quantization_config"] = int4_checkpoint.quantization_config(
                 job.train.int4_group_size)
-        _write_json(os.path.join(out_dir, "config.json"), hf_config)
+        report["tokenizer_files"] = write_hf_extras(out_dir, hf_config, job.data.tokenizer)
+        open_up_modes(out_dir, [*report["files"], INDEX_FILE, "config.json",
+                                GENERATION_CONFIG_FILE, *report["tokenizer_files"]])
+        mtp_count = sum(1 for name in weight_map if is_mtp_name(name, layers, mtp_sets))
+        if mtp_count:
+            _log(mtp_note(mtp_count, layers))
     dist.barrier()
     report["seconds"] = time.perf_counter() - started
     _log(f"exported {len(weight_map)} tensors in {shards} shards ({total_bytes / 2**20:.1f} MiB) "
          f"to {out_dir} in {report['seconds']:.1f} s")
     return report
+
+
+GENERATION_CONFIG_FILE = "generation_config.json"
+# transformers' GlmMoeDsaForCausalLM has no MTP layer; it skips GLM-5's own (layer 78) by
+# name and lists any other model.layers.<num_hidden_layers>.* tensors as UNEXPECTED on load.
+HF_SKIPPED_MTP_LAYER = 78
+
+
+def mtp_note(count: int, layers: int) -> str:
+    """The one line export prints about the MTP tensors it wrote."""
+    listed = ("" if layers == HF_SKIPPED_MTP_LAYER else
+              "; its load report lists them as UNEXPECTED, which is expected")
+    return (f"note: transformers' GlmMoeDsaForCausalLM has no MTP layer: it ignores the MTP "
+            f"layer's {count} tensors (model.layers.{layers}.*; inference does not use "
+            f"them){listed}; export --no-mtp leaves them out")
+
+
+def write_hf_extras(out_dir: str, hf_config: dict, tokenizer: str) -> list[str]:
+    """config.json and generation_config.json with the tokenizer's end-of-text (eos), bos and
+    pad ids (transformers' GlmMoeDsaConfig defaults, eos 1 and bos 0, are not GLM-5's: with
+    them ``generate`` would never stop at end of text), plus the tokenizer's files so
+    ``AutoTokenizer.from_pretrained(out_dir)`` works; the names of the files copied."""
+    _write_json(os.path.join(out_dir, "config.json"),
+                {**hf_config, **special_token_ids(tokenizer)})
+    _write_json(os.path.join(out_dir, GENERATION_CONFIG_FILE), generation_config(tokenizer))
+    copied = copy_tokenizer_files(tokenizer, out_dir)
+    if not copied:
+        _log(f"note: data.tokenizer={tokenizer} has no Hugging Face tokenizer files: the export "
+             "carries none (set data.tokenizer=<the HF tokenizer directory> to include them)")
+    return copied
+
+
+def open_up_modes(out_dir: str, names: list[str]) -> None:
+    """Give the written files the mode a plain ``open()`` gives under the user's umask (0644
+    under the usual 022): safetensors writes its files 0600, which other users (a serving
+    job, a shared model directory) cannot read. A umask of 077 keeps them private. The
+    directory keeps the mode it was created with (``os.makedirs``: 0777 & ~umask)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in names:
+        os.chmod(os.path.join(out_dir, name), 0o666 & ~umask)
+
+
+def make_random_hf(job, hf_dir: str, seed: int = 0) -> dict[str, Any]:
+    """A randomly initialised HF GLM-5 with the composed model's shapes (transformers' own
+    init), as transformers saves it, plus the job's tokenizer files and generation_config:
+    something to try import / train / export on without downloading a checkpoint. Small
+    configs only (the whole model is built in memory). transformers builds no MTP layer:
+    ``num_nextn_predict_layers`` is 0, so import and train it with ``model.mtp_num_steps=0``."""
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    check_exportable(job.model)
+    fields = glm5_to_hf_config(job.model, job.train.torch_dtype)
+    fields["num_nextn_predict_layers"] = 0
+    torch.manual_seed(seed)
+    model = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**fields,
+                                                 **special_token_ids(job.data.tokenizer)))
+    os.makedirs(hf_dir, exist_ok=True)
+    model.save_pretrained(hf_dir, safe_serialization=True)
+    files = sorted(n for n in os.listdir(hf_dir) if n.startswith("model"))
+    copied = write_hf_extras(hf_dir, read_hf_config(hf_dir), job.data.tokenizer)
+    open_up_modes(hf_dir, [*files, "config.json", GENERATION_CONFIG_FILE, *copied])
+    params = sum(p.numel() for p in model.parameters())
+    _log(f"wrote a random GLM-5 of {params} parameters to {hf_dir} (no MTP layer: import and "
+         "train it with model.mtp_num_steps=0)")
+    return {"hf_dir": hf_dir, "params": params, "tokenizer_files": copied}
 
 
 def _wire(pieces: list[Piece]) -> list[tuple]:

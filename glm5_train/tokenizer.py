@@ -13,7 +13,9 @@ also differ between tokenizers so their cached indices never collide.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import shutil
 from collections import OrderedDict
 from typing import Iterable
 
@@ -127,3 +129,60 @@ def build_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
     if spec == "byte":
         return ByteTokenizer()
     return HFTokenizer(spec)
+
+
+# ----------------------------------------------------------------------------------------------
+# The tokenizer's files and special ids in a Hugging Face export
+# ----------------------------------------------------------------------------------------------
+
+# What a tokenizer directory holds for transformers' AutoTokenizer (any of these), never a
+# model's weights or config.json: a tokenizer directory may be a whole model directory.
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                      "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                      "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model")
+
+
+def copy_tokenizer_files(spec: str, out_dir: str) -> list[str]:
+    """Copy the HF tokenizer directory ``spec``'s tokenizer files into ``out_dir``; their
+    names. The byte tokenizer has no files: nothing is copied."""
+    if spec == "byte":
+        return []
+    names = [n for n in sorted(os.listdir(spec))
+             if n in HF_TOKENIZER_FILES or n.endswith(".tiktoken")]
+    if not names:
+        raise FileNotFoundError(f"tokenizer directory {spec!r} holds none of "
+                                f"{', '.join(HF_TOKENIZER_FILES)}: pass the directory the "
+                                "data was tokenized with as data.tokenizer")
+    for name in names:
+        shutil.copyfile(os.path.join(spec, name), os.path.join(out_dir, name))
+    return names
+
+
+def special_token_ids(spec: str) -> dict[str, int | list[int] | None]:
+    """``eos_token_id`` (the end-of-document id first, then the end-of-turn ids of the
+    directory's generation_config.json: generation stops at any of them; an int when there is
+    one), ``bos_token_id`` and ``pad_token_id`` (None where the tokenizer has none)."""
+    if spec == "byte":
+        return {"eos_token_id": _BYTE_EOD, "bos_token_id": None, "pad_token_id": _BYTE_PAD}
+    tok = HFTokenizer(spec)
+    eos = [tok.eod]
+    generation = os.path.join(spec, "generation_config.json")
+    if os.path.exists(generation):
+        with open(generation) as f:
+            given = json.load(f).get("eos_token_id")
+        eos += [int(i) for i in (given if isinstance(given, list) else [given])
+                if i is not None and int(i) not in eos]
+    return {"eos_token_id": eos[0] if len(eos) == 1 else eos,
+            "bos_token_id": tok._tok.bos_token_id, "pad_token_id": tok._tok.pad_token_id}
+
+
+def generation_config(spec: str) -> dict:
+    """generation_config.json for an export: the tokenizer directory's own (sampling settings
+    kept) with the special ids above, so transformers' ``generate`` stops at end of text."""
+    config: dict = {}
+    path = os.path.join(spec, "generation_config.json") if spec != "byte" else ""
+    if path and os.path.exists(path):
+        with open(path) as f:
+            config = json.load(f)
+    config.update({k: v for k, v in special_token_ids(spec).items() if v is not None})
+    return config

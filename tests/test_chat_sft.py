@@ -26,6 +26,7 @@ from glm5_train.assembly import build_model  # noqa: E402
 from glm5_train.inference import compute_logits  # noqa: E402
 from glm5_train.job_config import compose_job  # noqa: E402
 from glm5_train.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer  # noqa: E402
+from launch import local as launch_local  # noqa: E402
 from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
 from parallel import process_groups  # noqa: E402
 from tests.parity import run_job  # noqa: E402
@@ -423,12 +424,10 @@ LAUNCH_SFT = ["parallel=single", "data=chat_sft", f"data.tokenizer={TOKENIZER}",
 
 def test_launcher_refuses_a_sequence_length_mismatch_before_torchrun(sft, capsys, monkeypatch):
     """Data packed at 1024 tokens, a job at 512: the launcher's one line, the job's text."""
-    import launch.local as L
-
     started = []
-    monkeypatch.setattr(L, "run_torchrun", lambda *args: started.append(args) or 0)
+    monkeypatch.setattr(launch_local, "run_torchrun", lambda *args: started.append(args) or 0)
     prefix, _ = sft
-    assert L._main_or_error([*LAUNCH_SFT, f"data.paths=[{prefix}]",
+    assert launch_local._main_or_error([*LAUNCH_SFT, f"data.paths=[{prefix}]",
                              "train.seq_length=512"]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"launch: error: train.seq_length=512 but the chat SFT dataset "

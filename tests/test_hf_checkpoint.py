@@ -191,7 +191,7 @@ from parallel.process_groups import init_distributed
 job = compose_job(["model=glm5_tiny", "parallel=single"])
 mcore_compat.install()
 init_distributed(job.parallel, 0)
-config = to_mcore_config(job.model, job.parallel.sizes(), torch.float32)
+config = to_mcore_config(job.model, job.parallel, torch.float32)
 chunk = build_model_chunks(job.model, config)[0].eval()
 load_checkpoint(sys.argv[2], [chunk], None, None, job.model)
 ids = torch.load(sys.argv[3])
@@ -356,3 +356,93 @@ def test_unknown_unused_and_doubly_used_tensors_are_errors():
     problems, _ = tool._check_import([({"a": ["x", 12, 6]}, [], {})], {"a"})
     assert problems == [("a: the model's shards cover 12 of its 6 elements (each must be used "
                          "exactly once)")]
+
+
+# ------------------------------------------------------------- an export transformers can use
+
+TOKENIZER = os.path.join(REPO, "tests", "data", "glm_tiny_tokenizer")
+
+
+class _EndAfter:
+    """A logits processor that plants the end-of-text logit: after ``steps`` new tokens the
+    eos id wins every step. Generation then stops there only if the model's
+    generation_config names that id as eos (without one it runs on to max_new_tokens)."""
+
+    def __init__(self, prompt_length: int, steps: int, eos: int) -> None:
+        self.prompt_length, self.steps, self.eos = prompt_length, steps, eos
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] - self.prompt_length >= self.steps:
+            scores[:, self.eos] = scores.max() + 100.0
+        return scores
+
+
+@pytest.fixture(scope="module")
+def exports(imports, tmp_path_factory):
+    """The one-process import exported with the tiny GLM tokenizer: with its MTP layer, and
+    with --no-mtp; (directory, tool output) each."""
+    root = tmp_path_factory.mktemp("exports")
+    ckpt, _ = imports[1]
+    out = {}
+    for name, extra in (("with_mtp", []), ("no_mtp", ["--no-mtp"])):
+        proc = run_tool(1, "export", "--load", str(ckpt), "--hf-dir", str(root / name), *extra,
+                        *layout_args(1), f"data.tokenizer={TOKENIZER}")
+        out[name] = (root / name, proc.stdout + proc.stderr)
+    return out
+
+
+def test_export_carries_tokenizer_generation_config_and_readable_modes(exports):
+    from transformers import AutoTokenizer
+
+    out, log = exports["with_mtp"]
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (out / name).read_bytes() == open(os.path.join(TOKENIZER, name), "rb").read()
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.eos_token_id == 285 and tok.decode(tok.encode("a b c")) == "a b c"
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [285, 289, 291]  # end of text, then end-of-turn ids
+    assert generation["pad_token_id"] == 285
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == [285, 289, 291] and config["bos_token_id"] is None
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert set(modes.values()) == {0o666 & ~umask}, modes  # 0644 under umask 022
+    assert ("note: transformers' GlmMoeDsaForCausalLM has no MTP layer: it ignores the MTP "
+            "layer's") in log and "export --no-mtp leaves them out" in log
+
+
+def test_export_generates_and_stops_at_end_of_text(exports):
+    """transformers loads the export and generate stops at the planted eos because
+    generation_config.json carries the tokenizer's eos ids."""
+    from transformers import AutoTokenizer, GlmMoeDsaForCausalLM, LogitsProcessorList
+
+    out, _ = exports["no_mtp"]
+    tok = AutoTokenizer.from_pretrained(out)
+    model = GlmMoeDsaForCausalLM.from_pretrained(out).eval()
+    assert model.generation_config.eos_token_id == [285, 289, 291]
+    prompt = torch.tensor([tok.encode("def main():")])
+    planted = LogitsProcessorList([_EndAfter(prompt.shape[1], 2, eos=289)])
+    with torch.no_grad():
+        ids = model.generate(prompt, max_new_tokens=12, do_sample=False,
+                             logits_processor=planted)
+    new = ids[0, prompt.shape[1]:].tolist()
+    assert len(new) == 3 and new[-1] == 289, new  # two tokens, then eos, then stop
+
+
+def test_no_mtp_export_loads_without_unexpected_tensors(exports):
+    """--no-mtp: no model.layers.4.* tensors, num_nextn_predict_layers 0, and transformers'
+    load report has nothing unexpected or missing; with MTP its 'unexpected' list is exactly
+    the MTP layer (what the export's note says)."""
+    from transformers import GlmMoeDsaForCausalLM
+
+    out, log = exports["no_mtp"]
+    assert not any(".layers.4." in name for name in read_hf_dir(out))
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    assert "has no MTP layer" not in log
+    _, info = GlmMoeDsaForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"], info
+    _, info = GlmMoeDsaForCausalLM.from_pretrained(exports["with_mtp"][0],
+                                                   output_loading_info=True)
+    assert info["unexpected_keys"] and all(".layers.4." in k for k in info["unexpected_keys"])
+    assert not info["missing_keys"]

@@ -14,7 +14,11 @@ import shlex
 import subprocess
 import sys
 
-import pytest
+from omegaconf import OmegaConf
+
+from launch.slurm import compose_tree
+from launch.slurm_plan import Allocation, parallel_config, plan_processes
+from tests.test_slurm import readme_sbatch_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(REPO, "docs", "journeys.md")
@@ -100,11 +104,6 @@ def test_journey_3_resumes_a_run(tmp_path):
 def test_journey_4_is_the_command_test_slurm_runs_and_fits_two_nodes():
     """The page's sbatch command is the one tests/test_slurm.py runs on its real two-node
     cluster (the README's); here it is also composed and planned for two 2-CPU nodes."""
-    from launch.slurm import compose_tree
-    from launch.slurm_plan import Allocation, parallel_config, plan_processes
-    from omegaconf import OmegaConf
-    from tests.test_slurm import readme_sbatch_command
-
     _, _, blocks = journeys()[4]
     joined = blocks[0].replace("\\\n", " ")
     command = shlex.split(next(line for line in joined.splitlines()

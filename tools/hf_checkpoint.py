@@ -20,7 +20,13 @@ if _REPO_ROOT not in sys.path:
 
 import torch.distributed as dist  # noqa: E402
 
-from glm5_train.hf_checkpoint import _rank, compose, export_hf, import_hf  # noqa: E402
+from glm5_train.hf_checkpoint import (  # noqa: E402
+    _rank,
+    compose,
+    export_hf,
+    import_hf,
+    make_random_hf,
+)
 from glm5_train.train import quiet_megatron  # noqa: E402
 from parallel.process_groups import destroy_distributed  # noqa: E402
 
@@ -31,8 +37,10 @@ from parallel.process_groups import destroy_distributed  # noqa: E402
 
 # --help's epilog: what a first run types
 EXAMPLES = r"""Examples:
-  # a tiny random HF GLM-5 (the shapes of model=glm5_tiny) to try the round trip on
-  python tools/hf_checkpoint.py make-tiny --hf-dir /tmp/hf_tiny
+  # a random HF GLM-5 with the shapes of model=glm5_tiny (no MTP layer: transformers has
+  # none), with the tiny GLM-style tokenizer: something to try import / train / export on
+  python tools/hf_checkpoint.py make-random --hf-dir /tmp/hf_tiny model=glm5_tiny \
+      data.tokenizer=tests/data/glm_tiny_tokenizer
   # HF -> a weights-only checkpoint in the PP2 layout (2 processes)
   torchrun --nproc-per-node 2 tools/hf_checkpoint.py import --hf-dir /tmp/hf_tiny \
       --save /tmp/ckpt_hf model=glm5_tiny parallel=pp2 model.mtp_num_steps=0
@@ -46,11 +54,12 @@ EXAMPLES = r"""Examples:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="tools/hf_checkpoint.py",
-        description="Convert between Hugging Face GLM-5 checkpoints and this project's "
-                    "distributed checkpoints; run under torchrun in any layout (import: "
-                    "every rank reads only the slices it owns; export: streamed one decoder "
-                    "layer per shard through rank 0). Hydra overrides after the options "
-                    "name the model and layout (python -m launch.local --help lists them).",
+        description="Convert between Hugging Face GLM-5 checkpoints and this project's\n"
+                    "distributed checkpoints; run under torchrun in any layout (import: every\n"
+                    "rank reads only the slices it owns; export: streamed one decoder layer per\n"
+                    "shard through rank 0, with the tokenizer files of data.tokenizer and a\n"
+                    "generation_config.json). Hydra overrides after the options name the model\n"
+                    "and layout (python -m launch.local --help lists them).",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="HF safetensors -> weights-only distributed checkpoint")
@@ -65,7 +74,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     exp.add_argument("--int4", action="store_true", help="write the routed experts as INT4 "
                      "(compressed-tensors pack-quantized, train.int4_group_size inputs per "
                      "scale), bit for bit the weights an INT4 QAT run trained with")
-    for p in (imp, exp):
+    exp.add_argument("--no-mtp", dest="mtp", action="store_false", help="leave the MTP layer's "
+                     "tensors out (transformers' GlmMoeDsaForCausalLM does not use them; "
+                     "num_nextn_predict_layers becomes 0)")
+    rnd = sub.add_parser("make-random", help="a randomly initialised HF GLM-5 with the model "
+                         "config's shapes, tokenizer files included (small configs; no "
+                         "torchrun needed)")
+    rnd.add_argument("--hf-dir", required=True, help="output directory")
+    rnd.add_argument("--seed", type=int, default=0)
+    for p in (imp, exp, rnd):
         p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=glm5_tiny "
                        "parallel=tp2_pp2_vpp2_ep2")
     return parser.parse_args(argv)
@@ -78,8 +95,10 @@ def main(argv: list[str]) -> int:
         job = compose(args.overrides)
         if args.command == "import":
             import_hf(job, args.hf_dir, args.save)
+        elif args.command == "make-random":
+            make_random_hf(job, args.hf_dir, args.seed)
         else:
-            export_hf(job, args.load, args.hf_dir, int4=args.int4)
+            export_hf(job, args.load, args.hf_dir, int4=args.int4, mtp=args.mtp)
     except (ValueError, TypeError, FileNotFoundError) as err:
         if _rank() == 0:
             print(f"hf_checkpoint: error: {err}", file=sys.stderr, flush=True)
