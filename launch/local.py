@@ -48,8 +48,10 @@ HELP_EXAMPLES = [
     "# chat SFT on data made by tools/prepare_chat_sft.py (same tokenizer, same seq length)",
     "python -m launch.local parallel=single data=chat_sft data.paths=[data/sft] \\",
     "    data.tokenizer=tests/data/glm_tiny_tokenizer train.seq_length=256",
-    "# resume a run from its newest checkpoint (checkpoint.load=auto is the default)",
-    "python -m launch.local hydra.run.dir=outputs/pp2 parallel=pp2 train.train_iters=8",
+    "# resume that run from its newest checkpoint (checkpoint.load=auto, the default) to step 8;",
+    "# the schedule keys continue its schedule (4 steps: warm-up 2, decay over 4)",
+    "python -m launch.local hydra.run.dir=outputs/pp2 parallel=pp2 train.train_iters=8 \\",
+    "    train.warmup_iters=2 train.lr_decay_iters=4",
 ]
 
 
