@@ -134,8 +134,13 @@ def run_torchrun(cmd: list[str], env: dict[str, str]) -> int:
     a reason to abort it). SIGTERM, SIGHUP and SIGUSR1 are passed on the same way."""
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
-    previous = {s: signal.signal(s, lambda signum, _: proc.send_signal(signum))
-                for s in FORWARDED_SIGNALS}
+    passed_on: list[int] = []
+
+    def pass_on(signum, _frame) -> None:
+        passed_on.append(signum)
+        proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, pass_on) for s in FORWARDED_SIGNALS}
     try:
         relays = [_Relay(proc.stdout, sys.stdout.buffer), _Relay(proc.stderr, sys.stderr.buffer)]
         status = proc.wait()
@@ -144,7 +149,11 @@ def run_torchrun(cmd: list[str], env: dict[str, str]) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    if status != 0:
+    if status != 0 and passed_on:  # the user stopped it: no error to explain
+        names = ", ".join(dict.fromkeys(signal.Signals(s).name for s in passed_on))
+        print(f"launch: stopped: {names} passed on to torchrun, which exited with status "
+              f"{status}", file=sys.stderr, flush=True)
+    elif status != 0:
         print(f"launch: error: {failure_line(status, relays)}", file=sys.stderr, flush=True)
     return status
 
