@@ -290,7 +290,7 @@ def _check_pipeline(par: ParallelConfig, model: ModelShape) -> None:
             "gradients are summed before the data-parallel reduction, which overlapping would "
             "race with; set parallel.overlap_grad_reduce=false (or model.mtp_num_steps=0)")
     if par.pipeline_model_parallel_layout or (model.mtp_sets and pp > 1):
-        return  # glm5_train.pipeline_plan checks a given layout, or balances one
+        return  # the planner (glm5_train.plan) checks a given layout, or balances one
     stages = pp * (vpp or 1)
     layers = model.num_hidden_layers
     if layers % stages:
