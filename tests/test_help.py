@@ -24,9 +24,10 @@ import pytest
 from tests import spawn
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Importing torch + megatron-core on a busy 2-core machine: a few seconds; a started job (a
-# process group, a model build, torchrun's agent) takes far longer.
-HELP_SECONDS = 45
+# A help that has not answered by then is killed and fails (importing torch + megatron-core
+# takes seconds). No time is asserted (a busy machine is slow): what proves nothing started is
+# the empty working directory and the absence of torchrun's output.
+KILL_AFTER_SECONDS = 180
 # launch/ modules a user (or slurm) runs; slurm_plan and usage are libraries
 LAUNCHERS = ("launch.local", "launch.slurm", "launch.slurm_rank")
 
@@ -48,7 +49,7 @@ def run_help(command: list[str], flag: str, cwd: str) -> tuple[subprocess.Comple
     env.pop("SLURM_JOB_ID", None)  # --help must not need an allocation
     start = time.monotonic()
     done = subprocess.run([*command, flag], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=HELP_SECONDS * 4, stdin=subprocess.DEVNULL)
+                          timeout=KILL_AFTER_SECONDS, stdin=subprocess.DEVNULL, check=False)
     return done, time.monotonic() - start
 
 
@@ -70,7 +71,7 @@ def fork_help(path: str, flag: str, cwd: str) -> tuple[subprocess.CompletedProce
     start = time.monotonic()
     proc = spawn.fork_server().Process(target=_tool_main, args=(path, flag, cwd, log_path))
     proc.start()
-    proc.join(HELP_SECONDS * 4)
+    proc.join(KILL_AFTER_SECONDS)
     if proc.is_alive():
         proc.kill()
         proc.join()
@@ -103,12 +104,11 @@ def test_discovers_every_tool():
 @pytest.mark.parametrize("name", [name for name, _ in entry_points()])
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help(answers, name, flag):
-    done, seconds, cwd = answers[(name, flag)]
+    done, _, cwd = answers[(name, flag)]
     text = done.stdout
     assert done.returncode == 0, f"{name} {flag}: status {done.returncode}\n{done.stderr[-2000:]}"
     assert "usage" in text.lower(), f"{name} {flag}: no usage line\n{text}"
     assert "Examples:" in text, f"{name} {flag}: no examples\n{text}"
-    assert seconds < HELP_SECONDS, f"{name} {flag} took {seconds:.1f} s: did it start something?"
     assert os.listdir(cwd) == [], f"{name} {flag} wrote {os.listdir(cwd)} in its directory"
     assert "torch.distributed.run" not in text + done.stderr  # no torchrun started
 
