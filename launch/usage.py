@@ -26,8 +26,8 @@ COMMON_KEYS = (
     ("train.seq_length", "tokens per sequence (chat SFT: the prepared --seq-length)"),
     ("train.lr / train.min_lr / train.warmup_iters", "learning-rate schedule"),
     ("parallel.data_parallel_size", "DP; processes = TP x PP x CP x DP"),
-    ("parallel.tensor_model_parallel_size", "TP (also pipeline_, virtual_pipeline_, "
-     "expert_, context_parallel_size)"),
+    ("parallel.tensor_model_parallel_size",
+     "TP (also pipeline_, virtual_pipeline_, expert_, context_parallel_size)"),
     ("data.paths / data.tokenizer", "dataset prefixes and the tokenizer they were made with"),
     ("checkpoint.save / checkpoint.save_interval", "where and how often to save"),
     ("checkpoint.load", "auto (resume from checkpoint.save), a directory, or null"),
