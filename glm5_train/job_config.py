@@ -25,9 +25,10 @@ from glm5_train.model.config import GLM5Config
 from glm5_train.model.dsa_loss import DSATrainingConfig
 from glm5_train.profiling import ProfileOptions, check_profile_options
 from glm5_train.run_dir import register_resolvers, run_id
-from parallel.int4_qat import Int4QATOptions, check_group_size
+from parallel.config.int4_qat import Int4QATOptions
+from parallel.config.muon import MuonOptions, check_muon_options
+from parallel.int4_qat import check_group_size
 from parallel.layout import ParallelConfig
-from parallel.muon import MuonOptions, check_muon_options
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 

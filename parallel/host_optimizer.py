@@ -31,38 +31,10 @@ bf16 parameters: the same elements, updated in place, gradients assigned the sam
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-from parallel.layout_error import LayoutError
-
-
-@dataclass
-class HostOptimizerOptions:
-    """``parallel.*`` keys of optimizer state in host memory (part of ParallelConfig)."""
-
-    # The first optimizer_offload_fraction of the parameter elements step on the host (fp32
-    # copies, AdamW moments there; gradients copied over, updated values back), the rest on
-    # the device; overlap_cpu_optimizer_d2h_h2d: the copies on side streams, per parameter
-    # (CUDA). With Muon: its AdamW part's state on the host, whole (parallel/muon.py; its
-    # matrices' momentum stays on the device).
-    optimizer_cpu_offload: bool = False
-    optimizer_offload_fraction: float = 1.0
-    overlap_cpu_optimizer_d2h_h2d: bool = False
-
-
-def check_host_optimizer(par: HostOptimizerOptions) -> None:
-    if not par.optimizer_cpu_offload:
-        return
-    fraction = par.optimizer_offload_fraction
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
-            or not 0.0 <= fraction <= 1.0:
-        raise LayoutError(f"parallel.optimizer_offload_fraction={fraction!r}: the share of the "
-                          "parameter elements whose optimizer state lives in host memory must "
-                          "lie in [0, 1] (1.0: all of it)")
 
 _BUILD_GROUPS = DistributedOptimizer.__dict__["_build_model_and_main_param_groups"].__func__
 

@@ -46,17 +46,6 @@ VALUES_PER_INT32 = 8
 BUFFER_NAME = "int4_qat_weight"
 
 
-@dataclass
-class Int4QATOptions:
-    """``train.int4_*`` keys (part of the job's TrainConfig)."""
-
-    # The routed experts' weights enter every forward as weight-only symmetric INT4, one
-    # bfloat16 scale per int4_group_size inputs of a row (the weights export as that INT4
-    # checkpoint bit for bit: tools/hf_checkpoint.py export --int4).
-    int4_qat: bool = False
-    int4_group_size: int = 32
-
-
 # ---- the quantiser (shared by training and export) ------------------------------------------
 
 

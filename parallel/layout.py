@@ -15,24 +15,24 @@ from typing import Any, Protocol
 
 import torch
 
-from parallel.context_parallel import (
+from parallel.config.context_parallel import (
     CP_COMMS,
     ContextCommOptions,
     check_context_comm,
-    check_shardable,
     context_parallel_rank_lists,
 )
-from parallel.deferred_wgrad import DeferredWgradOptions, check_deferred_wgrad
-from parallel.flexible_cp import CP_GROUPS, FlexibleCPOptions, check_flexible_cp
-from parallel.host_optimizer import HostOptimizerOptions, check_host_optimizer
-from parallel.layout_error import LayoutError
-from parallel.pipeline_layout import (
+from parallel.config.deferred_wgrad import DeferredWgradOptions, check_deferred_wgrad
+from parallel.config.flexible_cp import CP_GROUPS, FlexibleCPOptions, check_flexible_cp
+from parallel.config.host_optimizer import HostOptimizerOptions, check_host_optimizer
+from parallel.config.pipeline import (
     MTP_PLACEMENTS,
     PipelineScheduleOptions,
     check_interleaving,
     check_mtp_placement,
 )
-from parallel.pipeline_zero2 import PipelineZero2Options, check_pipeline_zero2
+from parallel.config.pipeline_zero2 import PipelineZero2Options, check_pipeline_zero2
+from parallel.context_parallel import check_shardable
+from parallel.layout_error import LayoutError
 
 # Re-exported: the names code and tests import from this module.
 __all__ = ["CP_COMMS", "CP_GROUPS", "MTP_PLACEMENTS", "LayoutError", "ParallelConfig",

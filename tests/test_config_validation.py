@@ -332,15 +332,15 @@ def test_distributed_optimizer_modes_accept_checkpoints(optimizer, zero2):
 
 # ---- per-technique config: keys and checks beside each technique, sizes written once ----------
 
-TECHNIQUE_OPTIONS = {  # config class -> module that declares and checks it
-    "DeferredWgradOptions": "parallel.deferred_wgrad",
-    "HostOptimizerOptions": "parallel.host_optimizer",
-    "FlexibleCPOptions": "parallel.flexible_cp",
-    "ContextCommOptions": "parallel.context_parallel",
-    "PipelineZero2Options": "parallel.pipeline_zero2",
-    "PipelineScheduleOptions": "parallel.pipeline_layout",
-    "MuonOptions": "parallel.muon",
-    "Int4QATOptions": "parallel.int4_qat",
+TECHNIQUE_OPTIONS = {  # config class -> module that declares and checks it (no megatron-core)
+    "DeferredWgradOptions": "parallel.config.deferred_wgrad",
+    "HostOptimizerOptions": "parallel.config.host_optimizer",
+    "FlexibleCPOptions": "parallel.config.flexible_cp",
+    "ContextCommOptions": "parallel.config.context_parallel",
+    "PipelineZero2Options": "parallel.config.pipeline_zero2",
+    "PipelineScheduleOptions": "parallel.config.pipeline",
+    "MuonOptions": "parallel.config.muon",
+    "Int4QATOptions": "parallel.config.int4_qat",
     "NonfiniteOptions": "glm5_train.bad_steps",
     "ProfileOptions": "glm5_train.profiling",
 }

@@ -59,7 +59,7 @@ from parallel.hierarchical_all_to_all import (
     level_bytes,
     sequence_to_heads,
 )
-from parallel.context_parallel import CP_COMMS
+from parallel.config.context_parallel import CP_COMMS
 
 
 def install(chunks: list, cp_comm: str, node_size: int | None, cp_group) -> Exchange | None:
