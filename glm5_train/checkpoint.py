@@ -289,10 +289,13 @@ def _load_optimizer(optimizer, state: dict) -> None:
         optimizer.load_state_dict(state)
 
 
-# megatron-core's scheduler state -> the train.* key that sets it (the decay's length is
-# train.lr_decay_iters, or train.train_iters when that is null).
+# megatron-core's scheduler state (every field its load_state_dict asserts) -> the train.* key
+# that sets it. The decay's length is train.lr_decay_iters, or train.train_iters when that is
+# null: wd_incr_steps holds it as given, lr_decay_steps at least warm-up + 1 (optim.py).
 _SCHEDULE_KEYS = {"max_lr": "train.lr", "min_lr": "train.min_lr",
-                  "lr_warmup_steps": "train.warmup_iters", "lr_decay_steps": "train.lr_decay_iters"}
+                  "lr_warmup_steps": "train.warmup_iters", "lr_decay_steps": "train.lr_decay_iters",
+                  "wd_incr_steps": "train.lr_decay_iters", "start_wd": "train.weight_decay",
+                  "end_wd": "train.weight_decay"}
 
 
 def _check_schedule_matches(path: str, scheduler) -> None:
@@ -302,18 +305,26 @@ def _check_schedule_matches(path: str, scheduler) -> None:
     train.lr_decay_iters=null decays over 200 steps, its checkpoint over 100)."""
     saved = dist_checkpointing.load_common_state_dict(path).get("scheduler") or {}
     ours = scheduler.state_dict()
-    differ = [(key, saved[key], ours[key]) for key in _SCHEDULE_KEYS
-              if key in saved and saved[key] != ours[key]]
+    differ = [key for key in _SCHEDULE_KEYS if key in saved and saved[key] != ours[key]]
     if not differ:
         return
-    listed = ", ".join(f"{_SCHEDULE_KEYS[key]}: {mine} here, {theirs} there"
-                       for key, theirs, mine in differ)
-    fix = " ".join(f"{_SCHEDULE_KEYS[key]}={theirs}" for key, theirs, _ in differ)
+    listed = ", ".join(f"{key} ({_SCHEDULE_KEYS[key]}): {ours[key]} here, {saved[key]} there"
+                       for key in differ)
+    fixes = {_SCHEDULE_KEYS[key]: _saved_setting(saved, key) for key in differ}
+    fix = " ".join(f"{name}={value}" for name, value in fixes.items())
     raise ValueError(
         f"checkpoint {path} continues a learning-rate schedule of another shape ({listed}; "
         "train.lr_decay_iters=null decays over train.train_iters, train.warmup_iters=null "
         f"warms up over min(5, train_iters / 2)): resume with {fix} to continue it (past its "
         "decay the rate stays at train.min_lr)")
+
+
+def _saved_setting(saved: dict, key: str):
+    """The train.* value that rebuilds the saved scheduler's ``key``: the decay length as
+    given is wd_incr_steps (lr_decay_steps may be clamped to warm-up + 1)."""
+    if _SCHEDULE_KEYS[key] == "train.lr_decay_iters":
+        return saved.get("wd_incr_steps", saved["lr_decay_steps"])
+    return saved[key]
 
 
 def _check_optimizer_matches(path: str, optimizer) -> None:

@@ -19,10 +19,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import tempfile
 from collections.abc import Mapping
-
-import torch
 
 from parallel import quiet
 from parallel.quiet import Known, OncePerRun
@@ -37,8 +36,12 @@ def no_cuda_device() -> bool:
     """The run is on CPU: the job uses CUDA whenever a device is present (parallel/device.py,
     mcore_compat.install). ``device_count`` asks NVML before the CUDA driver: checking it in a
     process that forks ranks afterwards (tests' fork server) does not spoil CUDA in the forks
-    (torch's note on it: it does not "poison fork" when NVML answers)."""
-    return torch.cuda.device_count() == 0
+    (torch's note on it: it does not "poison fork" when NVML answers). torch is looked up,
+    not imported: whatever emits a CUDA hint has imported it (megatron-core does, first), and
+    importing ``glm5_train`` stays torch-free for the tools that need no torch
+    (tools/verify_checkpoint.py)."""
+    torch = sys.modules.get("torch")
+    return torch is None or torch.cuda.device_count() == 0
 
 
 KNOWN: tuple[Known, ...] = (
@@ -122,10 +125,13 @@ LOGGER_LEVELS: dict[str, tuple[int, str]] = {
 
 
 def run_key(env: Mapping[str, str]) -> str | None:
-    """What every local rank of one run (one torchrun, one slurm job, one test's job) shares,
-    and no other run does: our launchers' run id or torchrun's, and the rendezvous address."""
+    """What every local rank of one run attempt (one torchrun, one slurm job, one test's job)
+    shares, and no other does: our launchers' run id or torchrun's, the rendezvous address,
+    and the attempt (a slurm requeue or a torchrun restart keeps the run id and address, and
+    must show its warnings again)."""
     parts = [env.get(name, "") for name in ("GLM5_RUN_ID", "TORCHELASTIC_RUN_ID", "MASTER_ADDR",
-                                             "MASTER_PORT")]
+                                             "MASTER_PORT", "SLURM_RESTART_COUNT",
+                                             "TORCHELASTIC_RESTART_COUNT")]
     if not any(parts):
         return None
     return re.sub(r"[^A-Za-z0-9._-]", "_", "_".join(parts))

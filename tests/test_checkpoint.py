@@ -88,7 +88,12 @@ def test_extending_a_run_names_the_schedule_keys_that_continue_it(tmp_path):
     extend = [*base, "train.train_iters=4", f"checkpoint.load={ckpt}"]
     with pytest.raises(RuntimeError) as err:
         run_job(1, extend, str(tmp_path / "refused"))
-    assert ("(train.lr_decay_iters: 4 here, 2 there;" in str(err.value)
+    assert ("(lr_decay_steps (train.lr_decay_iters): 4 here, 2 there, wd_incr_steps "
+            "(train.lr_decay_iters): 4 here, 2 there;" in str(err.value)
             and "resume with train.lr_decay_iters=2 to continue it" in str(err.value))
+    with pytest.raises(RuntimeError) as err:  # weight decay: asserted by megatron-core too
+        run_job(1, [*extend, "train.lr_decay_iters=2", "train.weight_decay=0.05"],
+                str(tmp_path / "wd"))
+    assert "resume with train.weight_decay=0.1 to continue it" in str(err.value)
     records = run_job(1, [*extend, "train.lr_decay_iters=2"], str(tmp_path / "b")).records
     assert [r["step"] for r in records] == [3, 4]

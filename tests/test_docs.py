@@ -29,9 +29,6 @@ README_MAX_LINES = 200
 # Folders whose source files the map must name; which files count as source.
 MAPPED_FOLDERS = ("glm5_train", "parallel", "launch", "tools", "bench")
 SCRIPT_FOLDERS = ("tools", "launch", "bench")  # .sh / .sbatch count here too
-# Docs other engineers are writing: the README may link them before they exist. Once the file
-# exists it is checked like every other page; remove its entry then.
-PENDING_DOCS = {"docs/journeys.md": "small end-to-end journeys, being written"}
 
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^()\s]+)(?:\s+\"[^\"]*\")?\)")
 NAME = re.compile(r"^[\w.+-]+\.\w+$")
@@ -182,8 +179,7 @@ def broken_links(root: str, path: str) -> list[str]:
             bad.append(f"{rel}: {target} points outside the repository")
             continue
         if not os.path.exists(dest):
-            if dest_rel not in PENDING_DOCS:
-                bad.append(f"{rel}: {target} (no file {dest_rel})")
+            bad.append(f"{rel}: {target} (no file {dest_rel})")
             continue
         if anchor and dest.endswith(".md") and anchor not in anchors(dest):
             bad.append(f"{rel}: {target} (no heading with anchor #{anchor} in {dest_rel})")
@@ -205,7 +201,7 @@ def absent_paths(root: str, rel: str) -> list[str]:
     """Repository file paths the markdown file ``rel`` writes out that do not exist."""
     found = FILE_PATH.findall(read(root, rel))
     return sorted({f"{rel}: {path}" for path in found
-                   if path not in PENDING_DOCS and not os.path.exists(os.path.join(root, path))})
+                   if not os.path.exists(os.path.join(root, path))})
 
 
 def feature_rows(readme: str) -> list[str]:
@@ -353,7 +349,7 @@ def test_checker_catches_broken_links_and_anchors(tmp_path):
     write(root, "README.md",
           "[ok](docs/a.md) [ok](docs/a.md#1-the-registry-parallelxpy) [ok](docs/a.md#same-1)\n"
           "[bad](docs/b.md) [bad](docs/a.md#nowhere) [out](../elsewhere.md)\n"
-          "[pending](docs/journeys.md) [web](https://example.com) `[code](docs/c.md)`\n"
+          "[web](https://example.com) `[code](docs/c.md)`\n"
           "```\n[fenced](docs/d.md)\n```\n")
     bad = broken_links(root, os.path.join(root, "README.md"))
     assert len(bad) == 3, bad

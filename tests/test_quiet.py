@@ -21,7 +21,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.distributed._shard._utils import DEPRECATE_MSG as SHARDED_TENSOR_DEPRECATED
 
 from glm5_train import known_warnings
-from parallel import quiet
+from parallel import mcore_compat, quiet
 from parallel.quiet import Known, OncePerRun
 from tests.spawn import run_ranks
 
@@ -181,6 +181,25 @@ def test_the_run_key_is_shared_by_one_runs_ranks_only():
     assert other.directory != ranks[0].directory
     assert known_warnings.once_per_run({**env, "WORLD_SIZE": "1", "RANK": "0"}) is None
     assert known_warnings.once_per_run({"RANK": "0", "WORLD_SIZE": "2"}) is None
+    for restart in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):  # a new attempt
+        again = known_warnings.once_per_run({**env, restart: "1", "RANK": "0"})
+        assert again.directory != ranks[0].directory, restart
+
+
+def test_importing_the_package_needs_no_torch():
+    """The registry installs when glm5_train is imported; tools that need no torch
+    (tools/verify_checkpoint.py) import glm5_train modules and must stay torch-free."""
+    code = ("import sys; import glm5_train.checkpoint_store; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["[]"]
+
+
+def test_the_megatron_core_releases_are_mcore_compats():
+    """The registry's megatron-core releases are the ones parallel/mcore_compat.py was
+    written against (copied, not imported: mcore_compat imports megatron-core)."""
+    assert known_warnings.MCORE_RELEASES == mcore_compat.WRITTEN_AGAINST
 
 
 # ---------------------------------------------------------------------- once across ranks
