@@ -32,8 +32,12 @@ So that transformers can use the export as it is, it also carries the tokenizer 
 ``generation_config.json`` with its end-of-text id first, then the end-of-turn ids of the
 tokenizer directory's own generation_config (``generate`` stops at any of them), bos and pad
 where known; config.json gets the same ids (transformers' defaults, eos 1 and bos 0, are not
-GLM-5's). Files get the mode a plain ``open()`` gives under the user's umask (0644 under 022;
-safetensors writes 0600). transformers' ``GlmMoeDsaForCausalLM`` has no MTP layer: it lists the
+GLM-5's). A tokenizer that does not fit the model is refused on every rank before anything is
+loaded or written (``tokenizer_problem``): more ids than ``model.vocab_size``, the byte
+tokenizer for a model that is not byte-level (the default ``data.tokenizer=byte`` for GLM-5's
+154880 ids), a directory without tokenizer files, special ids past the vocabulary. Files get
+the mode a plain ``open()`` gives under the user's umask (0644 under 022; safetensors writes
+0600). transformers' ``GlmMoeDsaForCausalLM`` has no MTP layer: it lists the
 MTP tensors as unexpected on load (except at GLM-5's own layer 78); export prints a one-line
 note, and ``mtp=False`` (``--no-mtp``) leaves them out. ``make_random_hf`` writes a random HF
 GLM-5 of the config's shapes to try all this on (tools/hf_checkpoint.py make-random).
@@ -71,10 +75,15 @@ from glm5_train.hf_mapping import (
     mcore_to_hf,
 )
 from glm5_train.job_config import compose_job
-from glm5_train.tokenizer import copy_tokenizer_files, generation_config, special_token_ids
 from glm5_train.model.config import to_mcore_config
 from glm5_train.model.glm5 import build_model_chunks
 from glm5_train.plan import resolve_pipeline_layout
+from glm5_train.tokenizer import (
+    check_export_tokenizer,
+    copy_tokenizer_files,
+    generation_config,
+    special_token_ids,
+)
 from parallel import mcore_compat
 from parallel.layout import validate_layout
 from parallel.process_groups import init_distributed, world_from_env
@@ -411,7 +420,13 @@ def export_hf(job, load_dir: str, out_dir: str, int4: bool = False,
     Returns a report (complete on rank 0)."""
     started = time.perf_counter()
     check_exportable(job.model)
+    problem = tokenizer_problem(job)  # on every rank, before any collective
     _ensure_distributed(job)
+    # Every rank learns of a problem any rank saw (a node that does not see the tokenizer
+    # directory included) and refuses with the same line: none waits at a barrier.
+    problems = [p for p in _all_gather(problem) if p]
+    if problems:
+        raise ValueError(problems[0])
     chunks = _build_chunks(job)
     load_checkpoint(load_dir, chunks, None, None, job.model)
 
@@ -500,6 +515,21 @@ def mtp_note(count: int, layers: int) -> str:
             f"them){listed}; export --no-mtp leaves them out")
 
 
+# A mismatched tokenizer is refused, not exported around (no --no-tokenizer): a weights-only
+# export would leave transformers' GlmMoeDsaConfig defaults (eos 1, bos 0), which are as wrong
+# for GLM-5 as the byte tokenizer's 256, so ``generate`` would still stop at an ordinary token
+# and ``AutoTokenizer`` would find nothing. The fix is always at hand: the tokenizer directory
+# the model was trained with, or the HF model directory it was imported from (/models/GLM-5).
+def tokenizer_problem(job) -> str | None:
+    """Why ``job.data.tokenizer`` must not go into an export of ``job.model`` (one line, see
+    ``glm5_train.tokenizer.check_export_tokenizer``), or None. No process groups."""
+    try:
+        check_export_tokenizer(job.data.tokenizer, job.model.vocab_size)
+    except (ValueError, OSError) as err:
+        return str(err)
+    return None
+
+
 def write_hf_extras(out_dir: str, hf_config: dict, tokenizer: str) -> list[str]:
     """config.json and generation_config.json with the tokenizer's end-of-text (eos), bos and
     pad ids (transformers' GlmMoeDsaConfig defaults, eos 1 and bos 0, are not GLM-5's: with
@@ -535,6 +565,9 @@ def make_random_hf(job, hf_dir: str, seed: int = 0) -> dict[str, Any]:
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
     check_exportable(job.model)
+    problem = tokenizer_problem(job)
+    if problem:
+        raise ValueError(problem)
     fields = glm5_to_hf_config(job.model, job.train.torch_dtype)
     fields["num_nextn_predict_layers"] = 0
     torch.manual_seed(seed)

@@ -142,13 +142,69 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens
                       "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model")
 
 
+# The byte tokenizer's 258 ids mean something only in a byte-level model: its vocabulary is
+# those ids plus padding so the embedding splits over tensor-parallel ranks (glm5_tiny: 320,
+# divisible by TP sizes up to 64). 1024 covers Megatron's usual padding to a multiple of
+# 128 x TP for TP up to 8; anything larger is a model trained with a real tokenizer (GLM-5:
+# 154880), in which id 256 is an ordinary token, not end of text.
+BYTE_MODEL_MAX_VOCAB = 1024
+
+
+def tokenizer_files(spec: str) -> list[str]:
+    """The tokenizer files (HF_TOKENIZER_FILES, ``*.tiktoken``) of directory ``spec``."""
+    return [n for n in sorted(os.listdir(spec))
+            if n in HF_TOKENIZER_FILES or n.endswith(".tiktoken")]
+
+
+def check_export_tokenizer(spec: str, model_vocab_size: int) -> None:
+    """Refuse, in one line naming the value, the rule and the fix, a ``data.tokenizer`` whose
+    ids an export of a model with ``model_vocab_size`` ids must not carry: one larger than the
+    model (the training launcher's rule, glm5_train.assembly.check_data), the byte tokenizer
+    for a model that is not byte-level (BYTE_MODEL_MAX_VOCAB), a directory without tokenizer
+    files, or special ids at or past the model's vocabulary. No process groups: every rank
+    runs it before any collective, file or weight is touched."""
+    fix = ("pass data.tokenizer=<the HF tokenizer directory the model was trained with> so the "
+           "export carries its tokenizer files and end-of-text id")
+    if spec == "byte":
+        size = ByteTokenizer().vocab_size
+        if not size <= model_vocab_size <= BYTE_MODEL_MAX_VOCAB:
+            raise ValueError(
+                f"data.tokenizer=byte has {size} ids but model.vocab_size={model_vocab_size}: "
+                f"the byte tokenizer's ids (end of text {_BYTE_EOD}) fit only a byte-level model "
+                f"(model.vocab_size {size}..{BYTE_MODEL_MAX_VOCAB}); {fix}")
+        return
+    if not os.path.isdir(spec):
+        raise FileNotFoundError(f"data.tokenizer={spec} is not a directory (an HF tokenizer "
+                                f"directory or 'byte'): {fix}")
+    if not tokenizer_files(spec):
+        raise FileNotFoundError(
+            f"data.tokenizer={spec} holds no tokenizer files (any of "
+            f"{', '.join(HF_TOKENIZER_FILES)}): {fix}")
+    try:
+        tok = HFTokenizer(spec)
+    except (OSError, ValueError, ImportError) as err:  # FileNotFoundError is an OSError
+        raise ValueError(f"data.tokenizer={spec} cannot be loaded: "
+                         f"{' '.join(str(err).split())}") from err
+    if tok.vocab_size > model_vocab_size:
+        raise ValueError(
+            f"data.tokenizer={spec} has {tok.vocab_size} ids but model.vocab_size="
+            f"{model_vocab_size}: a tokenizer may not have more ids than the model; {fix}")
+    ids = special_token_ids(spec)
+    past = [i for v in ids.values() for i in (v if isinstance(v, list) else [v])
+            if i is not None and not 0 <= i < model_vocab_size]
+    if past:
+        raise ValueError(
+            f"data.tokenizer={spec} has special ids {past} outside model.vocab_size="
+            f"{model_vocab_size} (eos/bos/pad and generation_config.json's eos_token_id must "
+            f"be ids of the model); {fix}")
+
+
 def copy_tokenizer_files(spec: str, out_dir: str) -> list[str]:
     """Copy the HF tokenizer directory ``spec``'s tokenizer files into ``out_dir``; their
     names. The byte tokenizer has no files: nothing is copied."""
     if spec == "byte":
         return []
-    names = [n for n in sorted(os.listdir(spec))
-             if n in HF_TOKENIZER_FILES or n.endswith(".tiktoken")]
+    names = tokenizer_files(spec)
     if not names:
         raise FileNotFoundError(f"tokenizer directory {spec!r} holds none of "
                                 f"{', '.join(HF_TOKENIZER_FILES)}: pass the directory the "

@@ -446,3 +446,84 @@ def test_no_mtp_export_loads_without_unexpected_tensors(exports):
                                                    output_loading_info=True)
     assert info["unexpected_keys"] and all(".layers.4." in k for k in info["unexpected_keys"])
     assert not info["missing_keys"]
+
+
+# ------------------------------------------ a tokenizer that does not fit the model is refused
+
+BYTE_REFUSAL = ("data.tokenizer=byte has 258 ids but model.vocab_size=154880: the byte "
+                "tokenizer's ids (end of text 256) fit only a byte-level model "
+                "(model.vocab_size 258..1024); pass data.tokenizer=<the HF tokenizer directory "
+                "the model was trained with> so the export carries its tokenizer files and "
+                "end-of-text id")
+
+
+def _refusal_line(proc: subprocess.CompletedProcess) -> str:
+    """The error lines the tool printed (rank 0 only): exactly one is expected."""
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines()
+             if line.startswith("hf_checkpoint: error: ")]
+    assert len(lines) == 1, (proc.stdout + proc.stderr)[-3000:]
+    return lines[0].removeprefix("hf_checkpoint: error: ")
+
+
+@pytest.mark.parametrize("nprocs", [1, 4])
+def test_export_refuses_the_byte_tokenizer_for_a_real_vocabulary(tmp_path, nprocs):
+    """The documented 744B export without data.tokenizer got the data group's default byte
+    tokenizer, eos 256 in a 154880-id vocabulary. Refused in one line before the checkpoint is
+    read (--load names nothing) or any file written, on every rank (4 ranks: none hangs)."""
+    out = tmp_path / "exported"
+    proc = run_tool(nprocs, "export", "--load", str(tmp_path / "no_checkpoint"), "--hf-dir",
+                    str(out), *layout_args(nprocs), "model.vocab_size=154880", expect_ok=False)
+    assert proc.returncode != 0
+    assert _refusal_line(proc) == BYTE_REFUSAL
+    assert not out.exists()
+
+
+def test_export_refuses_a_tokenizer_directory_without_tokenizer_files(tmp_path):
+    empty = tmp_path / "not_a_tokenizer"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")  # a model directory's config is no tokenizer
+    out = tmp_path / "exported"
+    proc = run_tool(4, "export", "--load", str(tmp_path / "no_checkpoint"), "--hf-dir",
+                    str(out), *layout_args(4), f"data.tokenizer={empty}", expect_ok=False)
+    assert proc.returncode != 0
+    line = _refusal_line(proc)
+    assert line.startswith(f"data.tokenizer={empty} holds no tokenizer files (any of "
+                           "tokenizer.json, "), line
+    assert line.endswith("pass data.tokenizer=<the HF tokenizer directory the model was trained "
+                         "with> so the export carries its tokenizer files and end-of-text id")
+    assert not out.exists()
+
+
+def test_tokenizer_problems_name_value_rule_and_fix(tmp_path):
+    """In process: what fits (the byte tokenizer in a padded byte-level vocabulary, the tiny
+    GLM tokenizer in glm5_tiny's 320 ids) and the one-line refusals; make-random refuses too."""
+    from glm5_train.job_config import compose_job
+
+    def problem(*overrides):
+        return hf_checkpoint.tokenizer_problem(
+            compose_job(["model=glm5_tiny", "parallel=single", *overrides]))
+
+    assert problem() is None  # glm5_tiny (320 ids) is byte-level
+    assert problem("model.vocab_size=1024") is None
+    assert problem(f"data.tokenizer={TOKENIZER}") is None
+    assert problem("model.vocab_size=154880") == BYTE_REFUSAL
+    assert problem("model.vocab_size=1088").startswith(
+        "data.tokenizer=byte has 258 ids but model.vocab_size=1088: ")
+    assert problem(f"data.tokenizer={TOKENIZER}", "model.vocab_size=256").startswith(
+        f"data.tokenizer={TOKENIZER} has 300 ids but model.vocab_size=256: a tokenizer may not "
+        "have more ids than the model; pass data.tokenizer=")
+    assert problem(f"data.tokenizer={tmp_path / 'missing'}").startswith(
+        f"data.tokenizer={tmp_path / 'missing'} is not a directory")
+    # generation_config.json's end-of-turn ids must be ids of the model too
+    shifted = tmp_path / "tok"
+    shutil.copytree(TOKENIZER, shifted)
+    (shifted / "generation_config.json").write_text(json.dumps({"eos_token_id": [285, 400]}))
+    assert problem(f"data.tokenizer={shifted}").startswith(
+        f"data.tokenizer={shifted} has special ids [400] outside model.vocab_size=320")
+    for message in (problem("model.vocab_size=154880"),
+                    problem(f"data.tokenizer={tmp_path}")):
+        assert "\n" not in message
+    job = compose_job(["model=glm5_tiny", "parallel=single", "model.vocab_size=2048"])
+    with pytest.raises(ValueError, match="data.tokenizer=byte has 258 ids"):
+        hf_checkpoint.make_random_hf(job, str(tmp_path / "random"))
+    assert not (tmp_path / "random").exists()

@@ -67,7 +67,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                      "model.safetensors[.index.json])")
     imp.add_argument("--save", required=True, help="checkpoint directory to write "
                      "(training loads it with checkpoint.load=...)")
-    exp = sub.add_parser("export", help="distributed checkpoint -> HF safetensors")
+    exp = sub.add_parser("export", help="distributed checkpoint -> HF safetensors (pass "
+                         "data.tokenizer=<the model's HF tokenizer directory>: a tokenizer that "
+                         "does not fit the model is refused before anything is written)")
     exp.add_argument("--load", required=True, help="checkpoint directory (checkpoint.save of "
                      "a training run or an import)")
     exp.add_argument("--hf-dir", required=True, help="output directory")
