@@ -264,7 +264,7 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler, model_cfg: GLM5Conf
     if restores_optimizer:
         _check_optimizer_matches(path, optimizer)
     if scheduler is not None:
-        _check_schedule_matches(path, scheduler)
+        _say_when_the_saved_schedule_differs(path, scheduler)
     sharded = _sharded_state(chunks, optimizer if restores_optimizer else None, scheduler,
                              TrainState(), model_cfg, is_loading=True)
     loaded = dist_checkpointing.load(sharded, path)
@@ -289,7 +289,7 @@ def _load_optimizer(optimizer, state: dict) -> None:
         optimizer.load_state_dict(state)
 
 
-# megatron-core's scheduler state (every field its load_state_dict asserts) -> the train.* key
+# megatron-core's scheduler state (every field its load_state_dict compares) -> the train.* key
 # that sets it. The decay's length is train.lr_decay_iters, or train.train_iters when that is
 # null: wd_incr_steps holds it as given, lr_decay_steps at least warm-up + 1 (optim.py).
 _SCHEDULE_KEYS = {"max_lr": "train.lr", "min_lr": "train.min_lr",
@@ -298,25 +298,24 @@ _SCHEDULE_KEYS = {"max_lr": "train.lr", "min_lr": "train.min_lr",
                   "end_wd": "train.weight_decay"}
 
 
-def _check_schedule_matches(path: str, scheduler) -> None:
-    """megatron-core's scheduler continues only the schedule it saved: loading one of another
-    shape fails its assertion deep in the load. Say before loading which keys differ and the
-    values that continue the saved schedule (e.g. a run extended from 100 to 200 steps with
-    train.lr_decay_iters=null decays over 200 steps, its checkpoint over 100)."""
+def _say_when_the_saved_schedule_differs(path: str, scheduler) -> None:
+    """megatron-core's scheduler (use_checkpoint_opt_param_scheduler, its default) continues
+    the schedule the checkpoint saved, whatever this run's config says: a run extended from
+    100 to 200 steps with train.lr_decay_iters=null keeps decaying over 100 (then stays at
+    train.min_lr). That is the intended resume, but silent; say it on rank 0, once, with the
+    train.* values that make the config say what runs."""
     saved = dist_checkpointing.load_common_state_dict(path).get("scheduler") or {}
     ours = scheduler.state_dict()
     differ = [key for key in _SCHEDULE_KEYS if key in saved and saved[key] != ours[key]]
-    if not differ:
+    if not differ or (dist.is_initialized() and dist.get_rank() != 0):
         return
-    listed = ", ".join(f"{key} ({_SCHEDULE_KEYS[key]}): {ours[key]} here, {saved[key]} there"
-                       for key in differ)
-    fixes = {_SCHEDULE_KEYS[key]: _saved_setting(saved, key) for key in differ}
-    fix = " ".join(f"{name}={value}" for name, value in fixes.items())
-    raise ValueError(
-        f"checkpoint {path} continues a learning-rate schedule of another shape ({listed}; "
-        "train.lr_decay_iters=null decays over train.train_iters, train.warmup_iters=null "
-        f"warms up over min(5, train_iters / 2)): resume with {fix} to continue it (past its "
-        "decay the rate stays at train.min_lr)")
+    listed = ", ".join(f"{key} ({_SCHEDULE_KEYS[key]}) {saved[key]} there, {ours[key]} in "
+                       "this config" for key in differ)
+    settings = {_SCHEDULE_KEYS[key]: _saved_setting(saved, key) for key in differ}
+    print(f"checkpoint: continuing the saved learning-rate schedule ({listed}); to make the "
+          "config say what runs, pass "
+          + " ".join(f"{name}={value}" for name, value in settings.items()),
+          file=sys.stderr, flush=True)
 
 
 def _saved_setting(saved: dict, key: str):
