@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
 
 from typing_extensions import Self
@@ -71,15 +72,33 @@ def forked_children_die_with_this_process() -> None:
     reading the job's output never sees it end). Linux only (prctl); elsewhere nothing."""
     if not sys.platform.startswith("linux"):
         return
-    libc = ctypes.CDLL(None, use_errno=True)
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
     parent = [0]
 
     def before_fork() -> None:
         parent[0] = os.getpid()
 
     def in_child() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent[0]:  # the parent died before prctl took effect
-            os._exit(1)
+        _die_with_parent(prctl, signal.SIGKILL, parent[0])
 
     os.register_at_fork(before=before_fork, after_in_child=in_child)
+
+
+def parent_death_signal(signum: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for ``subprocess.Popen``: the child gets ``signum`` when this process
+    dies, even by SIGKILL (a launcher killed by a test's timeout or a CI job manager must not
+    leave its job running). The kernel sends it when the *thread* that started the child ends:
+    start the child from the main thread. Linux only (prctl); elsewhere None: no preexec_fn."""
+    if not sys.platform.startswith("linux"):
+        return None
+    # Looked up here, in the parent: between fork and exec the child only makes two syscalls.
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+    return lambda: _die_with_parent(prctl, signum, parent)
+
+
+def _die_with_parent(prctl, signum: int, parent: int) -> None:
+    """In a freshly forked child: get ``signum`` when ``parent`` dies."""
+    prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before prctl took effect: no signal will come
+        os._exit(1)

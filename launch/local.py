@@ -9,7 +9,10 @@ sequence length; ``glm5_train.assembly.check_data``), then runs ``torchrun --sta
 ``glm5_train.train`` with the overrides unchanged, relaying its output. All ranks get one run
 directory through ``GLM5_RUN_ID``. Errors are one line, ``launch: error: <message>``: a config,
 layout or data error before torchrun starts (status 2, the job's own text); a job that fails
-inside torchrun ends the output with its ``glm5_train: error:`` message (torchrun's status).
+inside torchrun ends the output with its ``glm5_train: error:`` message (torchrun's status,
+128 + N where it died of signal N). A signal passed on to torchrun (Ctrl-C, SIGTERM, SIGHUP,
+SIGUSR1) that stops it ends with ``launch: stopped: ...``, status 128 + N. torchrun dies with
+this process, even a SIGKILLed one (Linux).
 ``--help`` lists the config groups (read from ``configs/``) and examples.
 """
 
@@ -30,6 +33,7 @@ if REPO not in sys.path:  # run as `python launch/local.py` too
 
 from glm5_train.job_config import CONFIG_ERRORS, compose_job, one_line  # noqa: E402
 from glm5_train.plan import resolve_pipeline_layout  # noqa: E402
+from glm5_train.preemption import parent_death_signal  # noqa: E402
 from parallel.layout import validate_layout  # noqa: E402
 from launch.usage import launcher_help, wants_help  # noqa: E402
 
@@ -127,21 +131,26 @@ class _Relay:
 
 
 def run_torchrun(cmd: list[str], env: dict[str, str]) -> int:
-    """Run torchrun, relaying its output; on failure end with the job's one-line error.
+    """Run torchrun, relaying its output; on failure end with the job's one-line error. The
+    status is torchrun's, a shell's 128 + N where it died of signal N (as when this process
+    exec'd it), and 128 + N too where this process passed on signal N (``stop_status``).
 
-    torchrun runs in its own process group: a Ctrl-C in the terminal reaches only this
-    process, which passes it on once (torchrun treats a second SIGINT during its shutdown as
-    a reason to abort it). SIGTERM, SIGHUP and SIGUSR1 are passed on the same way."""
-    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
-    passed_on: list[int] = []
-
-    def pass_on(signum, _frame) -> None:
-        passed_on.append(signum)
-        proc.send_signal(signum)
-
-    previous = {s: signal.signal(s, pass_on) for s in FORWARDED_SIGNALS}
+    torchrun runs in its own session: a Ctrl-C in the terminal reaches only this process,
+    which passes it on once (in our process group torchrun would get the terminal's SIGINT and
+    ours, and it treats a second SIGINT during its shutdown as a reason to abort it). SIGTERM,
+    SIGHUP and SIGUSR1 are passed on the same way. Outside our process group nothing would stop
+    torchrun when this process is SIGKILLed, so it gets SIGTERM then (a parent-death signal;
+    torchrun passes SIGTERM on to its ranks and stops them)."""
+    forward = _Forwarder()
+    # Installed before torchrun starts: a Ctrl-C from here on reaches it.
+    previous = {s: signal.signal(s, forward) for s in FORWARDED_SIGNALS}
     try:
+        # preexec_fn runs between fork and exec, unsafe where other threads may hold locks the
+        # child needs: this process is single-threaded here (the relays start after Popen).
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True,
+                                preexec_fn=parent_death_signal(signal.SIGTERM))  # noqa: PLW1509
+        forward.start(proc)
         relays = [_Relay(proc.stdout, sys.stdout.buffer), _Relay(proc.stderr, sys.stderr.buffer)]
         status = proc.wait()
         for relay in relays:
@@ -149,13 +158,69 @@ def run_torchrun(cmd: list[str], env: dict[str, str]) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    if status != 0 and passed_on:  # the user stopped it: no error to explain
-        names = ", ".join(dict.fromkeys(signal.Signals(s).name for s in passed_on))
-        print(f"launch: stopped: {names} passed on to torchrun, which exited with status "
-              f"{status}", file=sys.stderr, flush=True)
-    elif status != 0:
+    if status != 0 and forward.received:  # the user stopped it: no error to explain
+        names = ", ".join(dict.fromkeys(signal.Signals(s).name for s in forward.received))
+        print(f"launch: stopped: {names} passed on to torchrun, which {ended(status)}",
+              file=sys.stderr, flush=True)
+        return stop_status(status, forward.received[0])
+    if status != 0:
         print(f"launch: error: {failure_line(status, relays)}", file=sys.stderr, flush=True)
-    return status
+    return shell_status(status)
+
+
+class _Forwarder:
+    """The launcher's handler for FORWARDED_SIGNALS: passes each signal on to torchrun once,
+    those received before it started as soon as it has."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.received: list[int] = []
+        self._pending: list[int] = []
+
+    def __call__(self, signum: int, _frame) -> None:
+        self.received.append(signum)
+        self._pending.append(signum)
+        self._send_pending()
+
+    def start(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self._send_pending()
+
+    def _send_pending(self) -> None:
+        # The handler can interrupt this loop (in start()) between any two bytecodes; pop(0) is
+        # one call, so each signal is taken, and sent, exactly once.
+        while self.proc is not None:
+            try:
+                signum = self._pending.pop(0)
+            except IndexError:
+                return
+            self.proc.send_signal(signum)
+
+
+def shell_status(status: int) -> int:
+    """Popen's status as a shell reports it: -N (killed by signal N) is 128 + N."""
+    return 128 - status if status < 0 else status
+
+
+def stop_status(status: int, passed_on: int) -> int:
+    """The status after this process passed signal ``passed_on`` on and torchrun failed: the
+    shell's 128 + N for a process stopped by signal N (130 for Ctrl-C, 143 for SIGTERM), what
+    scripts and schedulers test for. Not torchrun's own status: it ends with 1 for any signal
+    it handles (its SignalException), which reads as a failed job; and where it died of a
+    signal itself (e.g. a SIGKILL after the SIGTERM), that signal, the truer one. Of several
+    signals passed on, the first: it started the stop. (A torchrun that exits 0 after one, the
+    job having finished, ends with 0: nothing failed.)"""
+    return shell_status(status) if status < 0 else 128 + passed_on
+
+
+def ended(status: int) -> str:
+    """How torchrun ended, in words: 'exited with status 1', 'was killed by SIGKILL'."""
+    if status < 0:
+        try:
+            return f"was killed by {signal.Signals(-status).name}"
+        except ValueError:  # a real-time signal has no name
+            return f"was killed by signal {-status}"
+    return f"exited with status {status}"
 
 
 def failure_line(status: int, relays: list[_Relay]) -> str:
@@ -165,8 +230,8 @@ def failure_line(status: int, relays: list[_Relay]) -> str:
         return job_error
     exception = next((r.exception for r in reversed(relays) if r.exception), None)
     why = f": {exception}" if exception else ""
-    return (f"the job failed (torchrun exited with status {status}){why}; the ranks' output "
-            "above has the details")
+    return (f"the job failed (torchrun {ended(status)}){why}; the ranks' output above has the "
+            "details")
 
 
 def _main_or_error(argv: list[str]) -> int:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from hydra.errors import CompactHydraException
 from glm5_train.job_config import CONFIG_DIR, TrainConfig, compose_job, one_line
 from glm5_train.model.config import GLM5Config, to_mcore_config
 from glm5_train.plan import resolve_pipeline_layout
+from launch import local as launch_local
 from launch.local import _main_or_error, nproc_for
 from parallel.layout import LayoutError, ParallelConfig, validate_layout
 from tests.parity import REPO
@@ -404,3 +408,86 @@ def test_short_runs_warm_up_over_half_the_run_by_default():
                        r"train.warmup_iters=null"):
         TrainConfig(train_iters=3, warmup_iters=5).validate()
     assert compose_job(["train.train_iters=3"]).train.warmup_steps == 1
+
+
+# ---- the launcher's child: its exit status, and it dies with the launcher ---------------------
+# A tiny Python child stands in for torchrun (run_torchrun runs the command it is given).
+
+def test_launcher_reports_a_child_killed_by_a_signal_as_the_shell_does(capsys):
+    """torchrun killed by SIGKILL (e.g. the OOM killer): status 137, as a shell reports it (not
+    Popen's -9, which SystemExit turns into 247), and the message names the signal."""
+    child = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    assert launch_local.run_torchrun(child, dict(os.environ)) == 137
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("launch: error: the job failed (torchrun was killed by SIGKILL)")
+
+
+# Like torchrun, it exits 1 on SIGTERM; it writes its pid, then waits to be stopped.
+STUB_CHILD = ("import os, signal, sys, time; "
+              "signal.signal(signal.SIGTERM, lambda *_: sys.exit(1)); "
+              "open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); "
+              "os.rename(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(60)")
+
+
+def stub_child(pid_file) -> list[str]:
+    return [sys.executable, "-c", STUB_CHILD, str(pid_file)]
+
+
+def start_stub_launcher(pid_file) -> tuple[subprocess.Popen, int]:
+    """The launcher process and its child's pid, once the child is running."""
+    code = ("import os, sys; from launch.local import run_torchrun; "
+            f"raise SystemExit(run_torchrun({stub_child(pid_file)!r}, dict(os.environ)))")
+    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30  # the launcher imports torch first
+    while not pid_file.exists():
+        assert launcher.poll() is None, launcher.communicate()
+        assert time.monotonic() < deadline, "the child never started"
+        time.sleep(0.05)
+    return launcher, int(pid_file.read_text())
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a container's init may never reap an orphan)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
+def test_launchers_child_dies_when_the_launcher_is_sigkilled(tmp_path):
+    """A SIGKILLed launcher (a test's timeout, a CI job manager) takes torchrun with it: torchrun
+    runs in its own session, so only its parent-death signal (SIGTERM) can stop it."""
+    launcher, child = start_stub_launcher(tmp_path / "child.pid")
+    try:
+        launcher.kill()
+        launcher.communicate(timeout=10)
+        deadline = time.monotonic() + 5
+        while running(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not running(child), "the child outlived its SIGKILLed launcher"
+    finally:
+        if running(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_launcher_stopped_by_sigterm_exits_143(tmp_path, capsys):
+    """SIGTERM to the launcher (here, this process: run_torchrun in-process) is passed on to
+    torchrun once; torchrun exits 1 (as for any signal it handles), the launcher with 128 + 15
+    = 143 and its 'stopped' line, not an error."""
+    pid_file = tmp_path / "child.pid"
+
+    def stop_once_started() -> None:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if pid_file.exists():  # the launcher's handler is installed by now; else let it fail
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_once_started, daemon=True).start()
+    assert launch_local.run_torchrun(stub_child(pid_file), dict(os.environ)) == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "launch: stopped: SIGTERM passed on to torchrun, which exited with status 1")
+    assert not running(int(pid_file.read_text()))
