@@ -5,8 +5,10 @@ What QAT is for: a model served with INT4 routed experts loses quality when its 
 rounded after training; training through the rounding (the forward on INT4 weights, the update
 on the full-precision ones) lets it adapt. Here, in one process: glm5_tiny at ``--width`` x its
 widths is pretrained for ``--pretrain`` steps, then fine-tuned on for ``--finetune`` steps
-twice from that checkpoint, without and with ``train.int4_qat``. Then, on held-out text (this
-repository's README, byte tokens, not in the training corpus), tools/logits.py gives the
+twice from that checkpoint, without and with ``train.int4_qat``. Then, on held-out text
+(``bench/int4_held_out.txt``: the first 2,056 bytes of this repository's README as it stood
+when the figures in docs/benchmarks.md were measured, kept fixed so a rerun scores the same
+text; byte tokens, not in the training corpus), tools/logits.py gives the
 mean next-token loss of:
 
 - ``fp``: the plain fine-tune in full precision (the reference);
@@ -54,12 +56,16 @@ def train(args, steps: int, run_dir: str, load: str | None, qat: bool) -> list[d
         run_dir, "qat" if qat else "plain")
 
 
+HELD_OUT = os.path.join(REPO, "bench", "int4_held_out.txt")
+
+
 def held_out_tokens(seq: int, rows: int) -> torch.Tensor:
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as handle:
+    with open(HELD_OUT, encoding="utf-8") as handle:
         ids = ByteTokenizer().tokenize(handle.read())
     need = rows * (seq + 1)
     if len(ids) < need:
-        raise SystemExit(f"README.md has {len(ids)} byte tokens; {need} needed")
+        raise SystemExit(f"{HELD_OUT} has {len(ids)} byte tokens; {need} needed (lower "
+                         "--seq or the rows scored)")
     return torch.tensor(ids[:need]).view(rows, seq + 1)
 
 
