@@ -3,8 +3,9 @@ next step boundary and exit 0), and forked children that die with their parent.
 
 Who sends them: slurm sends SIGTERM at preemption, ``scontrol requeue``, ``scancel`` and the
 time limit, and with ``sbatch --signal=USR1@<seconds>`` SIGUSR1 that long before it. torchrun's
-agent forwards SIGTERM (SIGINT, SIGHUP, SIGQUIT) to its workers, and any signal listed in
-``TORCHELASTIC_SIGNALS_TO_HANDLE`` (e.g. ``SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1``), then
+agent forwards SIGTERM (SIGINT, SIGHUP, SIGQUIT) to its workers, and any signal listed in its
+``--signals-to-handle`` flag (``launch.local`` passes ``SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1``;
+torch 2.13 overwrites ``TORCHELASTIC_SIGNALS_TO_HANDLE`` from that flag), then
 SIGKILLs workers still running after ``--shutdown-timeout`` seconds (default 30): give it the
 time of one step plus one save. A signal reaching only some ranks is enough: the training loop
 takes the largest request over all ranks at each step boundary, so every rank stops after the

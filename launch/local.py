@@ -64,9 +64,16 @@ def nproc_for(job) -> int:
     return par.model_parallel_size * (par.data_parallel_size or 1)
 
 
+# torchrun passes only SIGTERM, SIGINT, SIGHUP and SIGQUIT on to its workers unless told; the
+# job's other stop signal, SIGUSR1 (save, then exit), would kill torchrun and orphan the ranks.
+# (torch 2.13's torchrun overwrites TORCHELASTIC_SIGNALS_TO_HANDLE from this flag.)
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+
 def torchrun_command(nproc: int, overrides: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", "-m", "glm5_train.train", *overrides]
+            f"--nproc-per-node={nproc}", f"--signals-to-handle={TORCHRUN_SIGNALS}",
+            "-m", "glm5_train.train", *overrides]
 
 
 def main(argv: list[str]) -> int:

@@ -491,3 +491,29 @@ def test_launcher_stopped_by_sigterm_exits_143(tmp_path, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "launch: stopped: SIGTERM passed on to torchrun, which exited with status 1")
     assert not running(int(pid_file.read_text()))
+
+
+def test_sigusr1_to_the_launcher_saves_and_stops_the_job(tmp_path):
+    """SIGUSR1 (the job's save-then-exit signal) sent to launch.local reaches the ranks through
+    torchrun (--signals-to-handle): the job saves after its current step and stops; no rank is
+    left running. Without the flag torchrun died of it and orphaned the ranks."""
+    import signal
+    import time
+    log, run = tmp_path / "launch.log", tmp_path / "run"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "launch.local", "parallel=single", "train.train_iters=400",
+             "train.global_batch_size=2", "train.seq_length=64", f"hydra.run.dir={run}"],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while "step 2/" not in log.read_text() and launcher.poll() is None:
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    launcher.send_signal(signal.SIGUSR1)
+    status = launcher.wait(timeout=300)
+    text = log.read_text()
+    assert re.search(r"glm5_train: stopped by SIGUSR1 after step (\d+); checkpoint", text), text
+    assert status == 128 + signal.SIGUSR1 and "launch: stopped: SIGUSR1 passed on" in text
+    assert (run / "checkpoints" / "latest_iteration.txt").exists()
+    assert "step 400/400" not in text
