@@ -358,12 +358,6 @@ def _should_save(job: JobConfig, iteration: int) -> bool:
     return at_interval or iteration == job.train.train_iters
 
 
-def quiet_megatron() -> None:
-    """The registry's filters and logger levels (glm5_train/known_warnings.py), for the tools
-    that load megatron-core models outside the job."""
-    known_warnings.install()
-
-
 CONFIG_ERROR_STATUS = 2  # as launch.local's (and argparse's) usage errors
 NONFINITE_STATUS = 3  # stopped at a non-finite step (train.nonfinite)
 # How long ranks other than 0 wait, after a config error, for the launcher to stop them.

@@ -20,6 +20,7 @@ if _REPO_ROOT not in sys.path:
 
 import torch.distributed as dist  # noqa: E402
 
+from glm5_train import known_warnings  # noqa: E402
 from glm5_train.hf_checkpoint import (  # noqa: E402
     _rank,
     compose,
@@ -27,7 +28,6 @@ from glm5_train.hf_checkpoint import (  # noqa: E402
     import_hf,
     make_random_hf,
 )
-from glm5_train.train import quiet_megatron  # noqa: E402
 from parallel.process_groups import destroy_distributed  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
@@ -92,7 +92,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    quiet_megatron()
+    known_warnings.install()
     try:
         job = compose(args.overrides)
         if args.command == "import":

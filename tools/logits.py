@@ -20,13 +20,12 @@ if REPO not in sys.path:  # runnable as `torchrun tools/logits.py` from anywhere
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from glm5_train import known_warnings  # noqa: E402
 from glm5_train.assembly import build_model, install_int4_qat  # noqa: E402
 from glm5_train.checkpoint import load_checkpoint  # noqa: E402
 from glm5_train.inference import compute_logits  # noqa: E402
 from glm5_train.job_config import compose_job  # noqa: E402
-from glm5_train.train import quiet_megatron  # noqa: E402
 from parallel import mcore_compat, process_groups  # noqa: E402
-
 
 # --help's epilog: what a first run types
 EXAMPLES = r"""Examples:
@@ -45,7 +44,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", required=True, help="where to write fp32 logits [B, S, V]")
     args, overrides = parser.parse_known_args(argv)
 
-    quiet_megatron()
+    known_warnings.install()
     tokens = torch.load(args.tokens)
     job = compose_job([*overrides, "train.micro_batch_size=1",
                        f"train.global_batch_size={tokens.shape[0]}",
