@@ -26,6 +26,7 @@ The order is forced by what each step needs from the ones before it:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 
@@ -53,6 +54,8 @@ from glm5_train.model.head_parallel_cp import install as install_head_parallel_c
 from glm5_train.model.init_weights import initialize_weights
 from glm5_train.optim import attach_schedule_hooks, build_optimizer, build_scheduler, wrap_ddp
 from glm5_train.plan import build_activation_tracker, resolve_pipeline_layout
+from glm5_train.rl.objective import RLObjective
+from glm5_train.rl.rollout_data import build_rollout_dataset, freeze_mtp, trains_mtp
 from glm5_train.tokenizer import build_tokenizer
 from parallel import deferred_wgrad, int4_qat, mcore_compat, process_groups
 from parallel.activation_offload import ActivationTracker
@@ -90,6 +93,8 @@ class Runtime:
     wgrad: WeightGradQueue | None = None
     # train.int4_qat: the fake-quantised routed experts (parallel/int4_qat.py)
     qat: Int4QAT | None = None
+    # train.objective=grpo|dis|distill: what each micro-batch's loss applies (glm5_train/rl)
+    objective: RLObjective | None = None
 
     @property
     def dp_rank(self) -> int:
@@ -115,6 +120,8 @@ def assemble(job: JobConfig, validated: bool = False) -> Runtime:
     dataset = build_dataset(job, tokenizer)
     config, chunks = build_model(job, groups, tokenizer.eod)
     apply_dsa_freezing(chunks, job.dsa)
+    if not trains_mtp(job):
+        freeze_mtp(chunks)
     embedding_tie = EmbeddingTie(config, job.model.tie_word_embeddings, groups.pp)
     zero2, pinned = None, []
     if job.parallel.pipeline_zero2:
@@ -144,8 +151,10 @@ def assemble(job: JobConfig, validated: bool = False) -> Runtime:
     activations = build_activation_tracker(job, chunks, groups, num_microbatches(job, groups))
     pool = (GroupPool(groups.dp, job.parallel.flexible_cp_max_size, groups.cp)
             if job.parallel.cp_groups == "flexible" else None)  # collective: every rank
+    objective = (RLObjective(job.train.objective, job.rl) if job.train.objective != "lm"
+                 else None)
     return Runtime(job, config, groups, chunks, optimizer, scheduler, dataset, zero2, norms,
-                   activations, pool, wgrad=wgrad, qat=qat)
+                   activations, pool, wgrad=wgrad, qat=qat, objective=objective)
 
 
 def routed_expert_linears(chunks: list) -> list:
@@ -223,6 +232,9 @@ def check_data(job: JobConfig) -> None:
             f"tokenizer {job.data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
             f"model.vocab_size={job.model.vocab_size}: raise model.vocab_size or use a smaller "
             "tokenizer")
+    if job.data.format == "rollouts":  # read, checked and packed as the run will
+        build_rollout_dataset(job)
+        return
     if job.data.paths:
         check_datasets(list(job.data.paths), job.data.split, job.data.format,
                        job.train.seq_length, tokenizer)
@@ -241,7 +253,8 @@ def build_model(job: JobConfig, groups: ProcessGroupCollection,
     megatron's own ``get_model`` moves every chunk. On CPU nothing moves."""
     where = comm_device()
     recompute = job.activations.recompute()
-    config = to_mcore_config(job.model, job.parallel, job.train.torch_dtype,
+    model = job.model if trains_mtp(job) else dataclasses.replace(job.model, mtp_loss_weight=0.0)
+    config = to_mcore_config(model, job.parallel, job.train.torch_dtype,
                              use_cpu_initialization=where.type == "cpu", recompute=recompute)
     eod = build_tokenizer(job.data.tokenizer).eod if eod_token_id is None else eod_token_id
     chunks = build_model_chunks(job.model, config, dsa_training=job.dsa, eod_token_id=eod,
@@ -276,6 +289,8 @@ def install_muon(optimizer, chunks: list, job: JobConfig, config,
 
 
 def build_dataset(job: JobConfig, tokenizer):
+    if job.data.format == "rollouts":
+        return build_rollout_dataset(job)
     if not job.data.paths:
         job.data.paths = [ensure_builtin_corpus(job.data, tokenizer)]
     samples = job.train.train_iters * job.train.global_batch_size

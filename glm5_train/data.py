@@ -44,7 +44,9 @@ from parallel import mcore_compat
 _PREPROCESS_HINT = ("python tools/preprocess_data.py --input <docs.jsonl> --output-prefix {prefix} "
                     "--tokenizer <byte|tokenizer-dir>")
 _CHAT_SFT_HINT = chat_data.PREPARE_HINT
-FORMATS = ("gpt", "chat_sft")  # data.format: megatron's GPTDataset, or packed chat SFT
+# data.format: megatron's GPTDataset, packed chat SFT, or RL rollout records
+# (glm5_train/rl/records.py: jsonl or parquet files, trained with train.objective=grpo|dis|distill)
+FORMATS = ("gpt", "chat_sft", "rollouts")
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 
 
@@ -85,12 +87,30 @@ class DataConfig:
             raise ValueError(f"data.format={self.format!r}: use one of {list(FORMATS)}")
         if self.format == "chat_sft":
             _check_chat_sft_config(self)
+        if self.format == "rollouts":
+            _check_rollouts_config(self)
         if not self.tokenizer:
             raise ValueError("data.tokenizer is empty: use 'byte' or a local HF tokenizer dir")
         if self.builtin_max_files < 1:
             raise ValueError(f"data.builtin_max_files={self.builtin_max_files} must be >= 1")
         if self.num_workers < 0:
             raise ValueError(f"data.num_workers={self.num_workers} must be >= 0 (0 = main process)")
+
+
+def _check_rollouts_config(cfg: DataConfig) -> None:
+    if not cfg.paths:
+        raise ValueError("data.format=rollouts needs data.paths=[<records.jsonl|.parquet>, ...]: "
+                         "rollout records (docs/rl.md; tools/rollout_records.py checks them)")
+    # Each rollout is its own document with its own loss mask, positions restarting at 0 as
+    # the engine that generated it had them.
+    for name, fine in (("weights", None), ("eod_mask_loss", False),
+                       ("reset_attention_mask", False), ("reset_position_ids", True)):
+        value = getattr(cfg, name)
+        if value != fine:
+            raise ValueError(f"data.{name}={value} with data.format=rollouts: each rollout is "
+                             "its own document (its own loss mask, positions from 0 as the "
+                             f"engine had them); set data.{name}="
+                             f"{'null' if fine is None else str(fine).lower()}")
 
 
 def _check_chat_sft_config(cfg: DataConfig) -> None:
@@ -677,7 +697,10 @@ def _check_batch_layout(mbs: int, gbs: int, dp_rank: int, dp_size: int, consumed
                          f"global_batch_size={gbs} (steps_done * global_batch_size)")
 
 
-_BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+_BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask",
+               # rollout micro-batches' per-token fields (glm5_train/rl/objective.py)
+               "rollout_logprobs", "advantages", "teacher_logprobs", "policy_version",
+               "rollout_start", "token_weight")
 
 
 def collate_samples(samples: list[dict]) -> dict[str, torch.Tensor]:

@@ -24,6 +24,7 @@ from glm5_train.data import DataConfig
 from glm5_train.model.config import GLM5Config
 from glm5_train.model.dsa_loss import DSATrainingConfig
 from glm5_train.profiling import ProfileOptions, check_profile_options
+from glm5_train.rl.config import RLConfig
 from glm5_train.run_dir import register_resolvers, run_id
 from parallel.config.int4_qat import Int4QATOptions
 from parallel.config.muon import MuonOptions, check_muon_options
@@ -84,6 +85,9 @@ class TrainConfig(ProfileOptions, NonfiniteOptions, Int4QATOptions, MuonOptions)
     # (``param_grad_norms``: {global tensor name: norm}, the same names in every layout; see
     # parallel/grad_norms.py). For parity checks and debugging: one all_gather_object per step.
     log_param_grad_norms: bool = False
+    # What the step minimises: lm (next-token cross-entropy), or an RL objective over rollout
+    # records (grpo, dis, distill: data.format=rollouts; the rl group holds their keys).
+    objective: str = "lm"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -133,6 +137,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dsa: DSATrainingConfig = field(default_factory=DSATrainingConfig)
     activations: ActivationsConfig = field(default_factory=ActivationsConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     @classmethod
     def from_hydra(cls, tree: Any) -> JobConfig:
@@ -146,10 +151,11 @@ class JobConfig:
             checkpoint=_build(CheckpointConfig, "checkpoint", plain.pop("checkpoint", {})),
             dsa=_build(DSATrainingConfig, "dsa", plain.pop("dsa", {})),
             activations=_build(ActivationsConfig, "activations", plain.pop("activations", {})),
+            rl=_build(RLConfig, "rl", plain.pop("rl", {})),
         )
         if plain:
             raise ValueError(f"unknown config group(s) {sorted(plain)}: known groups are model, "
-                             "parallel, train, data, checkpoint, dsa, activations")
+                             "parallel, train, data, checkpoint, dsa, activations, rl")
         job.validate()
         return job
 
@@ -165,6 +171,28 @@ class JobConfig:
         _check_checkpoint(self.checkpoint)
         _check_flexible_cp(self)
         _check_int4_qat(self)
+        _check_objective(self)
+
+
+def _check_objective(job: JobConfig) -> None:
+    """An RL objective trains on rollout records, and rollout records need one."""
+    objective = job.train.objective
+    job.rl.validate(objective)
+    rl = objective != "lm"
+    if rl != (job.data.format == "rollouts"):
+        fix = ("data=rollouts data.paths=[<records.jsonl>]" if rl else
+               "train.objective=grpo (or dis, distill)")
+        raise ValueError(f"train.objective={objective} with data.format={job.data.format}: "
+                         "the RL objectives train on rollout records and rollout records "
+                         f"only on them; set {fix}")
+    if rl and job.parallel.cp_groups == "flexible":
+        raise ValueError(f"train.objective={objective} with parallel.cp_groups=flexible: "
+                         "flexible CP groups plan chat SFT conversations; set "
+                         "parallel.cp_groups=fixed")
+    if rl and job.rl.updates_per_batch > 1 and job.train.train_iters % job.rl.updates_per_batch:
+        raise ValueError(f"train.train_iters={job.train.train_iters} is not a multiple of "
+                         f"rl.updates_per_batch={job.rl.updates_per_batch}: every batch of "
+                         "rollouts feeds that many updates; make train_iters a multiple")
 
 
 def _check_int4_qat(job: JobConfig) -> None:

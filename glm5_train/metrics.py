@@ -92,9 +92,11 @@ class MetricsLogger:
         peak_mib = max(r.get("mem_peak_bytes", [0])) / 2**20
         kl = f" | indexer_kl {r['indexer_kl']:.3e}" if "indexer_kl" in r else ""
         mtp = f" | mtp_loss {r['mtp_loss']:.4f}" if "mtp_loss" in r else ""
+        rl = (f" | reward {r['reward_mean']:.3f} | masked {r['rl_masked_fraction']:.3f}"
+              f" | dropped {r['rl_dropped_rollouts']}" if "rl_masked_fraction" in r else "")
         comm = (f" | max rank sent {max(r['comm_bytes']) / 2**20:.1f} MiB"
                 if r.get("comm_bytes") else "")
-        return (f"step {step}/{self.train_iters} ({pct:5.1f}%) | loss {r['loss']:.4f}{mtp}{kl} | "
+        return (f"step {step}/{self.train_iters} ({pct:5.1f}%) | loss {r['loss']:.4f}{mtp}{kl}{rl} | "
                 f"grad_norm {r['grad_norm']:.3f} | lr {r['lr']:.3e} | "
                 f"tokens/s {r['tokens_per_s']:.0f} | consumed_tokens {r['consumed_tokens']} | "
                 f"max rank peak {peak_mib:.0f} MiB{comm} | elapsed {elapsed:.0f}s")
@@ -111,7 +113,12 @@ def tensorboard_installed() -> bool:
 # metrics.jsonl fields written to TensorBoard as one scalar each; per-rank lists become one
 # scalar per rank (``<name>/rank<i>``) under these names.
 TENSORBOARD_SCALARS = ("loss", "mtp_loss", "mtp_loss_1", "mtp_loss_2", "mtp_loss_3",
-                       "indexer_kl", "grad_norm", "lr", "tokens_per_s", "consumed_tokens")
+                       "indexer_kl", "grad_norm", "lr", "tokens_per_s", "consumed_tokens",
+                       # RL objectives (glm5_train/rl/objective.py global_rl_stats)
+                       "reward_mean", "rl_masked_fraction", "rl_clipped_fraction",
+                       "rl_logp_diff_mean", "rl_logp_diff_max", "rl_ratio_p05", "rl_ratio_p50",
+                       "rl_ratio_p95", "rl_ratio_min", "rl_ratio_max", "rl_rollouts",
+                       "rl_dropped_rollouts", "rl_entropy")
 TENSORBOARD_PER_RANK = ("mem_peak_bytes", "mem_rss_bytes", "comm_bytes", "saved_bytes_peak",
                         "offloaded_bytes")
 

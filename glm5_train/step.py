@@ -20,6 +20,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config, unwrap_model
 
 from glm5_train.profiling import ScheduleLabels, backward_range, labelled_forward, profiling_now
+from glm5_train.rl.objective import ROLLOUT_FIELDS, RLObjective
 from parallel.activation_offload import ActivationTracker
 from parallel.context_parallel import group_size, shard_sequence
 from parallel.deferred_wgrad import WeightGradQueue, WgradFillingP2P
@@ -42,7 +43,7 @@ def loss_func(loss_mask: torch.Tensor, take_mtp_report, output_tensor: torch.Ten
 
 def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module,
                  activations: ActivationTracker | None = None, cp_group=None,
-                 labels: ScheduleLabels | None = None):
+                 labels: ScheduleLabels | None = None, objective: RLObjective | None = None):
     """megatron-core forward_step_func: every chunk reads its own aligned iterator. Batches
     come from the data loader on the CPU and move to this rank's device here (a no-op on CPU).
     ``activations``: the model's forward runs inside its saved-tensor meter (and offloader).
@@ -51,7 +52,8 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
     its own ``cp_group`` (flexible CP groups, ``glm5_train/flexible_batches.py``) runs on that
     group: the model is pointed at it for this forward and again when its backward starts.
     ``labels``: while torch.profiler records, name the forward and backward ranges by chunk
-    and micro-batch (``glm5_train/profiling.py``)."""
+    and micro-batch (``glm5_train/profiling.py``). ``objective``: an RL objective replaces the
+    LM loss over the model's per-token losses (-log-probs; ``glm5_train/rl/objective.py``)."""
     batch = packed_documents(to_device(next(data_iterator)))
     flexible = "cp_group" in batch
     if flexible:
@@ -66,7 +68,12 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
     if flexible:
         output = in_group_for_backward(output, model, cp_group)
     inner = unwrap_model(model)
-    return output, partial(loss_func, batch["loss_mask"], getattr(inner, "take_mtp_report", None))
+    take_mtp = getattr(inner, "take_mtp_report", None)
+    if objective is not None:
+        fields = {name: batch[name] for name in ROLLOUT_FIELDS}
+        return output, partial(objective.loss_func, batch["loss_mask"], fields, take_mtp,
+                               getattr(inner, "take_entropy", None))
+    return output, partial(loss_func, batch["loss_mask"], take_mtp)
 
 
 def packed_documents(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -141,15 +148,18 @@ def run_step(chunks: list[torch.nn.Module], iterators: list[Iterator], num_micro
              seq_length: int, micro_batch_size: int, groups: ProcessGroupCollection,
              forward_only: bool = False,
              activations: ActivationTracker | None = None,
-             wgrad: WeightGradQueue | None = None) -> list[Any]:
+             wgrad: WeightGradQueue | None = None,
+             objective: RLObjective | None = None) -> list[Any]:
     """Run the pipeline schedule for one global batch; returns the last stage's loss reports.
     ``activations``: meter (and offload) every micro-batch's forward (training steps only).
-    ``wgrad``: deferred weight gradients, run inside the schedule's p2p exchanges."""
+    ``wgrad``: deferred weight gradients, run inside the schedule's p2p exchanges.
+    ``objective``: the RL objective each micro-batch's loss applies (None: the LM loss)."""
     schedule = get_forward_backward_func(pp_size=groups.pp.size(),
                                          vp_size=len(chunks) if len(chunks) > 1 else None)
     step = partial(forward_step, cp_group=groups.cp,
                    activations=None if forward_only else activations,
-                   labels=ScheduleLabels(chunks) if profiling_now() else None)
+                   labels=ScheduleLabels(chunks) if profiling_now() else None,
+                   objective=objective)
     extra = {}
     if wgrad is not None and groups.pp.size() > 1:
         extra = {"p2p_communicator": WgradFillingP2P(groups.pp, get_model_config(chunks[0]),

@@ -27,7 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 
 from glm5_train import known_warnings
-from glm5_train.assembly import Runtime, assemble, iterators, validate_job
+from glm5_train.assembly import Runtime, assemble, iterators, num_microbatches, validate_job
 from glm5_train.bad_steps import (
     BatchPosition,
     ExpertBiasSnapshot,
@@ -45,6 +45,7 @@ from glm5_train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from glm5_train.data import build_train_iterator
 from glm5_train.flexible_batches import FlexibleBatches, plan_record
 from glm5_train.job_config import CONFIG_ERRORS, JobConfig, one_line
 from glm5_train.metrics import MetricsLogger, gather_memory, gather_per_rank, gather_saved_bytes
@@ -52,6 +53,8 @@ from glm5_train.model import triton_sparse_mla
 from glm5_train.model.glm5 import indexer_kl
 from glm5_train.preemption import StopRequest, forked_children_die_with_this_process, signal_name
 from glm5_train.profiling import StepProfiler
+from glm5_train.rl.objective import global_rl_stats
+from glm5_train.rl.rollout_data import step_summary, trains_mtp
 from glm5_train.run_dir import register_resolvers
 from glm5_train.step import global_loss, global_mtp_losses, run_step
 from parallel.comm_meter import CommMeter, buffer_bytes, gather_fields, names_of_groups
@@ -123,6 +126,11 @@ def train_step(rt: Runtime, iterators: list, meter: CommMeter | None = None,
     meter = meter or CommMeter()
     if boundary is not None:
         boundary.before_step()
+    if rt.objective is not None:  # the learner's policy version: the steps taken so far
+        rt.objective.learner_version = step_index
+        if old_policy_due(rt, step_index):
+            with meter.measure():
+                record_old_policy(rt, step_index)
     with meter.measure():
         reports = _forward_backward(rt, iterators)
         stats = step_statistics(rt, reports)
@@ -163,10 +171,36 @@ def _forward_backward(rt: Runtime, iterators: list) -> list:
     if rt.qat is not None:  # the optimizer moved the weights: requantise at first use
         rt.qat.begin_step()
     reports = run_step(rt.chunks, iterators, num_micro, seq_length, t.micro_batch_size,
-                       rt.groups, activations=rt.activations, wgrad=rt.wgrad)
+                       rt.groups, activations=rt.activations, wgrad=rt.wgrad,
+                       objective=rt.objective)
     if rt.activations is not None:  # this step's saved-for-backward figures
         rt.activations.end_step()
     return reports
+
+
+def old_policy_due(rt: Runtime, step_index: int) -> bool:
+    """A batch of rollouts feeding rl.updates_per_batch > 1 updates starts at this step."""
+    objective = rt.objective
+    return objective.old_policy is not None and step_index % rt.job.rl.updates_per_batch == 0
+
+
+def record_old_policy(rt: Runtime, step_index: int) -> None:
+    """pi_old of the rollout batch starting at ``step_index``: one forward pass, without
+    gradients, over its rl.updates_per_batch global batches (fresh iterators over the same
+    samples the updates will read), each micro-batch's log-probs kept on the last stage."""
+    t, updates = rt.job.train, rt.job.rl.updates_per_batch
+    first = step_index * t.global_batch_size
+    readers = [build_train_iterator(rt.dataset, t.micro_batch_size, t.global_batch_size,
+                                    rt.dp_rank, rt.dp_size, first) for _ in rt.chunks]
+    old = rt.objective.old_policy
+    old.recording = True
+    try:
+        with torch.no_grad():
+            run_step(rt.chunks, readers, updates * num_microbatches(rt.job, rt.groups),
+                     t.seq_length, t.micro_batch_size, rt.groups, forward_only=True,
+                     objective=rt.objective)
+    finally:
+        old.recording = False
 
 
 def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
@@ -194,6 +228,9 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
             # by megatron-core group name.
             meter = CommMeter(group_names=group_names)
             outcome = train_step(rt, data, meter, boundary, step_index=state.iteration)
+            if rt.objective is not None:  # the step's rewards, from the records it trained on
+                outcome.stats.update(step_summary(rt.dataset, state.iteration,
+                                                  t.global_batch_size))
             elapsed = time.perf_counter() - started
             cpu_ms = int(1000 * (time.process_time() - cpu_started))
             profiler.step_ends(state.iteration + 1)
@@ -318,10 +355,12 @@ def step_statistics(rt: Runtime, reports: list) -> dict:
     """The step's global LM loss and loss tokens, and the mean indexer KL (when trained)."""
     loss, tokens = global_loss(reports, rt.groups)
     stats = {"loss": loss, "loss_tokens": tokens}
-    if rt.job.model.mtp_sets:
+    if rt.job.model.mtp_sets and trains_mtp(rt.job):
         per_step = global_mtp_losses(reports, rt.job.model.mtp_num_steps, rt.groups)
         stats["mtp_loss"] = sum(per_step) / len(per_step)
         stats.update({f"mtp_loss_{k}": v for k, v in enumerate(per_step, start=1)})
+    if rt.objective is not None:
+        stats.update(global_rl_stats(reports, rt.groups, comm_device()))
     if rt.job.dsa.trains_indexer:
         stats["indexer_kl"] = global_indexer_kl(*indexer_kl(rt.chunks))
     return stats

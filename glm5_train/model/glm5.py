@@ -283,9 +283,12 @@ class GLM5Model(GPTModel):
                          if self.share_embeddings_and_output_weights else None)
         if with_mtp:
             main, *steps = torch.chunk(hidden_states, 1 + self.mtp_num_steps, dim=0)
-            hidden_states = self._attach_mtp_losses(main, steps, input_ids, labels, loss_mask,
-                                                    output_weight, runtime_gather_output,
-                                                    attention_mask)
+            # A zero weight (RL: the MTP layers frozen) adds nothing: no head runs for it.
+            hidden_states = main
+            if self.config.mtp_loss_scaling_factor:
+                hidden_states = self._attach_mtp_losses(main, steps, input_ids, labels,
+                                                        loss_mask, output_weight,
+                                                        runtime_gather_output, attention_mask)
         if labels is None:
             logits, _ = self.output_layer(hidden_states, weight=output_weight,
                                           runtime_gather_output=runtime_gather_output)
