@@ -23,9 +23,11 @@ Export loads a checkpoint (weights-only or a training checkpoint; the optimizer 
 read) and streams one safetensors shard per decoder layer (MTP layers included) plus one for the
 embedding, final norm and output head: for each shard, the ranks holding main replicas of its pieces send them to
 global rank 0, which assembles and writes the shard before moving on, so rank 0 holds at most
-one layer. It writes ``model.safetensors.index.json`` and ``config.json`` (HF
-``GlmMoeDsaConfig`` fields, ``num_nextn_predict_layers`` = the MTP layers written). Tensors keep
-the model's dtype: a round trip HF -> here -> HF is bit-exact when the dtypes agree.
+one layer. That streaming is ``stream_hf``, which works on any model chunks: the RL weight
+publisher (``glm5_train/rl/publisher.py``) runs it on the training job's live chunks. It
+writes ``model.safetensors.index.json`` and ``config.json`` (HF ``GlmMoeDsaConfig`` fields,
+``num_nextn_predict_layers`` = the MTP layers written). Tensors keep the model's dtype: a round
+trip HF -> here -> HF is bit-exact when the dtypes agree.
 
 So that transformers can use the export as it is, it also carries the tokenizer the job names
 (``data.tokenizer``: its tokenizer files are copied; the byte tokenizer has none) and
@@ -51,6 +53,7 @@ import math
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,7 +192,9 @@ def compose(overrides: list[str]):
     return compose_job(list(overrides))
 
 
-def _ensure_distributed(job) -> None:
+def ensure_distributed(job) -> None:
+    """The default group and megatron-core's groups for ``job``'s layout, unless they exist
+    (import, export and tools/publish_weights.py run no batches: the batch checks are moot)."""
     if not parallel_state.model_parallel_is_initialized():
         _, world, _ = world_from_env()
         par = job.parallel
@@ -300,7 +305,7 @@ def import_hf(job, hf_dir: str, save_dir: str) -> dict[str, Any]:
     mtp = [] if job.model.mtp_sets else sorted(n for n in files if is_mtp_name(n, layers, nextn))
     expected = set(files) - set(mtp)
 
-    _ensure_distributed(job)
+    ensure_distributed(job)
     chunks = _build_chunks(job)
     # hf name -> [megatron owner, elements written by main replicas, elements of the tensor]
     used: dict[str, list] = {}
@@ -357,10 +362,15 @@ def import_hf(job, hf_dir: str, save_dir: str) -> dict[str, Any]:
     return report
 
 
-def _all_gather(obj: Any) -> list:
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
+def _all_gather(obj: Any, group=None) -> list:
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
     return gathered
+
+
+def _global_rank(group, rank: int) -> int:
+    """The global rank of ``rank`` in ``group`` (None: the default group)."""
+    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 def _check_import(gathered: list, expected: set[str]) -> tuple[list[str], Counter]:
@@ -410,6 +420,18 @@ def _shard_of(name: str, layers: int) -> int:
     return 1 + layer
 
 
+@dataclass(frozen=True)
+class HfFormat:
+    """How ``stream_hf`` writes the tensors it assembles: ``convert`` maps one shard's tensors
+    (full HF tensors in the model's dtype) to the tensors written (a cast, a quantisation; None:
+    as they are); ``dtype`` is config.json's ``dtype`` (None: the model's, train.params_dtype);
+    ``quantization_config`` goes into config.json when given."""
+
+    convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    dtype: torch.dtype | None = None
+    quantization_config: dict[str, Any] | None = None
+
+
 def export_hf(job, load_dir: str, out_dir: str, int4: bool = False,
               mtp: bool = True) -> dict[str, Any]:
     """Write the checkpoint under ``load_dir`` (newest iteration) as an HF GLM-5 checkpoint in
@@ -421,7 +443,7 @@ def export_hf(job, load_dir: str, out_dir: str, int4: bool = False,
     started = time.perf_counter()
     check_exportable(job.model)
     problem = tokenizer_problem(job)  # on every rank, before any collective
-    _ensure_distributed(job)
+    ensure_distributed(job)
     # Every rank learns of a problem any rank saw (a node that does not see the tokenizer
     # directory included) and refuses with the same line: none waits at a barrier.
     problems = [p for p in _all_gather(problem) if p]
@@ -430,21 +452,47 @@ def export_hf(job, load_dir: str, out_dir: str, int4: bool = False,
     chunks = _build_chunks(job)
     load_checkpoint(load_dir, chunks, None, None, job.model)
 
+    fmt = HfFormat()
+    if int4:
+        group_size = job.train.int4_group_size
+        fmt = HfFormat(convert=lambda tensors: int4_checkpoint.quantize_tensors(tensors,
+                                                                                group_size),
+                       quantization_config=int4_checkpoint.quantization_config(group_size))
+    report = stream_hf(job, chunks, out_dir, mtp=mtp, fmt=fmt)
+    if report.get("mtp_tensors"):
+        _log(mtp_note(report["mtp_tensors"], job.model.num_hidden_layers))
+    dist.barrier()
+    report["seconds"] = time.perf_counter() - started
+    _log(f"exported {report['hf_tensors']} tensors in {len(report['files'])} shards "
+         f"({report['bytes'] / 2**20:.1f} MiB) to {out_dir} in {report['seconds']:.1f} s")
+    return report
+
+
+def stream_hf(job, chunks: list[torch.nn.Module], out_dir: str, mtp: bool = True,
+              fmt: HfFormat = HfFormat(), group=None) -> dict[str, Any]:
+    """Write the weights of ``chunks`` (this rank's model chunks, DDP-wrapped or not, in any
+    layout) as an HF GLM-5 checkpoint in ``out_dir``: one safetensors shard per decoder layer
+    (MTP layers included unless ``mtp=False``) plus one for the embedding, final norm and
+    output head, the index, config.json, generation_config.json and the tokenizer files of
+    ``data.tokenizer``. For each shard, the ranks holding main replicas of its pieces send them
+    to the first rank of ``group`` (None: the default group, every rank of the job), which
+    assembles it, converts it (``fmt``) and writes it before moving on: that rank holds at most
+    one layer. The weights are read, never written.
+
+    Collective over ``group``. No barrier at the end (the caller says when the output is
+    complete: export at once, the weight publisher after renaming it). Returns a report:
+    ``out_dir``, ``files``, ``hf_tensors`` and ``bytes`` (counted by the writing rank, 0
+    elsewhere); the writing rank adds ``tokenizer_files`` and ``mtp_tensors`` (MTP tensors
+    written)."""
     layers = job.model.num_hidden_layers
     mtp_sets = job.model.mtp_sets if mtp else 0
     shards = layers + mtp_sets + 1
-    mine: list[list[Piece]] = [[] for _ in range(shards)]
-    for tensor in local_tensors(chunks):
-        if tensor.main_replica:  # replicas (TP, DP, expert-DP, embedding copies) go once
-            for piece in pieces_of(tensor, layers):
-                if not mtp and is_mtp_name(piece.hf_name, layers, job.model.mtp_sets):
-                    continue
-                mine[_shard_of(piece.hf_name, shards - 1)].append(piece)
-    counts = _all_gather([len(s) for s in mine])
-    rank = dist.get_rank()
+    mine = _pieces_by_shard(chunks, job.model, mtp, shards)
+    counts = _all_gather([len(s) for s in mine], group)
+    rank, writer = dist.get_rank(group), _global_rank(group, 0)
     if rank == 0:
         _prepare_out_dir(out_dir)
-    dist.barrier()
+    dist.barrier(group)
 
     weight_map: dict[str, str] = {}
     problems: list[str] = []
@@ -452,28 +500,26 @@ def export_hf(job, load_dir: str, out_dir: str, int4: bool = False,
     for shard in range(shards):
         if rank != 0:
             if mine[shard]:
-                dist.send_object_list([_wire(mine[shard])], dst=0)
+                dist.send_object_list([_wire(mine[shard])], dst=writer, group=group)
             continue
         assembler = _Assembler()
         assembler.add(_wire(mine[shard]))
-        for src in range(1, dist.get_world_size()):
+        for src in range(1, dist.get_world_size(group)):
             if counts[src][shard]:
                 box: list = [None]
-                dist.recv_object_list(box, src=src)
+                dist.recv_object_list(box, src=_global_rank(group, src), group=group)
                 assembler.add(box[0])
                 box = None
         problems += assembler.problems()
         fname = shard_file(shard, shards)
-        tensors = assembler.tensors
-        if int4:
-            tensors = int4_checkpoint.quantize_tensors(tensors, job.train.int4_group_size)
+        tensors = assembler.tensors if fmt.convert is None else fmt.convert(assembler.tensors)
         save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
         for name, tensor in tensors.items():
             weight_map[name] = fname
             total_bytes += tensor.numel() * tensor.element_size()
         del assembler, tensors
 
-    problems = _broadcast(problems)
+    problems = _broadcast(problems, group)
     if problems:
         raise ValueError(f"export to {out_dir} failed:\n  " + "\n  ".join(problems))
     report = {"out_dir": out_dir, "files": [shard_file(s, shards) for s in range(shards)],
@@ -482,22 +528,31 @@ def export_hf(job, load_dir: str, out_dir: str, int4: bool = False,
         _write_json(os.path.join(out_dir, INDEX_FILE),
                     {"metadata": {"total_size": total_bytes},
                      "weight_map": dict(sorted(weight_map.items()))})
-        hf_config = glm5_to_hf_config(job.model, job.train.torch_dtype)
+        hf_config = glm5_to_hf_config(job.model, fmt.dtype or job.train.torch_dtype)
         hf_config["num_nextn_predict_layers"] = mtp_sets
-        if int4:
-            hf_config["quantization_config"] = int4_checkpoint.quantization_config(
-                job.train.int4_group_size)
+        if fmt.quantization_config is not None:
+            hf_config["quantization_config"] = fmt.quantization_config
         report["tokenizer_files"] = write_hf_extras(out_dir, hf_config, job.data.tokenizer)
         open_up_modes(out_dir, [*report["files"], INDEX_FILE, "config.json",
                                 GENERATION_CONFIG_FILE, *report["tokenizer_files"]])
-        mtp_count = sum(1 for name in weight_map if is_mtp_name(name, layers, mtp_sets))
-        if mtp_count:
-            _log(mtp_note(mtp_count, layers))
-    dist.barrier()
-    report["seconds"] = time.perf_counter() - started
-    _log(f"exported {len(weight_map)} tensors in {shards} shards ({total_bytes / 2**20:.1f} MiB) "
-         f"to {out_dir} in {report['seconds']:.1f} s")
+        report["mtp_tensors"] = sum(1 for name in weight_map
+                                    if is_mtp_name(name, layers, mtp_sets))
     return report
+
+
+def _pieces_by_shard(chunks: list[torch.nn.Module], model, mtp: bool,
+                     shards: int) -> list[list[Piece]]:
+    """This rank's pieces of every shard: main replicas only, so replicas (TP, DP, expert-DP,
+    embedding copies) go once; the MTP layer's left out with ``mtp=False``."""
+    layers = model.num_hidden_layers
+    mine: list[list[Piece]] = [[] for _ in range(shards)]
+    for tensor in local_tensors(chunks):
+        if tensor.main_replica:
+            for piece in pieces_of(tensor, layers):
+                if not mtp and is_mtp_name(piece.hf_name, layers, model.mtp_sets):
+                    continue
+                mine[_shard_of(piece.hf_name, shards - 1)].append(piece)
+    return mine
 
 
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -610,9 +665,10 @@ class _Assembler:
                 for name, t in self.tensors.items() if self.filled[name] != t.numel()]
 
 
-def _broadcast(obj: Any) -> Any:
+def _broadcast(obj: Any, group=None) -> Any:
+    """``obj`` of the first rank of ``group`` (None: the default group), on all its ranks."""
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=_global_rank(group, 0), group=group)
     return box[0]
 
 
