@@ -55,7 +55,8 @@ from glm5_train.model.init_weights import initialize_weights
 from glm5_train.optim import attach_schedule_hooks, build_optimizer, build_scheduler, wrap_ddp
 from glm5_train.plan import build_activation_tracker, resolve_pipeline_layout
 from glm5_train.rl.objective import RLObjective
-from glm5_train.rl.rollout_data import build_rollout_dataset, freeze_mtp, trains_mtp
+from glm5_train.rl.publisher import publication_problem
+from glm5_train.rl.rollout_data import build_rollout_dataset, freeze_mtp
 from glm5_train.tokenizer import build_tokenizer
 from parallel import deferred_wgrad, int4_qat, mcore_compat, process_groups
 from parallel.activation_offload import ActivationTracker
@@ -120,7 +121,7 @@ def assemble(job: JobConfig, validated: bool = False) -> Runtime:
     dataset = build_dataset(job, tokenizer)
     config, chunks = build_model(job, groups, tokenizer.eod)
     apply_dsa_freezing(chunks, job.dsa)
-    if not trains_mtp(job):
+    if not job.trains_mtp:
         freeze_mtp(chunks)
     embedding_tie = EmbeddingTie(config, job.model.tie_word_embeddings, groups.pp)
     zero2, pinned = None, []
@@ -199,6 +200,11 @@ def validate_job(job: JobConfig) -> int:
                          "host-resident state only there (its precision-aware path); set it, or "
                          "train.params_dtype=fp32")
     check_data(job)
+    if job.rl.publish_dir:  # the engines' weight versions: writable, with a usable tokenizer
+        problem = publication_problem(job, job.rl.publish_dir, job.rl.publish_keep,
+                                      job.rl.publish_dtype)
+        if problem is not None:
+            raise ValueError(f"rl.publish_dir: {problem}")
     given = job.parallel.pipeline_model_parallel_layout
     layout = resolve_pipeline_layout(job, dp)
     if layout and not given and rank == 0:
@@ -253,7 +259,7 @@ def build_model(job: JobConfig, groups: ProcessGroupCollection,
     megatron's own ``get_model`` moves every chunk. On CPU nothing moves."""
     where = comm_device()
     recompute = job.activations.recompute()
-    model = job.model if trains_mtp(job) else dataclasses.replace(job.model, mtp_loss_weight=0.0)
+    model = job.model if job.trains_mtp else dataclasses.replace(job.model, mtp_loss_weight=0.0)
     config = to_mcore_config(model, job.parallel, job.train.torch_dtype,
                              use_cpu_initialization=where.type == "cpu", recompute=recompute)
     eod = build_tokenizer(job.data.tokenizer).eod if eod_token_id is None else eod_token_id

@@ -226,6 +226,17 @@ def _log(message: str) -> None:
         print(f"hf_checkpoint: {message}", flush=True)
 
 
+_NOTED: set[str] = set()
+
+
+def _note_once(message: str) -> None:
+    """A note about the job's setup, said once per process (a training job publishing weight
+    versions writes many exports of the same setup)."""
+    if message not in _NOTED:
+        _NOTED.add(message)
+        _log(message)
+
+
 # ----------------------------------------------------------------------------------------------
 # Import
 # ----------------------------------------------------------------------------------------------
@@ -595,8 +606,9 @@ def write_hf_extras(out_dir: str, hf_config: dict, tokenizer: str) -> list[str]:
     _write_json(os.path.join(out_dir, GENERATION_CONFIG_FILE), generation_config(tokenizer))
     copied = copy_tokenizer_files(tokenizer, out_dir)
     if not copied:
-        _log(f"note: data.tokenizer={tokenizer} has no Hugging Face tokenizer files: the export "
-             "carries none (set data.tokenizer=<the HF tokenizer directory> to include them)")
+        _note_once(f"note: data.tokenizer={tokenizer} has no Hugging Face tokenizer files: the "
+                   "export carries none (set data.tokenizer=<the HF tokenizer directory> to "
+                   "include them)")
     return copied
 
 

@@ -139,6 +139,18 @@ class JobConfig:
     activations: ActivationsConfig = field(default_factory=ActivationsConfig)
     rl: RLConfig = field(default_factory=RLConfig)
 
+    @property
+    def trains_mtp(self) -> bool:
+        """Whether the MTP layers train (their loss heads run): always under the LM loss; under
+        an RL objective only with rl.train_mtp (GLM-5 trains no MTP loss in RL)."""
+        return self.train.objective == "lm" or self.rl.train_mtp
+
+    @property
+    def runs_mtp(self) -> bool:
+        """Whether the MTP steps and their loss heads run: trained, with a non-zero weight
+        (GLM5Model skips them otherwise)."""
+        return bool(self.model.mtp_sets) and self.trains_mtp and self.model.mtp_loss_weight > 0
+
     @classmethod
     def from_hydra(cls, tree: Any) -> JobConfig:
         plain = OmegaConf.to_container(tree, resolve=True)

@@ -116,7 +116,7 @@ TENSORBOARD_SCALARS = ("loss", "mtp_loss", "mtp_loss_1", "mtp_loss_2", "mtp_loss
                        "indexer_kl", "grad_norm", "lr", "tokens_per_s", "consumed_tokens",
                        # RL objectives (glm5_train/rl/objective.py global_rl_stats)
                        "reward_mean", "rl_masked_fraction", "rl_clipped_fraction",
-                       "rl_logp_diff_mean", "rl_logp_diff_max", "rl_ratio_p05", "rl_ratio_p50",
+                       "rl_logp_diff_mean", "rl_logp_diff_max", "rl_policy_drift", "rl_ratio_p05", "rl_ratio_p50",
                        "rl_ratio_p95", "rl_ratio_min", "rl_ratio_max", "rl_rollouts",
                        "rl_dropped_rollouts", "rl_entropy")
 TENSORBOARD_PER_RANK = ("mem_peak_bytes", "mem_rss_bytes", "comm_bytes", "saved_bytes_peak",

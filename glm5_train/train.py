@@ -54,7 +54,8 @@ from glm5_train.model.glm5 import indexer_kl
 from glm5_train.preemption import StopRequest, forked_children_die_with_this_process, signal_name
 from glm5_train.profiling import StepProfiler
 from glm5_train.rl.objective import global_rl_stats
-from glm5_train.rl.rollout_data import step_summary, trains_mtp
+from glm5_train.rl.publisher import WeightPublisher, complete_versions
+from glm5_train.rl.rollout_data import step_summary
 from glm5_train.run_dir import register_resolvers
 from glm5_train.step import global_loss, global_mtp_losses, run_step
 from parallel.comm_meter import CommMeter, buffer_bytes, gather_fields, names_of_groups
@@ -218,6 +219,7 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
     minutes = ckpt.save_interval_minutes if ckpt.save else None
     records = []
     profiler = StepProfiler(run_dir, t.profile_steps, t.profile_shapes, t.profile_memory)
+    publisher = start_publishing(job, rt, state.iteration)
     group_names = names_of_groups(rt.groups)
     with StopRequest() as stop:
         boundary = StepBoundary(rt, stop, minutes * 60.0 if minutes else None)
@@ -247,7 +249,26 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
                 raise stop_error
             if _save_then_stop(job, rt, state, outcome, boundary):
                 break
+            if publisher is not None and state.iteration % job.rl.publish_interval == 0:
+                publisher.publish(state.iteration)
     return records
+
+
+def start_publishing(job: JobConfig, rt: Runtime, iteration: int) -> WeightPublisher | None:
+    """rl.publish_dir: the publisher of the engines' weight versions, which first publishes
+    the weights the run starts from (version ``iteration``) unless that version exists: the
+    engines generate from it while the first steps train."""
+    rl = job.rl
+    if not rl.publish_dir:
+        return None
+    publisher = WeightPublisher(job, rt.chunks, rl.publish_dir, rl.publish_keep,
+                                rl.publish_dtype)
+    # Rank 0 writes the versions: its view decides, for every rank.
+    have = [os.path.isdir(rl.publish_dir) and iteration in complete_versions(rl.publish_dir)]
+    dist.broadcast_object_list(have, src=0)
+    if not have[0]:
+        publisher.publish(iteration)
+    return publisher
 
 
 def _log(rt: Runtime, logger: MetricsLogger, record: dict, meter: CommMeter,
@@ -355,7 +376,7 @@ def step_statistics(rt: Runtime, reports: list) -> dict:
     """The step's global LM loss and loss tokens, and the mean indexer KL (when trained)."""
     loss, tokens = global_loss(reports, rt.groups)
     stats = {"loss": loss, "loss_tokens": tokens}
-    if rt.job.model.mtp_sets and trains_mtp(rt.job):
+    if rt.job.model.mtp_sets and rt.job.trains_mtp:
         per_step = global_mtp_losses(reports, rt.job.model.mtp_num_steps, rt.groups)
         stats["mtp_loss"] = sum(per_step) / len(per_step)
         stats.update({f"mtp_loss_{k}": v for k, v in enumerate(per_step, start=1)})

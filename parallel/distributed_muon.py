@@ -35,6 +35,7 @@ import torch.distributed as dist
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 
 from parallel import mcore_compat
+from parallel.device import comm_device
 from parallel.distopt_slices import main_param_pairs, pieces_in_slices, slice_bounds
 from parallel.muon import MatrixLayout, MuonAdamW, MuonConfig, orthogonal_update
 
@@ -251,7 +252,9 @@ class DistributedMuon(MuonAdamW):
         for slot in self.slots:
             if slot.owner != self.rank and self.rank in slot.pieces:
                 sends[slot.owner].append(self._local_piece(slot))
-        device = self.buffers[0].grad_data.device
+        # A rank may hold no parameters of this optimizer (a loss-only pipeline stage has no
+        # experts) and still takes part in the exchange with its data-parallel peers.
+        device = self.buffers[0].grad_data.device if self.buffers else comm_device()
         in_splits = [sum(t.numel() for t in parts) for parts in sends]
         out_splits = [sum(s.piece_numel(src) for s in self.owned) if src != self.rank else 0
                       for src in range(self.dp)]

@@ -75,6 +75,10 @@ class Tolerances:
     param: float
     param_floor: float = 1e-4
     param_steps: int | None = None
+    # ``loss`` relative to max(|reference loss|, loss_floor): an RL objective's loss is a sum of
+    # terms of either sign (advantages ~1) that nearly cancel, whose reduction noise scales with
+    # the terms, not with their sum (0: plain relative).
+    loss_floor: float = 0.0
 
 
 # fp32 on CPU: layouts differ only in summation order (TP partial sums, DP/EP gradient
@@ -253,20 +257,23 @@ def compare(reference: list[dict], candidate: list[dict], tol: Tolerances = FP32
     for index, (ref, got) in enumerate(zip(reference, candidate)):
         for key, rtol in (("loss", tol.loss), ("grad_norm", tol.grad_norm),
                           ("indexer_kl", tol.indexer_kl), *MTP_KEYS(tol.loss, ref)):
-            problems += _scalar_problems(ref, got, key, rtol)
+            floor = tol.loss_floor if key == "loss" else 0.0
+            problems += _scalar_problems(ref, got, key, rtol, floor)
         if tol.param_steps is None or index < tol.param_steps:
             problems += param_problems(ref, got, tol)
     return problems
 
 
-def _scalar_problems(ref: dict, got: dict, key: str, rtol: float) -> list[str]:
+def _scalar_problems(ref: dict, got: dict, key: str, rtol: float,
+                     floor: float = 0.0) -> list[str]:
     if key not in ref and key not in got:
         return []
     if key not in got or key not in ref:
         return [f"step {ref['step']}: {key} reported by only one run"]
-    if abs(got[key] - ref[key]) > rtol * abs(ref[key]):
+    scale = max(abs(ref[key]), floor)
+    if abs(got[key] - ref[key]) > rtol * scale:
         return [(f"step {ref['step']} {key}: {got[key]!r} vs {ref[key]!r} "
-                 f"(rel {abs(got[key] - ref[key]) / abs(ref[key]):.2e} > {rtol})")]
+                 f"(rel {abs(got[key] - ref[key]) / scale:.2e} > {rtol})")]
     return []
 
 
@@ -330,7 +337,7 @@ class Layout:
     expert_bias: bool  # the router's expert bias is updated (an all-reduce over TP x CP x DP)
     muon: str | None  # None (AdamW), "plain", "owners" or "naive" (distributed Muon)
     tied: bool
-    mtp: bool = False  # the model trains MTP steps (their inputs roll across CP ranks)
+    mtp: bool = False  # the model runs MTP steps (their inputs roll across CP ranks)
 
     @property
     def expert_dp(self) -> int:
@@ -364,7 +371,7 @@ def layout_of(job, world: int) -> Layout:
                   par.sequence_parallel, par.use_distributed_optimizer, par.pipeline_zero2,
                   job_pipeline(job, dp), any(model.moe_layer_pattern),
                   model.topk_method == "noaux_tc", muon, model.tie_word_embeddings,
-                  bool(model.mtp_sets and model.mtp_num_steps))
+                  bool(job.runs_mtp and model.mtp_num_steps))
 
 
 def assert_layout_ran(result: JobResult, nprocs: int, overrides: list[str]) -> None:

@@ -283,7 +283,8 @@ class GLM5Model(GPTModel):
                          if self.share_embeddings_and_output_weights else None)
         if with_mtp:
             main, *steps = torch.chunk(hidden_states, 1 + self.mtp_num_steps, dim=0)
-            # A zero weight (RL: the MTP layers frozen) adds nothing: no head runs for it.
+            # A zero weight (RL: the MTP layers frozen) adds nothing: no head runs for it (nor
+            # did the steps: _mtp_steps).
             hidden_states = main
             if self.config.mtp_loss_scaling_factor:
                 hidden_states = self._attach_mtp_losses(main, steps, input_ids, labels,
@@ -313,7 +314,12 @@ class GLM5Model(GPTModel):
 
     def _mtp_steps(self, hidden_states, input_ids, position_ids, attention_mask,
                    rotary_pos_emb, packed_seq_params, sequence_len_offset):
-        """[main; step 1; ...; step K] hidden states, concatenated along the sequence."""
+        """[main; step 1; ...; step K] hidden states, concatenated along the sequence. With a
+        zero MTP loss weight (RL with the MTP layers frozen) nothing trains through the steps:
+        they do not run, and zeros keep the [main; steps] shape the pipeline sends on."""
+        if not self.config.mtp_loss_scaling_factor:
+            return torch.cat([hidden_states] + [torch.zeros_like(hidden_states)]
+                             * self.mtp_num_steps, dim=0)
         outputs = [hidden_states]
         ids, positions = input_ids, position_ids
         for step in range(self.mtp_num_steps):

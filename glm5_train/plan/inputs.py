@@ -84,6 +84,9 @@ class MemoryInputs:
     # activations.loss_chunk_tokens: > 0 runs each head + loss chunked over tokens
     # (parallel.chunked_cross_entropy, no [n, V] logits kept); 0: megatron's whole-logits head.
     loss_chunk_tokens: int = 0
+    # The MTP steps and their loss heads run: not with a zero MTP loss weight (an RL objective
+    # freezes the MTP layers unless rl.train_mtp): GLM5Model then sends zeros in their place.
+    mtp_runs: bool = True
     # activations.recompute_*: full (whole layers, each unit keeping its input) or selective
     # (parts of every layer), parallel.recompute; the default recomputes nothing.
     recompute: Recompute = Recompute()
@@ -179,6 +182,7 @@ def _model_path_inputs(job: JobConfig) -> dict:
             "absorbed_attention": dsa.sparse_attention == "absorbed",
             "document_mask": bool(job.data.reset_attention_mask),
             "loss_chunk_tokens": job.activations.loss_chunk_tokens,
+            "mtp_runs": job.runs_mtp,
             "recompute": job.activations.recompute()}
 
 

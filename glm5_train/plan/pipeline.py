@@ -80,7 +80,7 @@ def offloaded_unit_bytes(cfg: GLM5Config, layout: PipelineLayout, inputs: Memory
             moe = bool(cfg.moe_layer_pattern[index])
             units.append(decoder_layer_activation_bytes(cfg, moe, inputs)
                          - checkpoint_leaf_bytes(cfg, moe, inputs) - (held if index == first else 0))
-    if stage == layout.mtp_stage:
+    if stage == layout.mtp_stage and inputs.mtp_runs:
         for step in range(mtp_steps(cfg)):
             if activations.offloads_layer(cfg.num_hidden_layers + step % mtp_sets(cfg)):
                 received = step == 0 and not layout.stages[stage].count("t")

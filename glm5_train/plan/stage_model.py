@@ -186,6 +186,8 @@ def mtp_part(cfg: GLM5Config, inp: MemoryInputs) -> Part:
     if inp.recompute.mtp_steps_recomputed:  # each step's forward once more in backward
         flops += flops // 3
         comm = comm_sum(comm, layer.forward_comm, projection[0])
+    if not inp.mtp_runs:  # a zero loss weight: the steps do not run (zeros sent instead)
+        return params
     return params + Part(activation_bytes=mtp_step_activation_bytes(cfg, inp), flops=flops,
                          transient_bytes=layer.transient_bytes, comm=comm).times(steps)
 
@@ -314,7 +316,7 @@ class GLM5StageModel:
         self.stage_input = hidden  # megatron keeps each received input until its backward
         self.concat_input = hidden.times(1 + steps)  # main + MTP hidden states, concatenated
         self.mtp = mtp_part(cfg, inp) if mtp_stage is not None else Part()
-        self.head = head_part(cfg, inp, 1 + steps)
+        self.head = head_part(cfg, inp, 1 + (steps if inp.mtp_runs else 0))
         norm_bytes = 0 if dense_warmup(inp) else rms_norm_bytes(inp.sp_tokens, cfg.hidden_size,
                                                                  inp)
         self.final_norm = Part(dense_params=cfg.hidden_size, activation_bytes=norm_bytes,
@@ -358,8 +360,9 @@ class GLM5StageModel:
         inp, hidden = self.inp, self.stage_input.activation_bytes
         if dense_warmup(inp):
             return 0
-        if self.mtp_stage is not None and stage > self.mtp_stage:
-            return self.concat_input.activation_bytes if head_keeps_input(inp) else 0
+        if self.mtp_stage is not None and stage > self.mtp_stage:  # the heads that run
+            heads = self.concat_input if inp.mtp_runs else self.stage_input
+            return heads.activation_bytes if head_keeps_input(inp) else 0
         if count:
             recomputed = inp.recompute.recomputed_layers(count) > 0
             return hidden if inp.activation_bytes == 4 and not recomputed else 0

@@ -42,7 +42,7 @@ ROLLOUT_FIELDS = ("rollout_logprobs", "advantages", "teacher_logprobs", "policy_
 # Histogram of log(pi_train / pi_rollout) over loss tokens, for the ratio quantiles: bins of
 # width RATIO_BIN in [-RATIO_SPAN, RATIO_SPAN], and one bin each for what falls outside.
 RATIO_BIN, RATIO_SPAN = 0.01, 3.0
-RATIO_BINS = int(round(2 * RATIO_SPAN / RATIO_BIN)) + 2
+RATIO_BINS = round(2 * RATIO_SPAN / RATIO_BIN) + 2
 LAG_BINS = 10  # policy lag 0..8 steps, and 9 or more
 
 
@@ -51,7 +51,8 @@ class Sums:
 
     LOSS, COUNT, TOKENS, MASKED, CLIPPED, ABS_DIFF, KEPT_ROLLOUTS, DROPPED_ROLLOUTS = range(8)
     ENTROPY, ENTROPY_TOKENS = 8, 9
-    LAGS = 10
+    DRIFT = 10  # |log pi_theta - log pi_old| summed: how far the updates moved from pi_old
+    LAGS = 11
     RATIOS = LAGS + LAG_BINS
     SIZE = RATIOS + RATIO_BINS
 
@@ -110,6 +111,7 @@ def token_terms(logp: torch.Tensor, loss_mask: torch.Tensor, fields: dict[str, t
              else (starts * keep_rollout).sum()).round().to(torch.int)
     sums, maxima = _report(loss_sum, count, tokens, keep, clipped, old - rollout, starts,
                            keep_rollout, learner_version - fields["policy_version"], entropy)
+    sums[Sums.DRIFT] = (tokens * (logp.detach() - old).abs()).sum()
     return TokenTerms(loss_sum, count, sums, maxima)
 
 
@@ -277,19 +279,20 @@ def _stats_from(s: list[float], maxima: list[float]) -> dict:
     per_token = (lambda x: x / tokens) if tokens > 0 else (lambda x: math.nan)
     histogram = s[Sums.RATIOS:]
     stats = {
-        "rl_tokens": int(round(tokens)),
+        "rl_tokens": round(tokens),
         "rl_masked_fraction": per_token(s[Sums.MASKED]),
         "rl_clipped_fraction": per_token(s[Sums.CLIPPED]),
         "rl_logp_diff_mean": per_token(s[Sums.ABS_DIFF]),
         "rl_logp_diff_max": maxima[0] if tokens > 0 else math.nan,
         "rl_ratio_min": math.exp(-maxima[2]) if tokens > 0 else math.nan,
         "rl_ratio_max": math.exp(maxima[1]) if tokens > 0 else math.nan,
-        "rl_rollouts": int(round(s[Sums.KEPT_ROLLOUTS])),
-        "rl_dropped_rollouts": int(round(s[Sums.DROPPED_ROLLOUTS])),
-        "rl_policy_lag": [int(round(x)) for x in s[Sums.LAGS:Sums.RATIOS]],
+        "rl_policy_drift": per_token(s[Sums.DRIFT]),
+        "rl_rollouts": round(s[Sums.KEPT_ROLLOUTS]),
+        "rl_dropped_rollouts": round(s[Sums.DROPPED_ROLLOUTS]),
+        "rl_policy_lag": [round(x) for x in s[Sums.LAGS:Sums.RATIOS]],
     }
     for q in RATIO_QUANTILES:
-        stats[f"rl_ratio_p{int(round(100 * q)):02d}"] = ratio_quantile(histogram, q)
+        stats[f"rl_ratio_p{round(100 * q):02d}"] = ratio_quantile(histogram, q)
     if s[Sums.ENTROPY_TOKENS] > 0:
         stats["rl_entropy"] = s[Sums.ENTROPY] / s[Sums.ENTROPY_TOKENS]
     return stats

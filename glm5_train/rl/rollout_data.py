@@ -201,12 +201,6 @@ def build_rollout_dataset(job) -> RolloutDataset:
 PAD_ID = 0
 
 
-def trains_mtp(job) -> bool:
-    """Whether the job trains the MTP layers: always for the LM loss; under an RL objective
-    only with rl.train_mtp (GLM-5 trains no MTP loss in RL)."""
-    return job.train.objective == "lm" or job.rl.train_mtp
-
-
 def freeze_mtp(chunks: list) -> None:
     """The MTP layers kept as they are (no gradient, no update: the engines' speculative
     decoding keeps using them). Call before wrapping in DDP, which takes only parameters that
