@@ -486,8 +486,8 @@ def check_groups(rollouts: Sequence[Rollout], min_size: int) -> None:
                            f"group {group_id!r} (first record here) has {len(group)} "
                            f"rollout(s), fewer than min_size={min_size} (group-relative "
                            "advantages compare rewards within a group)",
-                           "use train.objective=dis or distill, which need no groups, or "
-                           "drop the group, or generate more rollouts per prompt")
+                           "generate more rollouts per prompt, or drop the group, or use "
+                           "train.objective=distill, which needs no groups")
 
 
 def check_versions(rollouts: Sequence[Rollout], learner_version: int) -> None:
