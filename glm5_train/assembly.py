@@ -123,6 +123,9 @@ def assemble(job: JobConfig, validated: bool = False) -> Runtime:
     apply_dsa_freezing(chunks, job.dsa)
     if not job.trains_mtp:
         freeze_mtp(chunks)
+    if job.train.objective != "lm":  # the RL metrics' policy entropy (chunked head)
+        for chunk in chunks:
+            chunk.measure_entropy = True
     embedding_tie = EmbeddingTie(config, job.model.tie_word_embeddings, groups.pp)
     zero2, pinned = None, []
     if job.parallel.pipeline_zero2:

@@ -34,13 +34,17 @@ from megatron.core.tensor_parallel import (
 def chunked_vocab_parallel_cross_entropy(hidden_SBH: torch.Tensor, weight_VH: torch.Tensor,
                                          labels_SB: torch.Tensor, chunk_tokens: int,
                                          tp_group: dist.ProcessGroup | None = None,
-                                         sequence_parallel: bool = False) -> torch.Tensor:
-    """Per-token cross-entropy [S, B] (fp32; fp64 for fp64 inputs) of ``hidden_SBH`` through the vocab-parallel head
-    ``weight_VH`` [V/TP, H] against ``labels_SB``, ``chunk_tokens`` tokens (positions x batch)
-    at a time. ``hidden_SBH`` is as ColumnParallelLinear receives it: [S/TP, B, H] under
-    sequence parallelism (all-gathered over ``tp_group`` in forward and again in backward,
-    only the shard kept; gradient reduce-scattered), else [S, B, H] (gradient all-reduced over
-    ``tp_group``). ``tp_group`` None: the whole vocabulary on this rank."""
+                                         sequence_parallel: bool = False,
+                                         entropy_SB: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token cross-entropy [S, B] (fp32; fp64 for fp64 inputs) of ``hidden_SBH`` through
+    the vocab-parallel head ``weight_VH`` [V/TP, H] against ``labels_SB``, ``chunk_tokens``
+    tokens (positions x batch) at a time. ``hidden_SBH`` is as ColumnParallelLinear receives
+    it: [S/TP, B, H] under sequence parallelism (all-gathered over ``tp_group`` in forward and
+    again in backward, only the shard kept; gradient reduce-scattered), else [S, B, H]
+    (gradient all-reduced over ``tp_group``). ``tp_group`` None: the whole vocabulary on this
+    rank. ``entropy_SB``: a [S, B] tensor (the loss's shape and dtype) that receives each
+    token's predictive entropy from the same chunks' logits (a metric, no gradient: one more
+    [c, V/TP] temporary per chunk and one more sum in its all-reduce)."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be > 0 (tokens per chunk)")
     sequence_parallel = sequence_parallel and tp_group is not None
@@ -51,9 +55,10 @@ def chunked_vocab_parallel_cross_entropy(hidden_SBH: torch.Tensor, weight_VH: to
                          "the head input's first two dimensions (gathered over SP)")
     # [S/TP, B, H] flattened is a contiguous run of the gathered [S * B] tokens (s-major), so
     # gathering the flattened shards along the first dimension gathers the sequence.
+    entropy_T = None if entropy_SB is None else entropy_SB.view(s * b)
     loss_T = _ChunkedVocabParallelCE.apply(hidden_SBH.reshape(-1, h), weight_VH,
                                            labels_SB.reshape(s * b), chunk_tokens, tp_group,
-                                           sequence_parallel)
+                                           sequence_parallel, entropy_T)
     return loss_T.view(s, b)
 
 
@@ -70,15 +75,19 @@ class _ChunkedVocabParallelCE(torch.autograd.Function):
     gradient's reduction."""
 
     @staticmethod
-    def forward(ctx, hidden_TH, weight_VH, labels_T, chunk_tokens, tp_group, sequence_parallel):
+    def forward(ctx, hidden_TH, weight_VH, labels_T, chunk_tokens, tp_group, sequence_parallel,
+                entropy_T=None):
         vocab_start = _vocab_start(weight_VH.shape[0], tp_group)
         full_TH = _gather_tokens(hidden_TH, tp_group, sequence_parallel)
         loss_T = torch.empty(full_TH.shape[0], dtype=_compute_dtype(full_TH),
                              device=full_TH.device)
         lse_T = torch.empty_like(loss_T)
         for start, end in _chunk_bounds(full_TH.shape[0], chunk_tokens):
-            loss_T[start:end], lse_T[start:end] = _chunk_loss(
-                full_TH[start:end], weight_VH, labels_T[start:end], vocab_start, tp_group)
+            loss_T[start:end], lse_T[start:end], entropy = _chunk_loss(
+                full_TH[start:end], weight_VH, labels_T[start:end], vocab_start, tp_group,
+                entropy_T is not None)
+            if entropy_T is not None:
+                entropy_T[start:end] = entropy
         ctx.save_for_backward(hidden_TH, weight_VH, labels_T, lse_T)
         ctx.chunk_tokens, ctx.tp_group, ctx.sequence_parallel = (chunk_tokens, tp_group,
                                                                  sequence_parallel)
@@ -98,7 +107,7 @@ class _ChunkedVocabParallelCE(torch.autograd.Function):
             grad_hidden = _sum_over_ranks(grad_hidden, tp_group, sequence_parallel)
         if want_weight:
             grad_weight = grad_weight.to(weight_VH.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def _chunked_grads(full_TH, weight_VH, labels_T, lse_T, grad_loss_T, chunk_tokens, tp_group,
@@ -174,19 +183,22 @@ def _local_targets(labels: torch.Tensor, vocab_start: int,
     return torch.where(inside, local, torch.zeros_like(local)), inside
 
 
-def _chunk_loss(hidden, weight_VH, labels, vocab_start, tp_group):
-    """(loss, log-sum-exp) per token of one chunk, reduced over the vocab-parallel group."""
+def _chunk_loss(hidden, weight_VH, labels, vocab_start, tp_group, with_entropy: bool = False):
+    """(loss, log-sum-exp, entropy or None) per token of one chunk, reduced over the
+    vocab-parallel group. Entropy = log Z - sum_v p_v z_v, z the max-shifted logits."""
     logits = _chunk_logits(hidden, weight_VH)
     row_max = logits.max(dim=-1).values
     _all_reduce(row_max, dist.ReduceOp.MAX, tp_group)
     logits -= row_max.unsqueeze(-1)
     local, inside = _local_targets(labels, vocab_start, logits.shape[-1])
     target = torch.where(inside, logits.gather(1, local.unsqueeze(-1)).squeeze(-1), 0.0)
-    # One all-reduce for both sums (megatron makes two).
-    sums = torch.stack([logits.exp_().sum(dim=-1), target])
+    weighted = [(logits * logits.exp()).sum(dim=-1)] if with_entropy else []
+    # One all-reduce for all the sums (megatron makes two).
+    sums = torch.stack([logits.exp_().sum(dim=-1), target, *weighted])
     _all_reduce(sums, dist.ReduceOp.SUM, tp_group)
     log_sum_exp = sums[0].log()
-    return log_sum_exp - sums[1], log_sum_exp + row_max
+    entropy = log_sum_exp - sums[2] / sums[0] if with_entropy else None
+    return log_sum_exp - sums[1], log_sum_exp + row_max, entropy
 
 
 def _chunk_logit_grads(hidden, weight_VH, labels, lse, grad_loss, vocab_start):

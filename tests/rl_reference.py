@@ -68,17 +68,21 @@ def main(argv: list[str]) -> None:
     t = job.train
     dataset = RolloutDataset(rollouts, t.seq_length, 0, t.objective, job.rl)
     step_rollouts = dataset.rollouts_of(args.step * t.global_batch_size, t.global_batch_size)
-    logps = {i: response_logp(model, rollouts[i]) for i in step_rollouts}
+    scored = {i: response_logp(model, rollouts[i]) for i in step_rollouts}
+    logps = {i: logp for i, (logp, _) in scored.items()}
+    entropies = {i: entropy for i, (_, entropy) in scored.items()}
     planted = plant(rollouts, logps)
     write_rollouts(args.planted, planted)
     expected = direct_grpo(planted, step_rollouts, logps, job.rl, learner_version=args.step)
+    expected["entropy"] = mean_entropy(planted, step_rollouts, entropies, job.rl, args.step)
     expected["param_grad_norms"] = grad_norms(model)
     with open(args.expected, "w") as handle:
         json.dump(expected, handle)
 
 
-def response_logp(model, rollout) -> torch.Tensor:
-    """log pi of each response token, fp64 from the full logits (with the graph)."""
+def response_logp(model, rollout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi of each response token with the graph, the predictive entropy at each of their
+    positions), fp64 from the full logits."""
     ids = torch.cat([torch.as_tensor(rollout.prompt_ids), torch.as_tensor(rollout.response_ids)])
     tokens = ids.view(1, -1)
     positions = torch.arange(tokens.shape[1]).view(1, -1)
@@ -86,7 +90,9 @@ def response_logp(model, rollout) -> torch.Tensor:
     logp = torch.log_softmax(logits.double(), dim=-1)[0]
     prompt = len(rollout.prompt_ids)
     targets = ids[prompt:]
-    return logp[prompt - 1:-1].gather(-1, targets.view(-1, 1)).squeeze(-1)
+    at = logp[prompt - 1:-1]
+    entropy = -(at.exp() * at).sum(-1).detach()
+    return at.gather(-1, targets.view(-1, 1)).squeeze(-1), entropy
 
 
 def plant(rollouts: list, logps: dict) -> list:
@@ -139,6 +145,21 @@ def direct_grpo(rollouts: list, indices: list[int], logps: dict, cfg,
     loss = loss_sum / tokens
     loss.backward()
     return {"loss": loss.item(), "tokens": tokens, "masked": masked, "dropped": dropped}
+
+
+def mean_entropy(rollouts: list, indices: list[int], entropies: dict, cfg,
+                 learner_version: int) -> float:
+    """The policy's entropy averaged over the kept rollouts' loss tokens."""
+    total = count = 0.0
+    for index in indices:
+        r = rollouts[index]
+        if cfg.max_policy_lag is not None and learner_version - r.policy_version > \
+                cfg.max_policy_lag:
+            continue
+        mask = torch.as_tensor(r.loss_mask, dtype=torch.float64)
+        total += float((entropies[index] * mask).sum())
+        count += float(mask.sum())
+    return total / count
 
 
 def grad_norms(model) -> dict[str, float]:

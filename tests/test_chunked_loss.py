@@ -146,6 +146,10 @@ def _two_ranks(rank: int, world: int) -> dict:
             out["fp64", sp] = _chunked(local_h, local_w, labels, grad, 7, saved, tp_group=group,
                                        sequence_parallel=sp)
             out["saved fp64", sp] = _storage_bytes(saved)
+            entropy = torch.empty(S, B, dtype=torch.float64)
+            chunked_vocab_parallel_cross_entropy(local_h, local_w, labels, 7, tp_group=group,
+                                                 sequence_parallel=sp, entropy_SB=entropy)
+            out["entropy", sp] = entropy
         hidden, weight, labels, grad = _problem(torch.bfloat16)
         local_h, local_w = hidden.chunk(world)[rank], weight.chunk(world)[rank]
         saved = {}
@@ -181,6 +185,30 @@ def test_vocab_parallel_matches_one_rank(two_ranks):
             for name, w, g in (("loss", loss, got_loss), ("hidden grad", want_h, got_h),
                                ("weight grad", grad_w.chunk(2)[rank], got_w)):
                 assert torch.allclose(g, w, rtol=0, atol=1e-13), (rank, sp, name)
+
+
+def _direct_entropy(hidden, weight) -> torch.Tensor:
+    log_p = torch.log_softmax(hidden @ weight.t(), dim=-1)
+    return -(log_p.exp() * log_p).sum(-1)
+
+
+def test_entropy_per_token_on_one_rank():
+    """The predictive entropy the chunked head measures beside the loss (RL's metric) equals
+    -sum p log p of the whole logits, with the loss unchanged."""
+    hidden, weight, labels, _ = _problem(torch.float64)
+    entropy = torch.empty(S, B, dtype=torch.float64)
+    loss = chunked_vocab_parallel_cross_entropy(hidden, weight, labels, 5, entropy_SB=entropy)
+    assert torch.allclose(entropy, _direct_entropy(hidden, weight), rtol=0, atol=1e-13)
+    assert torch.equal(loss, chunked_vocab_parallel_cross_entropy(hidden, weight, labels, 5))
+
+
+def test_entropy_vocab_parallel(two_ranks):
+    """Over two vocabulary slices (one more sum in the chunk's all-reduce), SP or not."""
+    hidden, weight, _, _ = _problem(torch.float64)
+    expected = _direct_entropy(hidden, weight)
+    for out in two_ranks:
+        for sp in (True, False):
+            assert torch.allclose(out["entropy", sp], expected, rtol=0, atol=1e-13), sp
 
 
 def test_sequence_parallel_saves_only_the_input_shard(two_ranks):

@@ -110,6 +110,7 @@ def test_planted_step_equals_the_direct_computation(planted, tmp_path, nprocs, l
     assert record["rl_policy_lag"][:2] == [10, 2] and sum(record["rl_policy_lag"]) == 12
     # fp32 model against log_softmax of its fp32 logits in fp64: reduction order only.
     assert record["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-6)
+    assert record["rl_entropy"] == pytest.approx(expected["entropy"], rel=1e-5)
     reference = {"step": record["step"], "grad_norm": record["grad_norm"],
                  "param_grad_norms": expected["param_grad_norms"]}
     problems = param_problems(reference, record, FP32)

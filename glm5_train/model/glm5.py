@@ -220,6 +220,10 @@ class GLM5Model(GPTModel):
                              "head and loss: it cannot run with cross_entropy_loss_fusion or "
                              "defer_embedding_wgrad_compute; turn those off or set 0")
         self._mtp_reports: list[torch.Tensor] = []
+        # RL: the main head also measures each token's predictive entropy (chunked head only),
+        # one [B, S] tensor per micro-batch, taken by the loss function (take_entropy).
+        self.measure_entropy = False
+        self._entropy_reports: list[torch.Tensor] = []
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None):
@@ -243,6 +247,10 @@ class GLM5Model(GPTModel):
         if received is not None and received.requires_grad:
             return GradientBridge.apply(output, received, True)
         return GradientBridge.apply(output, _dummy_leaf(output.device), False)
+
+    def take_entropy(self) -> torch.Tensor | None:
+        """[B, S] predictive entropy of the oldest micro-batch not yet taken (None: none)."""
+        return self._entropy_reports.pop(0) if self._entropy_reports else None
 
     def take_mtp_report(self) -> torch.Tensor | None:
         """[steps, 2] (loss sum, token count) of the oldest micro-batch not yet taken."""
@@ -294,9 +302,11 @@ class GLM5Model(GPTModel):
             logits, _ = self.output_layer(hidden_states, weight=output_weight,
                                           runtime_gather_output=runtime_gather_output)
             return logits.transpose(0, 1).contiguous()  # [s, b, v] -> [b, s, v]
-        return self._token_losses(hidden_states, labels, output_weight, runtime_gather_output)
+        return self._token_losses(hidden_states, labels, output_weight, runtime_gather_output,
+                                  entropy=self.measure_entropy)
 
-    def _token_losses(self, hidden_SBH, labels_BS, output_weight, runtime_gather_output):
+    def _token_losses(self, hidden_SBH, labels_BS, output_weight, runtime_gather_output,
+                      entropy: bool = False):
         """Per-token cross-entropy [B, S] of the output head: chunked over tokens when
         ``loss_chunk_tokens`` > 0, else megatron's head (whole logits) and loss. The weight
         (the head's own or the tied embedding) gets its gradient through param.grad either way,
@@ -306,10 +316,16 @@ class GLM5Model(GPTModel):
                                           runtime_gather_output=runtime_gather_output)
             return self.compute_language_model_loss(labels_BS, logits)
         head = self.output_layer
+        labels_SB = labels_BS.transpose(0, 1)
+        entropy_SB = (torch.empty(labels_SB.shape, dtype=torch.float64 if hidden_SBH.dtype
+                                  == torch.float64 else torch.float32, device=labels_SB.device)
+                      if entropy else None)
         loss_SB = chunked_vocab_parallel_cross_entropy(
             hidden_SBH, head.weight if output_weight is None else output_weight,
-            labels_BS.transpose(0, 1), self.loss_chunk_tokens, tp_group=head.tp_group,
-            sequence_parallel=head.sequence_parallel)
+            labels_SB, self.loss_chunk_tokens, tp_group=head.tp_group,
+            sequence_parallel=head.sequence_parallel, entropy_SB=entropy_SB)
+        if entropy_SB is not None:
+            self._entropy_reports.append(entropy_SB.transpose(0, 1).contiguous())
         return loss_SB.transpose(0, 1).contiguous()
 
     def _mtp_steps(self, hidden_states, input_ids, position_ids, attention_mask,
