@@ -65,8 +65,11 @@ CHANGES = [
     _set("dsa.sparse_attention", "masked_dense", absorbed_attention=False),
     _set("data.reset_attention_mask", True, document_mask=True),
     _set("activations.loss_chunk_tokens", 0, loss_chunk_tokens=0),
-    # a property of the whole job (the objective freezes the MTP layers: their steps do not run)
-    Change("runs_mtp", {"train.objective": "grpo"}, {"mtp_runs": False}),
+    # a property of the whole job: the MTP steps run only when trained with a loss weight
+    Change("runs_mtp", {"model.mtp_loss_weight": 0.0}, {"mtp_runs": False}),
+    # an RL objective freezes the MTP layers and measures the policy's entropy in the head
+    Change("train.objective", {"train.objective": "grpo"},
+           {"mtp_runs": False, "head_entropy": True}),
     Change("activations.recompute",
            {"activations.recompute_granularity": "selective",
             "activations.recompute_modules": ["core_attn"]},

@@ -145,29 +145,41 @@ def parity_records(tmp_path_factory):
     records = []
     for i in range(3 * GBS * PARITY_STEPS):
         rollout = _rollout(rng, 8, int(rng.integers(8, 17)), f"g{i // 3}", 0)
-        spread = rng.uniform(-1.2, 1.2, len(rollout.response_ids)).astype(numpy.float32)
-        records.append(replace(rollout, rollout_logprobs=numpy.minimum(
-            rollout.rollout_logprobs + spread, 0.0)))
+        n = len(rollout.response_ids)
+        spread = rng.uniform(-1.2, 1.2, n).astype(numpy.float32)
+        teacher = rng.uniform(-1.0, 1.0, n).astype(numpy.float32)  # for distill
+        records.append(replace(
+            rollout, rollout_logprobs=numpy.minimum(rollout.rollout_logprobs + spread, 0.0),
+            teacher_logprobs=numpy.minimum(rollout.rollout_logprobs + teacher, 0.0)))
     write_rollouts(path, records)
     return path
 
 
 def _rl_overrides(records: str, *extra: str) -> list[str]:
-    return [*RL, f"data.paths=[{records}]", f"train.train_iters={PARITY_STEPS}", *extra]
+    """RL's overrides with ``extra``'s taking the place of a key they set (one value per key:
+    ``one_process`` sorts its overrides, so a repeated key would take whichever sorts last)."""
+    keys = {e.split("=", 1)[0] for e in extra}
+    base = [o for o in RL if o.split("=", 1)[0] not in keys]
+    return [*base, f"data.paths=[{records}]", f"train.train_iters={PARITY_STEPS}", *extra]
 
 
-# Every technique an RL step meets, over three runs (each compared with one process).
+# Every technique an RL step meets, and each objective, over three runs (each compared with
+# one process running the same objective).
 RL_LAYOUTS = {
-    # TP2 + SP x PP2 x VPP2 (split MTP placement: Et|ttt|m|L), EP2 over the TP ranks
-    "tp2_pp2_vpp2_ep2": (4, ["parallel=tp2_pp2_vpp2_ep2"], ()),
-    # PP2 x DP2 with EP2, distributed Muon, Pipeline ZeRO2; two updates per rollout batch
-    # (pi_old from the grad-free pass, through the pipeline)
-    "pp2_ep2_dp2_muon_zero2_updates2": (
+    # TP2 + SP x PP2 x VPP2 (split MTP placement: Et|ttt|m|L), EP2 over the TP ranks;
+    # on-policy distillation (the teacher's log-probs in the records)
+    "tp2_pp2_vpp2_ep2_distill": (4, ["parallel=tp2_pp2_vpp2_ep2"],
+                                 ("train.objective=distill",)),
+    # PP2 x DP2 with EP2, distributed Muon, Pipeline ZeRO2; GRPO + IcePop with two updates
+    # per rollout batch (pi_old from the grad-free pass, through the pipeline)
+    "pp2_ep2_dp2_muon_zero2_grpo_updates2": (
         4, ["parallel=pp2_ep2_dp2", "parallel.use_distributed_optimizer=true",
             "parallel.pipeline_zero2=true"],
         ("train.optimizer=muon", "rl.updates_per_batch=2")),
-    # context parallelism: each rollout split over two ranks (zigzag)
-    "cp2": (2, ["parallel=single", "parallel.context_parallel_size=2"], ()),
+    # context parallelism, each rollout split over two ranks (zigzag): direct double-sided
+    # IS, each rollout's mean first (a rollout's tokens, and its count, on both ranks)
+    "cp2_dis_sequence_mean": (2, ["parallel=single", "parallel.context_parallel_size=2"],
+                              ("train.objective=dis", "rl.loss_average=sequence")),
 }
 
 

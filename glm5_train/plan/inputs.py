@@ -87,6 +87,9 @@ class MemoryInputs:
     # The MTP steps and their loss heads run: not with a zero MTP loss weight (an RL objective
     # freezes the MTP layers unless rl.train_mtp): GLM5Model then sends zeros in their place.
     mtp_runs: bool = True
+    # The main head also measures each token's entropy (an RL objective's metric; chunked
+    # head only): one more sum per token in its chunk all-reduce.
+    head_entropy: bool = False
     # activations.recompute_*: full (whole layers, each unit keeping its input) or selective
     # (parts of every layer), parallel.recompute; the default recomputes nothing.
     recompute: Recompute = Recompute()
@@ -183,6 +186,7 @@ def _model_path_inputs(job: JobConfig) -> dict:
             "document_mask": bool(job.data.reset_attention_mask),
             "loss_chunk_tokens": job.activations.loss_chunk_tokens,
             "mtp_runs": job.runs_mtp,
+            "head_entropy": job.train.objective != "lm",
             "recompute": job.activations.recompute()}
 
 

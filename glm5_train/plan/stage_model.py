@@ -197,9 +197,10 @@ def head_part(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> Part:
     head's backward recomputes the logits GEMM: 4 GEMMs of 2 V H n flops instead of 3."""
     gemms = 4 if inp.loss_chunk_tokens > 0 else 3
     flops = 2 * gemms * cfg.vocab_size * cfg.hidden_size * inp.tokens // inp.tp
-    return vocab_part(cfg, inp, "output_head") + Part(
-        activation_bytes=loss_head_activation_bytes(cfg, inp), flops=flops,
-        comm=head_comm(cfg, inp)).times(heads) + Part(
+    head = Part(activation_bytes=loss_head_activation_bytes(cfg, inp), flops=flops)
+    main = head + Part(comm=head_comm(cfg, inp, entropy=inp.head_entropy))
+    return vocab_part(cfg, inp, "output_head") + main + (
+        head + Part(comm=head_comm(cfg, inp))).times(heads - 1) + Part(
         comm=mtp_targets_comm(inp) if heads > 1 else ())
 
 

@@ -281,8 +281,9 @@ def mtp_projection_comm(cfg: GLM5Config, inp: MemoryInputs) -> tuple[Comm, Comm]
     return forward, ((TP_GATHER, _sp(inp, H) + _sp(inp, 2 * H)), (TP_SCATTER, _sp(inp, 2 * H)))
 
 
-def head_comm(cfg: GLM5Config, inp: MemoryInputs) -> Comm:
-    """One output head + loss: forward + backward (the dense warm-up: forward only)."""
+def head_comm(cfg: GLM5Config, inp: MemoryInputs, entropy: bool = False) -> Comm:
+    """One output head + loss: forward + backward (the dense warm-up: forward only).
+    ``entropy``: the chunked head also sums each token's entropy in its chunk all-reduce."""
     if inp.tp == 1:
         return ()
     H, T = cfg.hidden_size, inp.tokens
@@ -290,7 +291,8 @@ def head_comm(cfg: GLM5Config, inp: MemoryInputs) -> Comm:
     if inp.loss_chunk_tokens > 0:
         c = inp.loss_chunk_tokens
         chunks = [min(c, T - start) for start in range(0, T, c)]
-        reductions = sum(_all_reduce(inp.tp, FP32 * n) + _all_reduce(inp.tp, 2 * FP32 * n)
+        sums = 3 if entropy else 2
+        reductions = sum(_all_reduce(inp.tp, FP32 * n) + _all_reduce(inp.tp, sums * FP32 * n)
                          for n in chunks)
     else:
         reductions = 3 * _all_reduce(inp.tp, FP32 * T)
