@@ -65,7 +65,7 @@ def metrics(path) -> list[dict]:
 
 def test_every_journey_says_what_the_user_gets_and_has_commands():
     found = journeys()
-    assert sorted(found) == [1, 2, 3, 4]
+    assert sorted(found) == [1, 2, 3, 4, 5]
     for number, (title, body, blocks) in found.items():
         first = body.strip().split("\n\n")[0]
         assert first.startswith("What you get:"), f"journey {number} ({title}) starts: {first}"
@@ -99,6 +99,19 @@ def test_journey_3_resumes_a_run(tmp_path):
     records = metrics(tmp_path / "runs" / "resume" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 9))
     assert done.stdout.strip().splitlines()[-1] == "8"
+
+
+def test_journey_5_trains_rl_and_publishes_weights(tmp_path):
+    done = run_journey(5, tmp_path)
+    runs = tmp_path / "runs"
+    records = metrics(runs / "rl" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for key in ("reward_mean", "rl_masked_fraction", "rl_dropped_rollouts", "rl_policy_lag",
+                "rl_ratio_p50", "rl_entropy"):
+        assert key in records[-1], key
+    assert sorted(p.name for p in (runs / "published").iterdir()) == ["latest", "v0", "v2",
+                                                                      "v4"]
+    assert "latest loads: 4 (1, 3, 320)" in done.stdout
 
 
 def test_journey_4_is_the_command_test_slurm_runs_and_fits_two_nodes():

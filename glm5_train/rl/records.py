@@ -379,8 +379,10 @@ def write_rollouts(path: str, rollouts: Sequence[Rollout]) -> None:
     """Write ``rollouts`` to ``path`` (``.jsonl`` or ``.parquet``) so that ``read_rollouts``
     gives them back exactly (arrays as int64 / float32). Each is checked first, so a file is
     never written that the reader refuses. Atomic: a temporary file, then ``os.replace``.
-    ``where`` is not written (the file's record numbers replace it)."""
+    ``where`` is not written (the file's record numbers replace it). A missing parent
+    directory is created."""
     _refuse_unknown_extension(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     unit = "line" if path.endswith(".jsonl") else "row"
     checked = [_checked_for_writing(r, f"{path}:{unit} {i} (being written)")
                for i, r in enumerate(rollouts, start=1)]
