@@ -193,6 +193,8 @@ def record_old_policy(rt: Runtime, step_index: int) -> None:
     first = step_index * t.global_batch_size
     readers = [build_train_iterator(rt.dataset, t.micro_batch_size, t.global_batch_size,
                                     rt.dp_rank, rt.dp_size, first) for _ in rt.chunks]
+    if rt.qat is not None:  # the optimizer moved the weights: pi_old uses them requantised
+        rt.qat.begin_step()
     old = rt.objective.old_policy
     old.recording = True
     try:
