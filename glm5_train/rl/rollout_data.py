@@ -70,12 +70,15 @@ def pack_rollouts(rollouts: list[Rollout], seq_length: int) -> list[Placement]:
 class RolloutDataset(torch.utils.data.Dataset):
     """Packed rollout sequences as training samples (see the module docstring)."""
 
-    def __init__(self, rollouts: list[Rollout], seq_length: int, pad: int, objective: str,
-                 cfg: RLConfig) -> None:
+    def __init__(self, rollouts: list[Rollout], seq_length: int, pad: int, objective: str | None,
+                 cfg: RLConfig | None) -> None:
+        """``objective`` None: packed for scoring only (tools/teacher_logprobs.py): no
+        advantages (zeros, no groups needed), no teacher log-probs needed, ``cfg`` unused."""
         if objective == "distill":
             _require_teacher(rollouts)
         self.rollouts, self.seq_length, self.pad = rollouts, seq_length, pad
-        self.advantages = rollout_advantages(rollouts, objective, cfg)
+        self.advantages = (numpy.zeros(len(rollouts)) if objective is None
+                           else rollout_advantages(rollouts, objective, cfg))
         self.placements = pack_rollouts(rollouts, seq_length)
         self.members: list[list[int]] = [[] for _ in range(self.num_sequences())]
         for index, place in enumerate(self.placements):
