@@ -18,6 +18,7 @@ refused up front.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy
@@ -191,12 +192,27 @@ def step_summary(dataset: RolloutDataset, step: int, global_batch_size: int) -> 
 def build_rollout_dataset(job) -> RolloutDataset:
     """The job's rollout records (``data.paths``) read, checked and packed; refuses, in one
     line, a bad record, a group GRPO cannot use, a rollout longer than a sequence, records
-    too few for the run, a record from the future. ``job``: the JobConfig."""
-    rollouts = read_rollouts(list(job.data.paths), vocab_size=job.model.vocab_size)
+    too few for the run, a record from the future. ``job``: the JobConfig. A rank checks the
+    job (``validate_job``) and then builds it: the second call of the same job on the same
+    files reuses the first's dataset (reading large records is seconds per file)."""
     t = job.train
-    dataset = RolloutDataset(rollouts, t.seq_length, PAD_ID, t.objective, job.rl)
-    check_schedule(dataset, t.global_batch_size, t.train_iters, first_step=0)
-    return dataset
+    key = (_files_key(list(job.data.paths)), job.model.vocab_size, t.seq_length, t.objective,
+           repr(job.rl), t.global_batch_size, t.train_iters)
+    if _LAST_BUILT.get("key") != key:
+        rollouts = read_rollouts(list(job.data.paths), vocab_size=job.model.vocab_size)
+        dataset = RolloutDataset(rollouts, t.seq_length, PAD_ID, t.objective, job.rl)
+        check_schedule(dataset, t.global_batch_size, t.train_iters, first_step=0)
+        _LAST_BUILT.update(key=key, dataset=dataset)
+    return _LAST_BUILT["dataset"]
+
+
+_LAST_BUILT: dict = {}
+
+
+def _files_key(paths: list[str]) -> tuple:
+    """The files as they are now: path, size and modification time of each."""
+    stats = [os.stat(p) if os.path.exists(p) else None for p in paths]
+    return tuple((p, s.st_size, s.st_mtime_ns) if s else (p, None) for p, s in zip(paths, stats))
 
 
 # The id that fills a sequence after its last rollout: never attended to by a rollout (it is a
