@@ -121,8 +121,8 @@ def assemble(job: JobConfig, validated: bool = False) -> Runtime:
     dataset = build_dataset(job, tokenizer)
     config, chunks = build_model(job, groups, tokenizer.eod)
     apply_dsa_freezing(chunks, job.dsa)
-    if not job.trains_mtp:
-        freeze_mtp(chunks)
+    if job.model.mtp_sets and not job.runs_mtp:  # RL, or a zero MTP loss weight: nothing
+        freeze_mtp(chunks)                        # trains them (no weight decay either)
     if job.train.objective != "lm":  # the RL metrics' policy entropy (chunked head)
         for chunk in chunks:
             chunk.measure_entropy = True

@@ -39,6 +39,10 @@ class NoCheckpointError(FileNotFoundError):
     """No complete checkpoint where one is required (raised on every rank alike)."""
 
 
+class CheckpointUnfitError(NoCheckpointError):
+    """A checkpoint this run cannot continue from (raised on every rank alike)."""
+
+
 @dataclass
 class CheckpointConfig:
     save: str | None = None
@@ -53,6 +57,11 @@ class CheckpointConfig:
     # false: take weights, step count, data position and LR schedule but start the optimizer
     # state fresh (needed when the optimizer's structure changed, e.g. EP=1 <-> EP>1).
     load_optimizer: bool = True
+    # Weights to start from when there is no checkpoint to resume (``load`` finds none, or is
+    # null): a new stage (SFT after pre-training, RL after SFT) from another run's checkpoint:
+    # its weights only, at step 0 with a fresh optimizer and schedule. A restart of this run
+    # resumes from its own checkpoints instead. null: the seed's initial weights.
+    pretrained: str | None = None
 
 
 @dataclass

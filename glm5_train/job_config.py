@@ -201,10 +201,30 @@ def _check_objective(job: JobConfig) -> None:
         raise ValueError(f"train.objective={objective} with parallel.cp_groups=flexible: "
                          "flexible CP groups plan chat SFT conversations; set "
                          "parallel.cp_groups=fixed")
+    if rl:
+        _check_rl_paths(job)
     if rl and job.rl.updates_per_batch > 1 and job.train.train_iters % job.rl.updates_per_batch:
         raise ValueError(f"train.train_iters={job.train.train_iters} is not a multiple of "
                          f"rl.updates_per_batch={job.rl.updates_per_batch}: every batch of "
                          "rollouts feeds that many updates; make train_iters a multiple")
+
+
+def _check_rl_paths(job: JobConfig) -> None:
+    """What an RL objective needs of the model's paths."""
+    objective = job.train.objective
+    if job.activations.loss_chunk_tokens <= 0:
+        raise ValueError(f"train.objective={objective} with activations.loss_chunk_tokens="
+                         f"{job.activations.loss_chunk_tokens}: the policy's log-probs and "
+                         "entropy come from the chunked output head (no [tokens, vocab] "
+                         "logits); set activations.loss_chunk_tokens=2048")
+    if job.dsa.stage == "dense_warmup":
+        raise ValueError(f"train.objective={objective} with dsa.stage=dense_warmup: the "
+                         "warm-up trains the indexer alone, not the policy; use dsa=frozen_"
+                         "indexer (GLM-5's RL) or dsa=sparse")
+    if job.rl.train_mtp and job.rl.loss_average == "sequence":
+        raise ValueError("rl.train_mtp=true with rl.loss_average=sequence: the MTP losses are "
+                         "sums over tokens, which megatron-core would divide by the rollout "
+                         "count; use rl.loss_average=token, or rl.train_mtp=false")
 
 
 def _check_int4_qat(job: JobConfig) -> None:
@@ -282,6 +302,10 @@ def _check_checkpoint(ckpt: CheckpointConfig) -> None:
     if ckpt.keep_last is not None and ckpt.keep_last < 1:
         raise ValueError(f"checkpoint.keep_last={ckpt.keep_last} must be >= 1 (the checkpoint "
                          "just written is always kept), or null to keep every checkpoint")
+    if ckpt.pretrained is not None and (not isinstance(ckpt.pretrained, str)
+                                        or not ckpt.pretrained.strip()):
+        raise ValueError(f"checkpoint.pretrained={ckpt.pretrained!r}: use a checkpoint "
+                         "directory (its weights start a new stage at step 0), or null")
     if ckpt.load is not None and (not isinstance(ckpt.load, str) or not ckpt.load.strip()):
         raise ValueError(f"checkpoint.load={ckpt.load!r}: use 'auto' (resume from "
                          "checkpoint.save), a checkpoint directory, or null (start at step 0)")

@@ -40,6 +40,7 @@ from glm5_train.bad_steps import (
 )
 from glm5_train.checkpoint import (
     AUTO,
+    CheckpointUnfitError,
     NoCheckpointError,
     TrainState,
     load_checkpoint,
@@ -54,7 +55,7 @@ from glm5_train.model.glm5 import indexer_kl
 from glm5_train.preemption import StopRequest, forked_children_die_with_this_process, signal_name
 from glm5_train.profiling import StepProfiler
 from glm5_train.rl.objective import global_rl_stats
-from glm5_train.rl.publisher import WeightPublisher, complete_versions
+from glm5_train.rl.publisher import WeightPublisher
 from glm5_train.rl.rollout_data import step_summary
 from glm5_train.run_dir import register_resolvers
 from glm5_train.step import global_loss, global_mtp_losses, run_step
@@ -180,16 +181,25 @@ def _forward_backward(rt: Runtime, iterators: list) -> list:
 
 
 def old_policy_due(rt: Runtime, step_index: int) -> bool:
-    """A batch of rollouts feeding rl.updates_per_batch > 1 updates starts at this step."""
-    objective = rt.objective
-    return objective.old_policy is not None and step_index % rt.job.rl.updates_per_batch == 0
+    """pi_old must be recorded before this step: a batch of rollouts feeding
+    rl.updates_per_batch > 1 updates starts here, or the run resumed inside one (its pi_old
+    went with the stopped process). The same answer on every rank."""
+    old = rt.objective.old_policy
+    return old is not None and step_index >= old.recorded_through
 
 
 def record_old_policy(rt: Runtime, step_index: int) -> None:
-    """pi_old of the rollout batch starting at ``step_index``: one forward pass, without
-    gradients, over its rl.updates_per_batch global batches (fresh iterators over the same
-    samples the updates will read), each micro-batch's log-probs kept on the last stage."""
+    """pi_old of the rollout batch under way at ``step_index``: one forward pass, without
+    gradients, over its global batches from this step to the batch's last (fresh iterators
+    over the same samples the updates will read), each micro-batch's log-probs kept on the
+    last stage. Resumed inside a batch, pi_old is the resumed weights (a rank-0 notice)."""
     t, updates = rt.job.train, rt.job.rl.updates_per_batch
+    into = step_index % updates
+    if into and dist.get_rank() == 0:
+        print(f"rl: resumed at update {into + 1} of {updates} of a batch of rollouts: pi_old "
+              "for its remaining updates is the resumed weights (the batch's first weights "
+              "went with the stopped run)", flush=True)
+    updates -= into
     first = step_index * t.global_batch_size
     readers = [build_train_iterator(rt.dataset, t.micro_batch_size, t.global_batch_size,
                                     rt.dp_rank, rt.dp_size, first) for _ in rt.chunks]
@@ -204,6 +214,7 @@ def record_old_policy(rt: Runtime, step_index: int) -> None:
                      objective=rt.objective)
     finally:
         old.recording = False
+    old.recorded_through = step_index + updates
 
 
 def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
@@ -257,19 +268,16 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
 
 
 def start_publishing(job: JobConfig, rt: Runtime, iteration: int) -> WeightPublisher | None:
-    """rl.publish_dir: the publisher of the engines' weight versions, which first publishes
-    the weights the run starts from (version ``iteration``) unless that version exists: the
-    engines generate from it while the first steps train."""
+    """rl.publish_dir: the publisher of the engines' weight versions. The weights the run
+    starts from are version ``iteration`` (published unless it exists; ``latest`` points at
+    it, and versions an earlier attempt published past its last checkpoint go): the engines
+    generate from them while the first steps train."""
     rl = job.rl
     if not rl.publish_dir:
         return None
     publisher = WeightPublisher(job, rt.chunks, rl.publish_dir, rl.publish_keep,
                                 rl.publish_dtype)
-    # Rank 0 writes the versions: its view decides, for every rank.
-    have = [os.path.isdir(rl.publish_dir) and iteration in complete_versions(rl.publish_dir)]
-    dist.broadcast_object_list(have, src=0)
-    if not have[0]:
-        publisher.publish(iteration)
+    publisher.start_at(iteration)
     return publisher
 
 
@@ -342,11 +350,34 @@ def resume(job: JobConfig, rt: Runtime) -> TrainState:
     in ``checkpoint.save``, none there: step 0; a directory: its newest, which must exist)."""
     ckpt = job.checkpoint
     root = ckpt.save if ckpt.load == AUTO else ckpt.load
-    if not root:
-        return TrainState()
-    loaded = load_checkpoint(root, rt.chunks, rt.optimizer, rt.scheduler, job.model,
-                             ckpt.load_optimizer, required=ckpt.load != AUTO)
-    return loaded or TrainState()
+    loaded = None
+    if root:
+        loaded = load_checkpoint(root, rt.chunks, rt.optimizer, rt.scheduler, job.model,
+                                 ckpt.load_optimizer, required=ckpt.load != AUTO)
+    if loaded is None and ckpt.pretrained:  # a new stage from another run's weights
+        load_checkpoint(ckpt.pretrained, rt.chunks, rt.optimizer, None, job.model,
+                        load_optimizer=False)
+        if dist.get_rank() == 0:
+            print(f"checkpoint: starting from the weights of {ckpt.pretrained} (step 0, a "
+                  "fresh optimizer and schedule)", flush=True)
+    state = loaded or TrainState()
+    if rt.objective is not None:
+        check_rollout_position(state, job.train.global_batch_size)
+    return state
+
+
+def check_rollout_position(state: TrainState, global_batch_size: int) -> None:
+    """RL reads its records by step (global batch g = samples [g x GBS, (g + 1) x GBS)): a
+    checkpoint whose data position is not its step x train.global_batch_size cannot continue
+    on them (another batch size, or another stage's checkpoint)."""
+    if state.consumed_samples != state.iteration * global_batch_size:
+        raise CheckpointUnfitError(
+            f"the checkpoint of step {state.iteration} has consumed {state.consumed_samples} "
+            f"samples, not step x train.global_batch_size={global_batch_size} = "
+            f"{state.iteration * global_batch_size}: RL reads its records by step; resume with "
+            "the batch size it was saved with, or start a new RL stage from its weights with "
+            "checkpoint.pretrained=<its directory> (and checkpoint.load=auto in a new run "
+            "directory)")
 
 
 def forget_steps_after(run_dir: str, iteration: int) -> None:
@@ -378,7 +409,7 @@ def step_statistics(rt: Runtime, reports: list) -> dict:
     """The step's global LM loss and loss tokens, and the mean indexer KL (when trained)."""
     loss, tokens = global_loss(reports, rt.groups)
     stats = {"loss": loss, "loss_tokens": tokens}
-    if rt.job.model.mtp_sets and rt.job.trains_mtp:
+    if rt.job.runs_mtp:
         per_step = global_mtp_losses(reports, rt.job.model.mtp_num_steps, rt.groups)
         stats["mtp_loss"] = sum(per_step) / len(per_step)
         stats.update({f"mtp_loss_{k}": v for k, v in enumerate(per_step, start=1)})

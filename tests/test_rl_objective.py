@@ -230,3 +230,27 @@ def test_bad_rl_config_is_refused_in_one_line(changes, needle):
     with pytest.raises(ValueError) as err:
         RLConfig(**changes).validate("grpo")
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("objective", ["dis", "grpo"])
+def test_a_sentinel_log_prob_where_nothing_trains_stays_harmless(objective):
+    """An engine may store any value where the loss mask is 0 (e.g. -1e4 for tool output): its
+    ratio would overflow to inf, and inf x 0 is NaN. Loss and gradient stay finite and equal
+    those of the same batch with a plain value there."""
+    logp, advantages = _planted()
+    mask = torch.ones_like(logp)
+    mask[0, 3] = 0.0
+    results = []
+    for stored in (-1e4, -1.0):
+        rollout = logp.clone()
+        rollout[0, 3] = stored
+        ours = logp.clone().float().requires_grad_(True)  # fp32, as the job runs
+        fields = {k: v.float() if v.is_floating_point() else v
+                  for k, v in _fields(logp, rollout, advantages).items()}
+        terms = token_terms(ours, mask.float(), fields, objective, RLConfig(), 0)
+        terms.loss_sum.backward()
+        assert torch.isfinite(terms.loss_sum) and torch.isfinite(ours.grad).all()
+        results.append((terms.loss_sum.item(), ours.grad.clone(), terms.sums.clone()))
+    assert results[0][0] == results[1][0]
+    assert torch.equal(results[0][1], results[1][1])
+    assert torch.equal(results[0][2], results[1][2])

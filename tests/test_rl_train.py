@@ -25,6 +25,7 @@ import numpy
 import pytest
 from safetensors.torch import load_file
 
+from glm5_train.job_config import compose_job
 from glm5_train.rl.records import Rollout, read_rollouts, write_rollouts
 from tests.parity import (
     FP32,
@@ -232,3 +233,73 @@ def test_training_publishes_versions_the_engines_can_load(parity_records, tmp_pa
         theirs.update(load_file(str(shard)))
     assert sorted(ours) == sorted(theirs)
     assert all(ours[name].equal(theirs[name]) for name in theirs)
+
+
+# ------------------------------------------------------------------- resume, stages, refusals
+
+
+def test_resume_inside_a_batch_of_rollouts_recomputes_pi_old(parity_records, tmp_path):
+    """rl.updates_per_batch=2, stopped after step 1 (inside a batch): the resumed run records
+    pi_old for the batch's remaining update from the resumed weights (a notice says so) and
+    trains on; its drift is 0 there, as on a batch's first update."""
+    ckpt = tmp_path / "ckpt"
+    common = ["parallel=single", "rl.updates_per_batch=2", f"checkpoint.save={ckpt}"]
+    run_job(1, _rl_overrides(parity_records, *common, "train.train_iters=2",
+                             "checkpoint.save_interval=1"), str(tmp_path / "a"))
+    (ckpt / "latest_iteration.txt").write_text("1")  # as if stopped after step 1
+    result = run_job(1, _rl_overrides(parity_records, *common, "train.train_iters=4"),
+                     str(tmp_path / "b"))
+    assert "rl: resumed at update 2 of 2 of a batch of rollouts" in result.log
+    assert [r["step"] for r in result.records] == [2, 3, 4]
+    assert [r["rl_policy_drift"] == 0 for r in result.records] == [True, True, False]
+
+
+def test_a_new_stage_starts_from_pretrained_weights(parity_records, tmp_path):
+    """checkpoint.pretrained: an RL stage from an LM run's checkpoint starts at step 0 (its
+    records from the first), while loading that checkpoint to resume is refused in one line
+    (its data position is not the RL run's)."""
+    lm = tmp_path / "lm_ckpt"
+    run_job(1, ["parallel=single", "train.train_iters=2", f"checkpoint.save={lm}"],
+            str(tmp_path / "lm"))
+    result = run_job(1, _rl_overrides(parity_records, "parallel=single", "train.train_iters=2",
+                                      f"checkpoint.pretrained={lm}"), str(tmp_path / "rl"))
+    assert f"checkpoint: starting from the weights of {lm} (step 0" in result.log
+    assert [r["step"] for r in result.records] == [1, 2]
+    with pytest.raises(RuntimeError) as err:
+        run_job(1, _rl_overrides(parity_records, "parallel=single", "train.train_iters=3",
+                                 "train.global_batch_size=2", f"checkpoint.load={lm}"),
+                str(tmp_path / "refused"))
+    line = next(x for x in str(err.value).splitlines() if "glm5_train: error:" in x)
+    assert "consumed 8 samples, not step x train.global_batch_size=2 = 4" in line
+    assert "checkpoint.pretrained=" in line
+
+
+def test_a_resumed_run_withdraws_versions_past_its_checkpoint(parity_records, tmp_path):
+    """Published v0, v2, v4 but checkpointed at step 2 (a crash in between): the resumed run
+    removes v4 (weights it no longer has), points latest at v2, and publishes on."""
+    published, ckpt = tmp_path / "published", tmp_path / "ckpt"
+    common = ["parallel=single", f"rl.publish_dir={published}", "rl.publish_interval=2",
+              "rl.publish_dtype=fp32", f"checkpoint.save={ckpt}", "checkpoint.keep_last=null"]
+    run_job(1, _rl_overrides(parity_records, *common, "checkpoint.save_interval=2"),
+            str(tmp_path / "a"))
+    assert sorted(p.name for p in published.iterdir()) == ["latest", "v0", "v2", "v4"]
+    (ckpt / "latest_iteration.txt").write_text("2")  # as if it died after publishing v4
+    result = run_job(1, _rl_overrides(parity_records, *common, "train.train_iters=3"),
+                     str(tmp_path / "b"))
+    assert "removed v4: newer than the run's step 2" in result.log
+    assert sorted(p.name for p in published.iterdir()) == ["latest", "v0", "v2"]
+    assert (published / "latest").resolve().name == "v2"
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["activations.loss_chunk_tokens=0"], "activations.loss_chunk_tokens=0"),
+    (["dsa=dense_warmup"], "dsa.stage=dense_warmup"),
+    (["rl.train_mtp=true", "rl.loss_average=sequence"], "rl.train_mtp=true"),
+    (["rl.updates_per_batch=2", "train.objective=dis"], "rl.updates_per_batch=2"),
+    (["train.objective=lm"], "train.objective=lm with data.format=rollouts"),
+    (["checkpoint.pretrained=''"], "checkpoint.pretrained"),
+])
+def test_rl_configs_that_cannot_run_are_refused_in_one_line(parity_records, extra, needle):
+    with pytest.raises(ValueError) as err:
+        compose_job(["model=glm5_tiny", *_rl_overrides(parity_records, *extra)])
+    assert needle in str(err.value) and "\n" not in str(err.value)

@@ -25,7 +25,8 @@ def frozen_parameters(job: JobConfig) -> bool:
     """The dense warm-up trains the indexer only, a frozen indexer or (RL) frozen MTP layers
     train without their part: those have no gradient or optimizer state (the planner counts
     the whole model's)."""
-    return job.dsa.stage == "dense_warmup" or job.dsa.freeze_indexer or not job.trains_mtp
+    frozen_mtp = bool(job.model.mtp_sets) and not job.runs_mtp
+    return job.dsa.stage == "dense_warmup" or job.dsa.freeze_indexer or frozen_mtp
 
 
 def traffic_modelled(job: JobConfig) -> tuple[str, ...]:
@@ -137,7 +138,7 @@ def _tensor_parallel_step_comm(job: JobConfig, inputs: MemoryInputs, layout: Pip
                 if mine:
                     moe_flags.append(layer >= cfg.first_k_dense_replace)
                 layer += 1
-        mtp |= mine and "m" in kinds and job.trains_mtp  # frozen (RL): no gradient to sync
+        mtp |= mine and "m" in kinds and job.runs_mtp  # frozen (RL): no gradient to sync
         holds_norm |= mine and stage == final_norm
     sync = tensor_parallel_comm.grad_sync_bytes(cfg, inputs, moe_flags, mtp, holds_norm)
     return comm_sum(((tensor_parallel_comm.TP_REDUCE, sync),),

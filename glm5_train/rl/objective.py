@@ -94,10 +94,14 @@ def token_terms(logp: torch.Tensor, loss_mask: torch.Tensor, fields: dict[str, t
     logp = logp.to(dtype)
     field = {name: value.to(dtype) for name, value in fields.items()
              if name != "policy_version"}
-    rollout, loss_mask = field["rollout_logprobs"], loss_mask.to(dtype)
+    loss_mask = loss_mask.to(dtype)
     keep_rollout = kept_rollouts(fields, learner_version, cfg.max_policy_lag).to(dtype)
     tokens = loss_mask * keep_rollout
     old = logp.detach() if old_logp is None else old_logp.to(dtype)
+    # The stored log-probs count only where a token trains: elsewhere (tool output, padding, a
+    # dropped rollout) any value may stand, e.g. an engine's sentinel -1e4, whose ratio would
+    # overflow to inf and make inf x 0 = NaN. There they read as pi_old's: ratio 1.
+    rollout = torch.where(tokens > 0, field["rollout_logprobs"], old)
     if objective == "dis":
         per_token, keep, clipped = _direct_is(logp, rollout, field["advantages"], cfg)
     else:
@@ -161,13 +165,14 @@ def _report(loss_sum, count, tokens, keep, clipped, log_ratio, starts, keep_roll
     ratio_bin = _ratio_bins(log_ratio).reshape(-1)
     sums[Sums.RATIOS:] = torch.bincount(ratio_bin, weights=tokens.reshape(-1).double(),
                                         minlength=RATIO_BINS)
-    on = tokens > 0
-    maxima = torch.zeros(MAX_SIZE, dtype=torch.float64, device=tokens.device)
-    if bool(on.any()):
-        chosen = log_ratio[on].double()
-        maxima[0], maxima[1], maxima[2] = chosen.abs().max(), chosen.max(), (-chosen).max()
-    else:
-        maxima[1:] = -math.inf
+    # Maxima over the loss tokens without a host sync (no token: -inf, which the job-wide MAX
+    # reduction passes over).
+    on = tokens.reshape(-1) > 0
+    chosen = log_ratio.reshape(-1).double()
+    none = torch.full_like(chosen, -math.inf)
+    maxima = torch.stack([torch.where(on, chosen.abs(), none).max(),
+                          torch.where(on, chosen, none).max(),
+                          torch.where(on, -chosen, none).max()])
     return sums, maxima
 
 
@@ -207,6 +212,7 @@ class OldPolicy:
 
     def __init__(self) -> None:
         self.recording = False
+        self.recorded_through = 0  # the first step whose pi_old is not recorded yet
         self._queue: deque[torch.Tensor] = deque()
 
     def record(self, logp: torch.Tensor) -> None:
@@ -237,6 +243,8 @@ class RLObjective:
         entropy = take_entropy() if take_entropy is not None else None
         if self.old_policy is not None and self.old_policy.recording:
             self.old_policy.record(logp)
+            if take_mtp_report is not None:  # rl.train_mtp: that pass's MTP report is nobody's
+                take_mtp_report()
             zero = output_tensor.sum() * 0.0
             return zero, torch.zeros((), dtype=torch.int), {}
         old = self.old_policy.take() if self.old_policy is not None else None
@@ -281,9 +289,10 @@ def _stats_from(s: list[float], maxima: list[float]) -> dict:
     stats = {
         "rl_tokens": round(tokens),
         "rl_masked_fraction": per_token(s[Sums.MASKED]),
-        "rl_clipped_fraction": per_token(s[Sums.CLIPPED]),
+        "rl_clipped_fraction": (s[Sums.CLIPPED] / (tokens - s[Sums.MASKED])
+                                if tokens - s[Sums.MASKED] > 0 else math.nan),
         "rl_logp_diff_mean": per_token(s[Sums.ABS_DIFF]),
-        "rl_logp_diff_max": maxima[0] if tokens > 0 else math.nan,
+        "rl_logp_diff_max": maxima[0] if tokens > 0 else math.nan,  # -inf: no token anywhere
         "rl_ratio_min": math.exp(-maxima[2]) if tokens > 0 else math.nan,
         "rl_ratio_max": math.exp(maxima[1]) if tokens > 0 else math.nan,
         "rl_policy_drift": per_token(s[Sums.DRIFT]),

@@ -286,6 +286,33 @@ class WeightPublisher:
             _say(_summary(report))
         return report
 
+    def start_at(self, version: int) -> dict[str, Any] | None:
+        """A run starting (or resuming) at ``version``: what the engines may load is that
+        version. Versions above it (published by an earlier attempt that went further than
+        its last checkpoint: weights the learner no longer has) are removed; ``latest`` is
+        pointed at ``v<version>`` if it exists, else it is published. Collective. Returns the
+        publication's report, or None when ``v<version>`` was there."""
+        outcome: dict[str, Any] = {}
+        if dist.get_rank(self.group) == 0:
+            try:
+                outcome = {"removed": remove_versions_above(self.directory, version),
+                           "exists": os.path.isdir(self.directory)
+                           and version in complete_versions(self.directory)}
+                if outcome["exists"]:
+                    point_latest(self.directory, f"v{version}")
+            except OSError as err:
+                outcome = {"error": f"resuming the versions of {self.directory} at "
+                                    f"v{version} failed: {err}"}
+        outcome = _broadcast_outcome(outcome, self.group)
+        if "error" in outcome:
+            raise OSError(outcome["error"])
+        if dist.get_rank(self.group) == 0 and outcome["removed"]:
+            _say(f"removed {', '.join(outcome['removed'])}: newer than the run's step "
+                 f"{version} (an earlier attempt's, past its last checkpoint)")
+        if outcome["exists"]:
+            return None
+        return self.publish(version)
+
     def _complete(self, version: int, partial: str, final: str) -> dict[str, Any]:
         """Rank 0 after the shards: version.json, rename, latest, prune. An OSError becomes the
         outcome every rank raises (none is left waiting)."""
@@ -412,6 +439,29 @@ def prune(directory: str, keep: int) -> list[str]:
         _remove(trash)
         removed.append(f"v{version}")
     return removed
+
+
+def remove_versions_above(directory: str, version: int) -> list[str]:
+    """Remove the complete versions newer than ``version`` (each renamed to the trash first),
+    pointing ``latest`` away from them first if it names one. The names removed."""
+    if not os.path.isdir(directory):
+        return []
+    newer = sorted(v for v in complete_versions(directory) if v > version)
+    if not newer:
+        return []
+    current = latest_version(directory)
+    if current is not None and current > version:
+        kept = [v for v in complete_versions(directory) if v <= version]
+        if kept:
+            point_latest(directory, f"v{kept[0]}")
+        else:
+            os.remove(os.path.join(directory, LATEST))
+    for old in newer:
+        trash = os.path.join(directory, f"v{old}{TRASH}")
+        _remove(trash)
+        os.rename(os.path.join(directory, f"v{old}"), trash)
+        _remove(trash)
+    return [f"v{v}" for v in newer]
 
 
 def remove_leftovers(directory: str, version: int) -> list[str]:

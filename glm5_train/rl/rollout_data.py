@@ -154,9 +154,11 @@ def _require_teacher(rollouts: list[Rollout]) -> None:
 
 
 def check_schedule(dataset: RolloutDataset, global_batch_size: int, train_iters: int,
-                   first_step: int) -> None:
-    """The records fill every step the run takes, and none comes from a later policy than
-    the one the learner has when the step trains it (its version <= that step's index)."""
+                   first_step: int, cfg: RLConfig | None = None) -> None:
+    """The records fill every step the run takes; none comes from a later policy than pi_old
+    of the step that trains it (the weights at its batch of rollouts' first update: its
+    version <= that step's index rounded down to a multiple of rl.updates_per_batch); and
+    every step trains some token (not all its rollouts stale, nor all masked)."""
     needed = train_iters * global_batch_size
     if len(dataset) < needed:
         steps = len(dataset) // global_batch_size
@@ -165,15 +167,34 @@ def check_schedule(dataset: RolloutDataset, global_batch_size: int, train_iters:
             f"{dataset.seq_length}: {steps} steps of train.global_batch_size="
             f"{global_batch_size}, and train.train_iters={train_iters} needs {needed}: set "
             f"train.train_iters<={steps} or give more records")
+    updates = cfg.updates_per_batch if cfg is not None else 1
+    lag = cfg.max_policy_lag if cfg is not None else None
     for step in range(first_step, train_iters):
-        for index in dataset.rollouts_of(step * global_batch_size, global_batch_size):
+        indices = dataset.rollouts_of(step * global_batch_size, global_batch_size)
+        old = step - step % updates  # pi_old's version: the batch of rollouts' first update
+        for index in indices:
             r = dataset.rollouts[index]
-            if r.policy_version > step:
+            if r.policy_version > old:
                 raise RolloutDataError(
                     f"{r.where}: policy_version={r.policy_version} is from the future: step "
-                    f"{step + 1} trains it with the weights of version {step} (the optimizer "
-                    "steps taken): a rollout's version must not exceed the learner's; fix the "
-                    "record's version or its place in the file")
+                    f"{step + 1} trains it against pi_old of version {old} (the optimizer "
+                    "steps taken before its batch of rollouts): a rollout's version must not "
+                    "exceed it; fix the record's version or its place in the file")
+        _require_trained_tokens(dataset, indices, step, lag)
+
+
+def _require_trained_tokens(dataset: RolloutDataset, indices: list[int], step: int,
+                            lag: int | None) -> None:
+    """A step whose rollouts are all stale or all masked trains nothing: megatron-core would
+    divide by no token and the optimizer still step (weight decay, momentum)."""
+    kept = sum(float(dataset.rollouts[i].loss_mask.sum()) for i in indices
+               if lag is None or step - dataset.rollouts[i].policy_version <= lag)
+    if kept == 0:
+        raise RolloutDataError(
+            f"step {step + 1} would train no token: its {len(indices)} rollouts are all more "
+            f"than rl.max_policy_lag={lag} steps behind the learner (version {step}) or have "
+            "an all-zero loss_mask; raise rl.max_policy_lag, or give that step fresher "
+            "rollouts")
 
 
 def step_summary(dataset: RolloutDataset, step: int, global_batch_size: int) -> dict:
@@ -201,7 +222,7 @@ def build_rollout_dataset(job) -> RolloutDataset:
     if _LAST_BUILT.get("key") != key:
         rollouts = read_rollouts(list(job.data.paths), vocab_size=job.model.vocab_size)
         dataset = RolloutDataset(rollouts, t.seq_length, PAD_ID, t.objective, job.rl)
-        check_schedule(dataset, t.global_batch_size, t.train_iters, first_step=0)
+        check_schedule(dataset, t.global_batch_size, t.train_iters, first_step=0, cfg=job.rl)
         _LAST_BUILT.update(key=key, dataset=dataset)
     return _LAST_BUILT["dataset"]
 
@@ -210,9 +231,10 @@ _LAST_BUILT: dict = {}
 
 
 def _files_key(paths: list[str]) -> tuple:
-    """The files as they are now: path, size and modification time of each."""
+    """The files as they are now: path, inode, size, modification and change times."""
     stats = [os.stat(p) if os.path.exists(p) else None for p in paths]
-    return tuple((p, s.st_size, s.st_mtime_ns) if s else (p, None) for p, s in zip(paths, stats))
+    return tuple((p, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) if s else (p, None)
+                 for p, s in zip(paths, stats))
 
 
 # The id that fills a sequence after its last rollout: never attended to by a rollout (it is a
