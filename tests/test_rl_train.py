@@ -177,6 +177,8 @@ RL_LAYOUTS = {
         4, ["parallel=pp2_ep2_dp2", "parallel.use_distributed_optimizer=true",
             "parallel.pipeline_zero2=true"],
         ("train.optimizer=muon", "rl.updates_per_batch=2")),
+    # the main job's layout (8 processes: TP2 + SP x PP2 x VPP2 x DP2, EP2), GRPO + IcePop
+    "main_layout_grpo": MAIN_LAYOUT + ((),),
     # context parallelism, each rollout split over two ranks (zigzag): direct double-sided
     # IS, each rollout's mean first (a rollout's tokens, and its count, on both ranks)
     "cp2_dis_sequence_mean": (2, ["parallel=single", "parallel.context_parallel_size=2"],
