@@ -185,7 +185,7 @@ def _ranks_in_header(name: str) -> int | None:
 
 # Full-scale GLM-5 presets need the 744B model: checked below and in tests/test_experiments.py.
 FULL_SCALE_PRESETS = {"glm5_slime_256gpu.yaml", "glm5_200k_256gpu.yaml",
-                      "glm5_sft_202k_256gpu.yaml"}
+                      "glm5_sft_202k_256gpu.yaml", "glm5_rl_256gpu.yaml"}
 
 
 @pytest.mark.parametrize("name", sorted(f[:-5] for f in os.listdir(f"{CONFIG_DIR}/parallel")
