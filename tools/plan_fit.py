@@ -243,7 +243,7 @@ def variants(job, dp: int) -> list[Variant]:
         out.append(Variant("activation offloading -> off", [
             "activations.offload_micro_batches=0", "activations.offload_layers=null"], dp,
             "activation offloading"))
-    if act.loss_chunk_tokens:
+    if act.loss_chunk_tokens and job.train.objective == "lm":  # RL needs the chunked head
         out.append(Variant(f"chunked loss ({act.loss_chunk_tokens} tokens) -> whole-sequence "
                            "logits", ["activations.loss_chunk_tokens=0"], dp, "chunked loss"))
     if par.use_distributed_optimizer:

@@ -152,7 +152,7 @@ def recompute_working_set_bytes(model_cfg: GLM5Config, inputs: MemoryInputs) -> 
     if rc.full:
         raw = dataclasses.replace(inputs, recompute=Recompute())
         sizes = [decoder_layer_activation_bytes(model_cfg, moe, raw) for moe in kinds]
-        if rc.mtp_steps_recomputed and mtp_steps(model_cfg):
+        if rc.mtp_steps_recomputed and mtp_steps(model_cfg) and inputs.mtp_runs:
             sizes.append(mtp_step_activation_bytes(model_cfg, raw))
         return max(sizes)
     if rc.granularity == "selective":
