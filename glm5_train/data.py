@@ -38,6 +38,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 
 from glm5_train import chat_data
+from glm5_train.rl.objective import ROLLOUT_FIELDS
 from glm5_train.tokenizer import tokenizer_name
 from parallel import mcore_compat
 
@@ -697,10 +698,9 @@ def _check_batch_layout(mbs: int, gbs: int, dp_rank: int, dp_size: int, consumed
                          f"global_batch_size={gbs} (steps_done * global_batch_size)")
 
 
+# and rollout micro-batches' per-token fields (glm5_train/rl/objective.py)
 _BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask",
-               # rollout micro-batches' per-token fields (glm5_train/rl/objective.py)
-               "rollout_logprobs", "advantages", "teacher_logprobs", "policy_version",
-               "rollout_start", "token_weight")
+               *ROLLOUT_FIELDS)
 
 
 def collate_samples(samples: list[dict]) -> dict[str, torch.Tensor]:

@@ -197,13 +197,14 @@ def _check_objective(job: JobConfig) -> None:
         raise ValueError(f"train.objective={objective} with data.format={job.data.format}: "
                          "the RL objectives train on rollout records and rollout records "
                          f"only on them; set {fix}")
-    if rl and job.parallel.cp_groups == "flexible":
+    if not rl:
+        return
+    if job.parallel.cp_groups == "flexible":
         raise ValueError(f"train.objective={objective} with parallel.cp_groups=flexible: "
                          "flexible CP groups plan chat SFT conversations; set "
                          "parallel.cp_groups=fixed")
-    if rl:
-        _check_rl_paths(job)
-    if rl and job.rl.updates_per_batch > 1 and job.train.train_iters % job.rl.updates_per_batch:
+    _check_rl_paths(job)
+    if job.rl.updates_per_batch > 1 and job.train.train_iters % job.rl.updates_per_batch:
         raise ValueError(f"train.train_iters={job.train.train_iters} is not a multiple of "
                          f"rl.updates_per_batch={job.rl.updates_per_batch}: every batch of "
                          "rollouts feeds that many updates; make train_iters a multiple")

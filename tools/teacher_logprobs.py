@@ -200,15 +200,13 @@ def scoring_step(collector: LogprobCollector, cp_group, data_iterator, model):
 
 def response_logprobs(dataset: RolloutDataset, sample: int,
                       logp_S: numpy.ndarray) -> dict[int, numpy.ndarray]:
-    """Each rollout of packed sequence ``sample``: log pi of its response tokens (position i
-    predicts token i + 1, so response token j sits at offset + prompt - 1 + j). Capped at 0:
+    """Each rollout of packed sequence ``sample``: log pi of its response tokens (at the
+    positions the trainer trains them, ``RolloutDataset.response_positions``). Capped at 0:
     log-sum-exp minus the label's logit can round below 0 in fp32 when the label takes all
     the mass, and the record schema holds log-probs <= 0."""
     out = {}
     for index in dataset.members[sample]:
-        rollout = dataset.rollouts[index]
-        start = dataset.placements[index].offset + len(rollout.prompt_ids) - 1
-        values = logp_S[start:start + len(rollout.response_ids)]
+        values = logp_S[dataset.response_positions(index)]
         out[index] = numpy.minimum(values, 0.0).astype(numpy.float32)
     return out
 

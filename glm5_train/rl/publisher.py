@@ -431,14 +431,17 @@ def prune(directory: str, keep: int) -> list[str]:
     latest = latest_version(directory)
     order = ([latest] if latest is not None else []) + [
         v for v in complete_versions(directory) if v != latest]
-    removed = []
-    for version in sorted(order[keep:]):
-        trash = os.path.join(directory, f"v{version}{TRASH}")
-        _remove(trash)
-        os.rename(os.path.join(directory, f"v{version}"), trash)
-        _remove(trash)
-        removed.append(f"v{version}")
-    return removed
+    return [_withdraw(directory, version) for version in sorted(order[keep:])]
+
+
+def _withdraw(directory: str, version: int) -> str:
+    """Remove complete version ``version``, renamed to the trash first so that no ``v<N>/`` is
+    ever half gone; its name."""
+    trash = os.path.join(directory, f"v{version}{TRASH}")
+    _remove(trash)
+    os.rename(os.path.join(directory, f"v{version}"), trash)
+    _remove(trash)
+    return f"v{version}"
 
 
 def remove_versions_above(directory: str, version: int) -> list[str]:
@@ -456,12 +459,7 @@ def remove_versions_above(directory: str, version: int) -> list[str]:
             point_latest(directory, f"v{kept[0]}")
         else:
             os.remove(os.path.join(directory, LATEST))
-    for old in newer:
-        trash = os.path.join(directory, f"v{old}{TRASH}")
-        _remove(trash)
-        os.rename(os.path.join(directory, f"v{old}"), trash)
-        _remove(trash)
-    return [f"v{v}" for v in newer]
+    return [_withdraw(directory, old) for old in newer]
 
 
 def remove_leftovers(directory: str, version: int) -> list[str]:

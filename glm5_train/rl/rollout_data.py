@@ -25,6 +25,7 @@ import numpy
 import torch
 
 from glm5_train.rl.config import RLConfig
+from glm5_train.rl.objective import ROLLOUT_FIELDS
 from glm5_train.rl.records import Rollout, check_groups, group_advantages, read_rollouts
 
 
@@ -96,12 +97,18 @@ class RolloutDataset(torch.utils.data.Dataset):
         return [i for s in range(first_sample, min(first_sample + count, len(self)))
                 for i in self.members[s]]
 
+    def response_positions(self, index: int) -> slice:
+        """The positions of rollout ``index``'s sequence that predict its response tokens
+        (position i predicts token i + 1: response token j at offset + prompt - 1 + j)."""
+        r, start = self.rollouts[index], self.placements[index].offset
+        first = start + len(r.prompt_ids) - 1
+        return slice(first, first + len(r.response_ids))
+
     def __getitem__(self, sample: int) -> dict[str, torch.Tensor]:
         s = self.seq_length
         tokens = numpy.full(s + 1, self.pad, dtype=numpy.int64)
-        fields = {name: numpy.zeros(s, dtype=numpy.float32) for name in (
-            "loss_mask", "rollout_logprobs", "advantages", "teacher_logprobs",
-            "rollout_start", "token_weight")}
+        fields = {name: numpy.zeros(s, dtype=numpy.float32)
+                  for name in ("loss_mask", *ROLLOUT_FIELDS) if name != "policy_version"}
         version = numpy.zeros(s, dtype=numpy.int64)
         positions = numpy.arange(s, dtype=numpy.int64)
         bounds = [0]
@@ -129,7 +136,7 @@ class RolloutDataset(torch.utils.data.Dataset):
         end = start + prompt + response
         tokens[start:start + prompt] = r.prompt_ids
         tokens[start + prompt:end] = r.response_ids
-        at = slice(start + prompt - 1, end - 1)  # positions predicting the response tokens
+        at = self.response_positions(index)
         mask = numpy.asarray(r.loss_mask, dtype=numpy.float32)
         fields["loss_mask"][at] = mask
         fields["rollout_logprobs"][at] = r.rollout_logprobs
