@@ -88,10 +88,12 @@ def planted(tmp_path_factory):
 
 def _planted_step(planted, nprocs: int, layout: list[str], run_dir: str) -> dict:
     records, ckpt, _ = planted
-    result = run_job(nprocs, [*RL, *layout, f"data.paths=[{records}]", "train.train_iters=2",
-                              "rl.max_policy_lag=0", f"checkpoint.load={ckpt}",
-                              "checkpoint.load_optimizer=false"], run_dir)
+    overrides = [*RL, *layout, f"data.paths=[{records}]", "train.train_iters=2",
+                 "rl.max_policy_lag=0", f"checkpoint.load={ckpt}",
+                 "checkpoint.load_optimizer=false"]
+    result = run_job(nprocs, overrides, run_dir)
     assert [r["step"] for r in result.records] == [2]
+    assert_layout_ran(result, nprocs, overrides)  # the run's own metrics show its layout
     return result.records[0]
 
 
