@@ -57,6 +57,7 @@ from glm5_train.plan import build_activation_tracker, resolve_pipeline_layout
 from glm5_train.rl.objective import RLObjective
 from glm5_train.rl.publisher import publication_problem
 from glm5_train.rl.rollout_data import build_rollout_dataset, freeze_mtp
+from glm5_train.rl.stream import StreamedRollouts, is_spool
 from glm5_train.tokenizer import build_tokenizer
 from parallel import deferred_wgrad, int4_qat, mcore_compat, process_groups
 from parallel.activation_offload import ActivationTracker
@@ -242,7 +243,8 @@ def check_data(job: JobConfig) -> None:
             f"model.vocab_size={job.model.vocab_size}: raise model.vocab_size or use a smaller "
             "tokenizer")
     if job.data.format == "rollouts":  # read, checked and packed as the run will
-        build_rollout_dataset(job)
+        if not is_spool(list(job.data.paths)):  # a spool is read as rollouts arrive
+            build_rollout_dataset(job)
         return
     if job.data.paths:
         check_datasets(list(job.data.paths), job.data.split, job.data.format,
@@ -299,6 +301,8 @@ def install_muon(optimizer, chunks: list, job: JobConfig, config,
 
 def build_dataset(job: JobConfig, tokenizer):
     if job.data.format == "rollouts":
+        if is_spool(list(job.data.paths)):
+            return StreamedRollouts(job)
         return build_rollout_dataset(job)
     if not job.data.paths:
         job.data.paths = [ensure_builtin_corpus(job.data, tokenizer)]

@@ -25,6 +25,7 @@ from glm5_train.model.config import GLM5Config
 from glm5_train.model.dsa_loss import DSATrainingConfig
 from glm5_train.profiling import ProfileOptions, check_profile_options
 from glm5_train.rl.config import RLConfig
+from glm5_train.rl.stream import check_spool_config
 from glm5_train.run_dir import register_resolvers, run_id
 from parallel.config.int4_qat import Int4QATOptions
 from parallel.config.muon import MuonOptions, check_muon_options
@@ -191,13 +192,13 @@ def _check_objective(job: JobConfig) -> None:
     objective = job.train.objective
     job.rl.validate(objective)
     rl = objective != "lm"
-    if rl != (job.data.format == "rollouts"):
-        fix = ("data=rollouts data.paths=[<records.jsonl>]" if rl else
-               "train.objective=grpo (or dis, distill)")
+    if rl and job.data.format != "rollouts":
         raise ValueError(f"train.objective={objective} with data.format={job.data.format}: "
-                         "the RL objectives train on rollout records and rollout records "
-                         f"only on them; set {fix}")
-    if not rl:
+                         "the RL objectives train on rollout records; set data=rollouts "
+                         "data.paths=[<records.jsonl>] (or a spool directory)")
+    if job.data.format == "rollouts" and any(os.path.isdir(p) for p in job.data.paths):
+        check_spool_config(job)
+    if not rl:  # LM on rollout records: supervised on their responses (the loss mask)
         return
     if job.parallel.cp_groups == "flexible":
         raise ValueError(f"train.objective={objective} with parallel.cp_groups=flexible: "

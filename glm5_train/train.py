@@ -57,6 +57,7 @@ from glm5_train.profiling import StepProfiler
 from glm5_train.rl.objective import global_rl_stats
 from glm5_train.rl.publisher import WeightPublisher
 from glm5_train.rl.rollout_data import step_summary
+from glm5_train.rl.stream import RolloutStreamError, StreamedRollouts
 from glm5_train.run_dir import register_resolvers
 from glm5_train.step import global_loss, global_mtp_losses, run_step
 from parallel.comm_meter import CommMeter, buffer_bytes, gather_fields, names_of_groups
@@ -234,9 +235,17 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
     profiler = StepProfiler(run_dir, t.profile_steps, t.profile_shapes, t.profile_memory)
     publisher = start_publishing(job, rt, state.iteration)
     group_names = names_of_groups(rt.groups)
+    stream = rt.dataset if isinstance(rt.dataset, StreamedRollouts) else None
+    if stream is not None:  # the groups the checkpoint's steps consumed
+        stream.resume(state.iteration, group=None)
     with StopRequest() as stop:
         boundary = StepBoundary(rt, stop, minutes * 60.0 if minutes else None)
         while state.iteration < t.train_iters:
+            if stream is not None:  # this step's groups, as they have arrived
+                groups = stream.prepare_step(state.iteration, group=None, stop=stop)
+                if groups.stop:
+                    _stop_while_waiting(job, rt, state, stop.received)
+                    break
             profiler.step_begins(state.iteration + 1)
             started, cpu_started = time.perf_counter(), time.process_time()
             # This step's collectives on this rank (the loss's included), by group size and
@@ -246,6 +255,8 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
             if rt.objective is not None:  # the step's rewards, from the records it trained on
                 outcome.stats.update(step_summary(rt.dataset, state.iteration,
                                                   t.global_batch_size))
+            if stream is not None:  # groups taken and dropped, waiting, staleness
+                outcome.stats.update(stream.step_record(groups))
             elapsed = time.perf_counter() - started
             cpu_ms = int(1000 * (time.process_time() - cpu_started))
             profiler.step_ends(state.iteration + 1)
@@ -319,6 +330,16 @@ def _save_then_stop(job: JobConfig, rt: Runtime, state: TrainState, outcome: Ste
         _say_stopped(outcome.stop_signal, state.iteration, saved)
         return True
     return False
+
+
+def _stop_while_waiting(job: JobConfig, rt: Runtime, state: TrainState, signal_number: int
+                        ) -> None:
+    """A stop signal while the step waited for rollouts: save the steps done, say so."""
+    ckpt, saved = job.checkpoint, None
+    if ckpt.save and state.iteration > 0:
+        saved = save_checkpoint(ckpt.save, rt.chunks, rt.optimizer, rt.scheduler, state,
+                                job.model, ckpt.keep_last)
+    _say_stopped(signal_number, state.iteration, saved)
 
 
 def _judge(policy: NonFinitePolicy, outcome: StepOutcome, record: dict) -> BaseException | None:
@@ -453,6 +474,7 @@ def _should_save(job: JobConfig, iteration: int) -> bool:
 
 CONFIG_ERROR_STATUS = 2  # as launch.local's (and argparse's) usage errors
 NONFINITE_STATUS = 3  # stopped at a non-finite step (train.nonfinite)
+ROLLOUT_STREAM_STATUS = 4  # streamed RL: no rollouts arrived in time (glm5_train/rl/stream.py)
 # How long ranks other than 0 wait, after a config error, for the launcher to stop them.
 PEER_EXIT_WAIT_S = 60.0
 
@@ -482,6 +504,8 @@ def main() -> None:
             exit_on_agreed_error(err, CONFIG_ERROR_STATUS)
         except NonFiniteStepError as err:  # every rank raises it (the step's agreed verdict)
             exit_on_agreed_error(err, NONFINITE_STATUS)
+        except RolloutStreamError as err:  # every rank raises it (rank 0's, broadcast)
+            exit_on_agreed_error(err, ROLLOUT_STREAM_STATUS)
         # Only on success: after a failure the other ranks may never reach a barrier, and
         # torchrun tears the job down anyway.
         _shutdown()

@@ -46,6 +46,14 @@ class RLConfig:
     publish_interval: int = 1
     publish_keep: int = 3
     publish_dtype: str = "bf16"
+    # Streamed rollouts (data.paths=[<spool directory>], glm5_train/rl/stream.py): a step
+    # starts once this many fresh groups are ready (or the step is full), takes at most
+    # stream_max_groups (null: as many as fit train.global_batch_size sequences), and gives
+    # up after stream_wait_s seconds without them; the spool is polled every stream_poll_s.
+    stream_min_groups: int = 1
+    stream_max_groups: int | None = None
+    stream_wait_s: float = 600.0
+    stream_poll_s: float = 0.2
 
     def validate(self, objective: str) -> None:
         """Raise ValueError naming the key, the rule and the fix."""

@@ -228,8 +228,12 @@ def build_rollout_dataset(job) -> RolloutDataset:
            repr(job.rl), t.global_batch_size, t.train_iters)
     if _LAST_BUILT.get("key") != key:
         rollouts = read_rollouts(list(job.data.paths), vocab_size=job.model.vocab_size)
-        dataset = RolloutDataset(rollouts, t.seq_length, PAD_ID, t.objective, job.rl)
-        check_schedule(dataset, t.global_batch_size, t.train_iters, first_step=0, cfg=job.rl)
+        # train.objective=lm: supervised on the records' responses (their loss masks), no
+        # groups, advantages or staleness.
+        objective = None if t.objective == "lm" else t.objective
+        dataset = RolloutDataset(rollouts, t.seq_length, PAD_ID, objective, job.rl)
+        check_schedule(dataset, t.global_batch_size, t.train_iters, first_step=0,
+                       cfg=job.rl if objective else None)
         _LAST_BUILT.update(key=key, dataset=dataset)
     return _LAST_BUILT["dataset"]
 
