@@ -21,6 +21,10 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import numpy
+
+from glm5_train.rl.records import Rollout
+
 KINDS = {"copy": "C", "reverse": "R", "sum": "S"}
 EOD = 256  # the byte tokenizer's end-of-document id
 SEPARATOR = ord("=")
@@ -124,3 +128,18 @@ class DigitTask:
     def _is_heldout(self, digits: list[int]) -> bool:
         key = f"{self.seed}:bucket:{''.join(map(str, digits))}".encode()
         return hashlib.blake2b(key, digest_size=8).digest()[0] % HELDOUT_BUCKETS == 0
+
+
+def demonstration_records(task: DigitTask, count: int, first: int = 0) -> list[Rollout]:
+    """``count`` solved training prompts as rollout records (response = the answer, reward 1):
+    the supervised warm start (``train.objective=lm`` on them trains the responses only)."""
+    records = []
+    for index in range(first, first + count):
+        prompt = task.prompt(index, "train")
+        answer = task.answer(prompt)
+        records.append(Rollout(numpy.asarray(prompt, dtype=numpy.int64),
+                               numpy.asarray(answer, dtype=numpy.int64),
+                               numpy.ones(len(answer), dtype=numpy.float32),
+                               numpy.zeros(len(answer), dtype=numpy.float32), 1.0,
+                               f"demo{index}", 0))
+    return records

@@ -354,7 +354,7 @@ def _say(message: str) -> None:
 
 def write_version_file(path: str, version: int, dtype: str) -> None:
     """``version.json``: the last file of a version, so a directory holding it is complete."""
-    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
     target = os.path.join(path, VERSION_FILE)
     with open(target + ".tmp", "w") as handle:
         json.dump({"version": version, "dtype": dtype, "written_at": stamp}, handle, indent=2)

@@ -224,13 +224,14 @@ class StreamedRollouts(torch.utils.data.Dataset):
         lag, cap = self.rl.max_policy_lag, self.rl.stream_max_groups
         taken: list[Rollout] = []
         for name in self._ready():
+            if cap is not None and len(groups.trained) >= cap:
+                return groups, True  # later groups are judged by later steps
             rollouts = self._read(name)
-            version = max(r.policy_version for r in rollouts)
-            if version > step_index:
+            if max(r.policy_version for r in rollouts) > step_index:
                 groups.dropped_future.append(name)
             elif lag is not None and step_index - min(r.policy_version for r in rollouts) > lag:
                 groups.dropped_stale.append(name)
-            elif (cap is None or len(groups.trained) < cap) and self._fits(taken + rollouts):
+            elif self._fits(taken + rollouts):
                 groups.trained.append(name)
                 taken += rollouts
             else:
