@@ -240,6 +240,9 @@ def worker_command(run_dir: str, s: LoopSettings, k: int) -> list[str]:
            "--latency-sigma", str(s.latency_sigma), "--seed", str(s.seed)]
     if s.mode == "sync":
         cmd += ["--sync-groups", str(s.groups_per_step)]
+    else:  # each version makes its share of two steps' groups: the learner never starves,
+        # and nothing is made that could only go stale
+        cmd += ["--groups-per-version", str(-(-2 * s.groups_per_step // s.workers))]
     return cmd
 
 

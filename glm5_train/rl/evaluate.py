@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # a bar per loaded version would bury the result lines
+    hf_logging.set_verbosity_error()  # no load report per version (the MTP layer's weights)
     stop = threading.Event()
     stop_on_signals(stop)
     run_evaluator(options, stop)

@@ -81,6 +81,7 @@ class WorkerOptions:
     latency_median_s: float = 1.0
     latency_sigma: float = 1.0
     sync_groups: int | None = None
+    groups_per_version: int | None = None  # async: at most this many groups per version
     max_groups: int | None = None
     seed: int = 0
     max_pending: int = MAX_PENDING
@@ -122,7 +123,8 @@ def options_problem(options: WorkerOptions) -> str | None:
         return (f"--latency-median-s {options.latency_median_s!r} must be > 0 and "
                 f"--latency-sigma {options.latency_sigma!r} >= 0 (a lognormal's median, spread)")
     for name, value in (("--max-groups", options.max_groups),
-                        ("--sync-groups", options.sync_groups)):
+                        ("--sync-groups", options.sync_groups),
+                        ("--groups-per-version", options.groups_per_version)):
         if value is not None and not positive_int(value):
             return f"{name} {value!r} must be an integer >= 1 (or left out)"
     if options.sync_groups is not None and options.worker >= options.sync_groups:
@@ -261,6 +263,7 @@ class RolloutWorker:
         self.pending: list[_Pending] = []
         self.written_this_run = 0
         self._cursor = 0  # every slot below it is written or pending
+        self.made_by_version: dict[int, int] = {}  # groups generated with each version
 
     def run(self) -> int:
         """Generate and write groups until ``max_groups`` or ``stop``; the number written."""
@@ -280,8 +283,19 @@ class RolloutWorker:
                 continue
             if not self._pick_up_latest():
                 return  # stopped while waiting for a first version
+            if self._version_spent():  # write what is due, else nap, then look for a version
+                self._wait_for_pending() if self.pending else self.stop.wait(self.options.poll_s)
+                continue
             self._generate(self._lowest_free_slot())
+            self.made_by_version[self.engine.version] = (
+                self.made_by_version.get(self.engine.version, 0) + 1)
             self._write_due()
+
+    def _version_spent(self) -> bool:
+        """--groups-per-version: this version has made its share; the next must come first
+        (the learner consumes about that many per step: more would only go stale)."""
+        cap = self.options.groups_per_version
+        return cap is not None and self.made_by_version.get(self.engine.version, 0) >= cap
 
     def _run_sync(self) -> None:
         done_version = None
@@ -406,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--latency-sigma", type=float, default=1.0)
     parser.add_argument("--sync-groups", type=int, default=None,
                         help="synchronous RL: groups per step (all workers together)")
+    parser.add_argument("--groups-per-version", type=int, default=None,
+                        help="asynchronous RL: at most this many groups from one version, "
+                             "then wait for the next (more would only go stale)")
     parser.add_argument("--max-groups", type=int, default=None,
                         help="stop after writing this many groups")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
@@ -427,13 +444,17 @@ def main(argv: list[str] | None = None) -> int:
             group_size=args.group_size, task=DigitTask(args.kind, args.digits, args.task_seed),
             latency=args.latency, latency_median_s=args.latency_median_s,
             latency_sigma=args.latency_sigma, sync_groups=args.sync_groups,
-            max_groups=args.max_groups, seed=args.seed)
+            groups_per_version=args.groups_per_version, max_groups=args.max_groups,
+            seed=args.seed)
         set_threads(args.threads)
     except ValueError as err:
         print(f"rollout_worker: {err}", file=sys.stderr)
         return 2
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # a bar per loaded version would bury the group lines
+    # Not the load report of every version: the MTP layer (model.layers.<N>) is in the
+    # published weights for engines that decode speculatively; transformers' model has none.
+    hf_logging.set_verbosity_error()
     stop = threading.Event()
     stop_on_signals(stop)
     RolloutWorker(options, stop).run()
