@@ -1,6 +1,6 @@
 """Asynchronous against synchronous RL on the same task, latency mix and warm start.
 
-    python bench/rl_async.py [--out bench_out/rl_async] [--steps 150] [--latency longtail]
+    python bench/rl_async.py [--out outputs/bench_rl_async] [--steps 150] [--latency longtail]
 
 Runs ``python -m launch.rl`` three times in ``--out``, from one supervised warm start:
 
@@ -133,7 +133,7 @@ def _epoch(stamp: str) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="bench_out/rl_async")
+    p.add_argument("--out", default="outputs/bench_rl_async")
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--mismatch-steps", type=int, default=20)
     p.add_argument("--sft-steps", type=int, default=40)

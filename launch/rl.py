@@ -159,6 +159,7 @@ def warm_start(run_dir: str, s: LoopSettings, overrides: list[str]) -> str:
     _say(f"warm start: {s.sft_steps} supervised steps on {records}")
     status = _run([sys.executable, "-m", "launch.local", f"+experiment={SFT_EXPERIMENT}",
                    f"data.paths=[{records}]", f"train.train_iters={s.sft_steps}",
+                   f"train.warmup_iters={min(10, s.sft_steps // 2)}",
                    f"checkpoint.save={sft}", f"hydra.run.dir={os.path.join(run_dir, 'sft_run')}",
                    *_model_overrides(overrides)])
     if status != 0:
