@@ -132,3 +132,37 @@ def test_a_resumed_trainer_neither_loses_nor_repeats_a_group(tmp_path):
     trained = [name for step in sorted(entries) for name in entries[step]["trained"]]
     assert trained == first + more  # each group once, in arrival order
     assert entries[3]["trained"] == first[8:12] and entries[4]["trained"] == more
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["rl.updates_per_batch=2"], "rl.updates_per_batch=2 with a spool directory"),
+    (["train.objective=lm"], "is a spool directory, read as rollouts arrive, with train.objective=lm"),
+    (["rl.stream_min_groups=0"], "rl.stream_min_groups=0 must be >= 1"),
+    (["rl.stream_max_groups=1", "rl.stream_min_groups=2"], "rl.stream_max_groups=1 must be >="),
+    (["rl.stream_wait_s=0"], "rl.stream_wait_s=0"),
+])
+def test_streaming_configs_that_cannot_run_are_refused_in_one_line(tmp_path, extra, needle):
+    from glm5_train.job_config import compose_job
+
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    overrides = [*STREAM, "model=glm5_tiny", f"data.paths=[{spool}]", *extra]
+    keys = {e.split("=", 1)[0] for e in extra}
+    overrides = [o for o in overrides if o.split("=", 1)[0] not in keys or o in extra]
+    with pytest.raises(ValueError) as refused:
+        compose_job(overrides).validate()
+    assert needle in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_lm_on_records_trains_the_responses_only(tmp_path):
+    """train.objective=lm on rollout records: the supervised warm start. The loss counts the
+    response tokens (their loss masks), not the prompts."""
+    spool = str(tmp_path / "spool")
+    names = write_groups(spool, [0] * GBS)
+    records = str(tmp_path / "records.jsonl")
+    rollouts = read_rollouts([os.path.join(spool, n) for n in names])
+    write_rollouts(records, rollouts)
+    result = run_job(1, ["data=rollouts", "train.objective=lm", "parallel=single",
+                         f"data.paths=[{records}]", "train.train_iters=1",
+                         "model.mtp_loss_weight=0"], str(tmp_path / "run"))
+    assert result.records[0]["loss_tokens"] == sum(len(r.response_ids) for r in rollouts)

@@ -87,7 +87,8 @@ class DigitTask:
         return sum(int(a == b) for a, b in zip(want, got)) / len(want)
 
     def exact(self, prompt_ids: list[int], response_ids: list[int]) -> bool:
-        return list(response_ids)[:self.max_new_tokens] == self.answer(prompt_ids)
+        """Every answer digit right (what follows them, EOD or not, is not judged)."""
+        return self.reward(prompt_ids, response_ids) == 1.0
 
     def text(self, ids: list[int]) -> str:
         """Ids as readable text (EOD as ``<eod>``)."""
