@@ -300,7 +300,7 @@ def test_a_resumed_run_withdraws_versions_past_its_checkpoint(parity_records, tm
     (["dsa=dense_warmup"], "dsa.stage=dense_warmup"),
     (["rl.train_mtp=true", "rl.loss_average=sequence"], "rl.train_mtp=true"),
     (["rl.updates_per_batch=2", "train.objective=dis"], "rl.updates_per_batch=2"),
-    (["train.objective=lm"], "train.objective=lm with data.format=rollouts"),
+    (["data=stdlib"], "train.objective=grpo with data.format=gpt"),
     (["checkpoint.pretrained=''"], "checkpoint.pretrained"),
 ])
 def test_rl_configs_that_cannot_run_are_refused_in_one_line(parity_records, extra, needle):
