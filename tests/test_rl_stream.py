@@ -166,3 +166,17 @@ def test_lm_on_records_trains_the_responses_only(tmp_path):
                          f"data.paths=[{records}]", "train.train_iters=1",
                          "model.mtp_loss_weight=0"], str(tmp_path / "run"))
     assert result.records[0]["loss_tokens"] == sum(len(r.response_ids) for r in rollouts)
+
+
+def test_a_bad_group_file_stops_the_run_in_one_line(tmp_path):
+    spool = str(tmp_path / "spool")
+    write_groups(spool, [0] * GBS)
+    with open(os.path.join(spool, "broken.jsonl"), "w") as handle:
+        handle.write('{"prompt_ids": [1], "response_ids": [2, 3], "rollout_logprobs": [0.5]}\n')
+    os.utime(os.path.join(spool, "broken.jsonl"), (1_600_000_000, 1_600_000_000))  # first
+    with pytest.raises(RuntimeError) as stopped:
+        run_job(2, [*STREAM, "parallel=single", "parallel.data_parallel_size=2",
+                    f"data.paths=[{spool}]", "train.train_iters=1"], str(tmp_path / "run"))
+    errors = [line for line in str(stopped.value).splitlines()
+              if line.startswith("glm5_train: error:")]
+    assert len(errors) == 1 and "broken.jsonl" in errors[0], str(stopped.value)[-3000:]

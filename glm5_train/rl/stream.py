@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from glm5_train.rl.records import Rollout, read_rollouts
+from glm5_train.rl.records import Rollout, RolloutRecordError, read_rollouts
 from glm5_train.rl.rollout_data import PAD_ID, RolloutDataError, RolloutDataset, pack_rollouts
 
 LEDGER_DIR = "rollout_ledger"
@@ -177,7 +177,7 @@ class StreamedRollouts(torch.utils.data.Dataset):
         if dist.get_rank(group) == 0:
             try:
                 decision[0] = self._decide(step_index, stop)
-            except (RolloutStreamError, RolloutDataError) as err:
+            except (RolloutStreamError, RolloutDataError, RolloutRecordError) as err:
                 decision[0] = StepGroups(step_index + 1, step_index, error=str(err))
             if decision[0].error is None and not decision[0].stop:
                 self._write_ledger(decision[0])
@@ -193,8 +193,13 @@ class StreamedRollouts(torch.utils.data.Dataset):
         return groups
 
     def _pack(self, step_index: int, groups: StepGroups) -> None:
+        """Every rank packs the same groups: a refusal (a group GRPO cannot use, a missing
+        teacher log-prob) is raised by all of them alike, one agreed error."""
         rollouts = [r for name in groups.trained for r in self._read(name)]
-        dataset = RolloutDataset(rollouts, self.seq_length, PAD_ID, self.objective, self.rl)
+        try:
+            dataset = RolloutDataset(rollouts, self.seq_length, PAD_ID, self.objective, self.rl)
+        except RolloutDataError as err:
+            raise RolloutStreamError(f"step {groups.step}: {err}") from None
         dataset.members += [[] for _ in range(self.batch - len(dataset.members))]
         self.current, self.current_step = dataset, step_index
         for name in groups.consumed():  # never read again
