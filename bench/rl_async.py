@@ -48,8 +48,7 @@ def run_loop(out: str, name: str, args: argparse.Namespace, mode: str, steps: in
            "--latency-median-s", str(args.latency_median_s),
            "--latency-sigma", str(args.latency_sigma), "--workers", str(args.workers),
            "--eval-every", str(args.eval_every), "--sft-steps", str(args.sft_steps)]
-    if extra:
-        cmd += ["--", *extra]
+    cmd += ["--", "train.log_interval=1", *extra]  # every step's record: the histograms
     print(f"bench: {' '.join(cmd[1:])}", flush=True)
     status = subprocess.call(cmd, cwd=REPO)
     if status != 0:
