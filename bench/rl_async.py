@@ -95,7 +95,7 @@ def run_figures(records: list[dict]) -> dict:
     for r in records:
         for lag, count in r.get("stream_lag_hist", {}).items():
             lags[int(lag)] = lags.get(int(lag), 0) + count
-    mean = lambda key: sum(r[key] for r in records) / len(records)  # noqa: E731
+    mean = lambda key: sum(r[key] for r in records) / len(records)
     return {"steps": len(records), "masked_fraction": mean("rl_masked_fraction"),
             "logp_diff_mean": mean("rl_logp_diff_mean"),
             "logp_diff_max": max(r["rl_logp_diff_max"] for r in records),

@@ -233,11 +233,11 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
     minutes = ckpt.save_interval_minutes if ckpt.save else None
     records = []
     profiler = StepProfiler(run_dir, t.profile_steps, t.profile_shapes, t.profile_memory)
+    stream = rt.dataset if isinstance(rt.dataset, StreamedRollouts) else None
+    if stream is not None:  # the groups consumed; before the first version is published,
+        stream.resume(state.iteration, group=None)  # which engines wait for
     publisher = start_publishing(job, rt, state.iteration)
     group_names = names_of_groups(rt.groups)
-    stream = rt.dataset if isinstance(rt.dataset, StreamedRollouts) else None
-    if stream is not None:  # the groups the checkpoint's steps consumed
-        stream.resume(state.iteration, group=None)
     with StopRequest() as stop:
         boundary = StepBoundary(rt, stop, minutes * 60.0 if minutes else None)
         while state.iteration < t.train_iters:

@@ -115,6 +115,20 @@ def check_settings(s: LoopSettings) -> None:
                         "so a group needs at least 2")
     if s.max_policy_lag < 0:
         raise LoopError(f"--max-policy-lag={s.max_policy_lag} must be >= 0")
+    if s.digits < 3:
+        raise LoopError(f"--digits={s.digits} must be >= 3 (a held-out split needs strings "
+                        "enough: one in 8 is held out)")
+
+
+def check_worker_options(run_dir: str, s: LoopSettings) -> None:
+    """Each worker's command line as the worker will check it, before anything starts."""
+    from glm5_train.rl.rollout_worker import build_parser, options_from_args
+
+    for k in range(s.workers):
+        try:
+            options_from_args(build_parser().parse_args(worker_command(run_dir, s, k)[3:]))
+        except ValueError as err:
+            raise LoopError(f"worker {k}: {err}") from None
 
 
 def remember_settings(run_dir: str, s: LoopSettings) -> None:
@@ -173,11 +187,10 @@ def _model_overrides(overrides: list[str]) -> list[str]:
 
 
 def _checkpoint_step(root: str) -> int | None:
-    try:
-        with open(os.path.join(root, "latest_iteration.txt")) as handle:
-            return int(handle.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
+    """The newest checkpoint's step in ``root`` (None: none)."""
+    from glm5_train.checkpoint import latest_iteration
+
+    return latest_iteration(root) if os.path.isdir(root) else None
 
 
 # ------------------------------------------------------------------------------------------
@@ -275,15 +288,21 @@ def run_loop(run_dir: str, s: LoopSettings, sft: str, overrides: list[str]) -> i
     children = Children()
     logs = os.path.join(run_dir, "logs")
     stop = _StopOnSignal(children)
+    start = _checkpoint_step(os.path.join(run_dir, "rl")) or 0
+    forget_evaluations_after(run_dir, start)
     try:
+        children.start("trainer", trainer_command(run_dir, s, sft, overrides))
+        # The engines start from the version the trainer publishes at its start: after a
+        # resume, versions past its checkpoint are withdrawn and must not be loaded.
+        if not _wait_for_version(run_dir, start, children.procs["trainer"], stop):
+            return _trainer_status(children, stop)
         for k in range(s.workers):
             children.start(f"worker{k}", worker_command(run_dir, s, k),
                            os.path.join(logs, f"worker{k}.log"))
         children.start("evaluator", evaluator_command(run_dir, s),
                        os.path.join(logs, "evaluator.log"))
-        children.start("trainer", trainer_command(run_dir, s, sft, overrides))
         status = _watch(children, s, stop)
-        if status == 0:
+        if status == 0 and not stop.received:
             _wait_for_evaluation(children)
         return status
     finally:
@@ -291,17 +310,57 @@ def run_loop(run_dir: str, s: LoopSettings, sft: str, overrides: list[str]) -> i
         stop.restore()
 
 
+def _wait_for_version(run_dir: str, version: int, trainer: subprocess.Popen,
+                      stop: _StopOnSignal) -> bool:
+    """Until ``latest`` names ``version`` and no newer version is left (False: the trainer
+    ended or a stop signal came first)."""
+    from glm5_train.rl.publisher import complete_versions, latest_version
+
+    versions = os.path.join(run_dir, "versions")
+    while trainer.poll() is None and not stop.received:
+        if (latest_version(versions) == version
+                and max(complete_versions(versions), default=-1) == version):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _trainer_status(children: Children, stop: _StopOnSignal) -> int:
+    status = children.procs["trainer"].wait()
+    return 128 + stop.received if stop.received and status == 0 else status
+
+
+def forget_evaluations_after(run_dir: str, version: int) -> None:
+    """eval.jsonl without the versions past the trainer's checkpoint (withdrawn weights: the
+    resumed run publishes those numbers again, from its own weights)."""
+    path = os.path.join(run_dir, "eval.jsonl")
+    if not os.path.exists(path):
+        return
+    with open(path) as handle:
+        rows = [line for line in handle if line.strip()]
+    kept = [line for line in rows if _version_of(line) is not None
+            and _version_of(line) <= version]
+    if len(kept) == len(rows):
+        return
+    with open(path + ".tmp", "w") as handle:
+        handle.writelines(line if line.endswith("\n") else line + "\n" for line in kept)
+    os.replace(path + ".tmp", path)
+
+
+def _version_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["version"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def _watch(children: Children, s: LoopSettings, stop: _StopOnSignal) -> int:
     """Until the trainer ends: restart a worker that dies; print evaluations as they come."""
     eval_log = _Follower(children.commands["evaluator"][1])
     while True:
         eval_log.relay()
-        status = children.procs["trainer"].poll()
-        if status is not None:
-            return status
-        if stop.received:
-            children.procs["trainer"].wait()
-            return 128 + stop.received
+        if children.procs["trainer"].poll() is not None or stop.received:
+            return _trainer_status(children, stop)
         for k in range(s.workers):
             name = f"worker{k}"
             code = children.procs[name].poll()
@@ -409,6 +468,7 @@ def main(argv: list[str]) -> int:
     try:
         run_dir, settings, overrides = parse_args(argv)
         check_settings(settings)
+        check_worker_options(run_dir, settings)
         remember_settings(run_dir, settings)
         sft = warm_start(run_dir, settings, overrides)
         _say(f"loop: {settings.workers} workers ({settings.mode}, latency {settings.latency}), "

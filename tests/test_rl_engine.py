@@ -22,6 +22,7 @@ import io
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -253,7 +254,10 @@ def test_latency_holds_groups_back_by_their_own_delay(versions, tmp_path):
     assert RolloutWorker(worker_options, out=out).run() == 6
     assert written_slots(spool, 0) == set(range(6))
     delays = {slot: group_latency_s(worker_options, slot) for slot in range(6)}
-    assert delays == {slot: group_latency_s(worker_options, slot) for slot in range(6)}
+    again = options(versions, spool, latency="longtail", latency_median_s=0.05)
+    assert delays == {slot: group_latency_s(again, slot) for slot in range(6)}  # any run
+    other = options(versions, spool, worker=1, latency="longtail", latency_median_s=0.05)
+    assert delays != {slot: group_latency_s(other, slot) for slot in range(6)}
     assert len(set(delays.values())) == 6  # a draw per slot
     for line in out.getvalue().splitlines():  # each line reports its slot's own delay
         slot = int(line.split()[3].split("-")[1])
@@ -273,6 +277,25 @@ def test_worker_picks_up_a_newly_published_version(tmp_path):
     order = [by_slot[slot] for slot in sorted(by_slot)]
     assert order == sorted(order), f"versions went back: {order}"
     assert worker.engine.version == 1
+
+
+def test_groups_of_withdrawn_versions_are_dropped_before_they_are_written(tmp_path):
+    """The trainer resumed from a checkpoint before v1 and withdrew it: groups v1 made that
+    latency still holds back are dropped, their slots free for the resumed run's weights."""
+    versions, spool = str(tmp_path / "versions"), str(tmp_path / "spool")
+    publish(versions, 0)
+    publish(versions, 1, seed=1)
+    worker = RolloutWorker(options(versions, spool, latency="longtail", latency_median_s=60.0),
+                           out=io.StringIO())
+    assert worker._pick_up_latest() and worker.engine.version == 1
+    worker._generate(worker._lowest_free_slot())
+    worker._generate(worker._lowest_free_slot())
+    assert sorted(p.slot for p in worker.pending) == [0, 1]
+    pub.point_latest(versions, "v0")  # the resumed trainer's start version
+    shutil.rmtree(os.path.join(versions, "v1"))
+    assert worker._pick_up_latest() and worker.engine.version == 0
+    assert worker.pending == [] and worker._lowest_free_slot() == 0
+    assert not written_slots(spool, 0)
 
 
 def test_sync_mode_writes_its_share_then_waits(tmp_path):

@@ -27,6 +27,7 @@ import time
 
 import pytest
 
+from glm5_train.checkpoint import latest_iteration
 from glm5_train.rl.records import read_rollouts
 from glm5_train.rl.stream import LEDGER_DIR
 
@@ -107,14 +108,31 @@ def test_the_loop_survives_killing_a_worker_and_the_trainer(tmp_path):
         if first.poll() is None:
             first.kill()
         log.close()
+    checkpoint = latest_iteration(os.path.join(run_dir, "rl"))
+    beyond = {step: entry for step, entry in ledger(run_dir).items() if step > checkpoint}
     first_log = (tmp_path / "first.log").read_text()
     assert "worker0 exited with status -9: restarting it" in first_log, first_log[-3000:]
 
-    second = subprocess.run(loop_command(run_dir), cwd=REPO, capture_output=True, text=True,
+    second = subprocess.run(loop_command(run_dir), check=False, cwd=REPO, capture_output=True,
+                            text=True,
                             timeout=600)
     assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
     assert "warm start" not in second.stdout  # its checkpoint was complete: not redone
     check_records_flowed(run_dir)
+    # The groups the killed attempt took after its checkpoint are trained again (or, made by
+    # its withdrawn versions, set aside and made again): none lost.
+    final = ledger(run_dir)
+    consumed = {n for e in final.values()
+                for n in e["trained"] + e["dropped_stale"] + e["dropped_future"]}
+    for entry in beyond.values():
+        for name in entry["trained"]:
+            assert name in consumed or os.path.exists(os.path.join(spool, f".withdrawn-{name}"))
+    # No slot written twice, but a slot whose group was set aside (made by withdrawn weights).
+    for k in (0, 1):
+        with open(os.path.join(run_dir, "logs", f"worker{k}.log")) as handle:
+            wrote = [line.split()[3] for line in handle if line.split()[2:3] == ["wrote"]]
+        twice = {g for g in wrote if wrote.count(g) > 1}
+        assert all(os.path.exists(os.path.join(spool, f".withdrawn-{g}.jsonl")) for g in twice)
 
 
 def _cmdline(pid: int) -> str:

@@ -92,24 +92,53 @@ def test_a_streamed_spool_trains_as_the_same_records_from_a_file(tmp_path):
         assert record["stream_lag_hist"] == {str(record["step"] - 1): GBS * GROUP}
 
 
-def test_stale_and_withdrawn_groups_are_consumed_untrained(tmp_path):
+def stream_of(spool: str, tmp_path, *extra: str):
+    """The trainer's stream over ``spool``, outside a job (its rank-0 decisions)."""
+    from glm5_train.job_config import compose_job
+    from glm5_train.rl.stream import StreamedRollouts
+
+    return StreamedRollouts(compose_job([*STREAM, "model=glm5_tiny", f"data.paths=[{spool}]",
+                                         f"checkpoint.save={tmp_path / 'ckpt'}", *extra]))
+
+
+def test_stale_groups_are_consumed_untrained(tmp_path):
+    # Step 1 (learner 0): g0-g3. Step 2 (learner 1): g4-g7 (g6 of version 0: lag 1, kept).
+    # Step 3 (learner 2, lag 1): g8, g9 of version 0 are stale; g10-g13 trained.
+    spool = str(tmp_path / "spool")
+    names = write_groups(spool, [0, 0, 0, 0, 1, 1, 0, 1, 0, 0, 2, 2, 1, 2])
+    stream = stream_of(spool, tmp_path, "rl.max_policy_lag=1")
+    decided = []
+    for step in range(3):
+        groups, full = stream._select(step)
+        assert full
+        stream.consumed.update(groups.consumed())
+        decided.append(groups)
+    assert [g.trained for g in decided] == [names[0:4], names[4:8], names[10:14]]
+    assert [g.dropped_stale for g in decided] == [[], [], names[8:10]]
+
+
+def test_groups_made_by_withdrawn_weights_are_set_aside(tmp_path):
+    """A run starting at step 0 finds a group of version 5 in the spool (an earlier attempt's
+    weights, withdrawn): it is renamed aside, never trained, and the run trains the rest."""
     spool, ckpt = str(tmp_path / "spool"), str(tmp_path / "ckpt")
-    # Step 1 (learner 0): g0-g3, and g4 of version 5 (withdrawn weights) before them.
-    # Step 2 (learner 1): g5-g8. Step 3 (learner 2, lag 1): g9, g10 of version 0 are stale.
-    versions = [5, 0, 0, 0, 0, 1, 1, 0, 1, 0, 0, 2, 2, 1, 2]
-    names = write_groups(spool, versions)
+    names = write_groups(spool, [5, 0, 0, 0, 0, 0, 0, 0, 0])
     result = run_job(1, [*STREAM, "parallel=single", f"data.paths=[{spool}]",
-                         "train.train_iters=3", "rl.max_policy_lag=1",
-                         f"checkpoint.save={ckpt}"], str(tmp_path / "run"))
+                         "train.train_iters=2", f"checkpoint.save={ckpt}"],
+                     str(tmp_path / "run"))
+    assert os.path.exists(os.path.join(spool, f".withdrawn-{names[0]}"))
+    assert "rl: set aside 1 rollout groups made by versions above 0" in result.log
     entries = ledger(ckpt)
-    assert entries[1]["dropped_future"] == [names[0]]
-    assert entries[1]["trained"] == names[1:5]
-    assert entries[2]["trained"] == names[5:9] and not entries[2]["dropped_stale"]
-    assert entries[3]["dropped_stale"] == names[9:11]
-    assert entries[3]["trained"] == names[11:15]
-    steps = {r["step"]: r for r in result.records}
-    assert steps[1]["stream_dropped_future"] == 1 and steps[3]["stream_dropped_stale"] == 2
-    assert steps[3]["stream_lag_hist"] == {"0": 3 * GROUP, "1": GROUP}
+    assert entries[1]["trained"] == names[1:5] and entries[2]["trained"] == names[5:9]
+
+
+def test_a_group_from_a_version_the_learner_has_not_reached_is_dropped(tmp_path):
+    """A group arriving during the run from weights newer than the learner's (an engine
+    still holding a withdrawn version) is consumed, never trained."""
+    spool = str(tmp_path / "spool")
+    names = write_groups(spool, [0, 3, 0, 0, 0])
+    groups, full = stream_of(spool, tmp_path)._select(step_index=1)
+    assert groups.dropped_future == [names[1]] and full  # 4 taken: the cap
+    assert groups.trained == [names[0], *names[2:]]
 
 
 def test_a_resumed_trainer_neither_loses_nor_repeats_a_group(tmp_path):
@@ -140,13 +169,17 @@ def test_a_resumed_trainer_neither_loses_nor_repeats_a_group(tmp_path):
     (["rl.stream_min_groups=0"], "rl.stream_min_groups=0 must be >= 1"),
     (["rl.stream_max_groups=1", "rl.stream_min_groups=2"], "rl.stream_max_groups=1 must be >="),
     (["rl.stream_wait_s=0"], "rl.stream_wait_s=0"),
+    (["checkpoint.save=null"], "checkpoint.save is null: the ledger"),
+    (["checkpoint.load=/elsewhere"], "checkpoint.load=/elsewhere with a spool directory"),
+    (["data.num_workers=2"], "data.num_workers=2 with a spool directory"),
 ])
 def test_streaming_configs_that_cannot_run_are_refused_in_one_line(tmp_path, extra, needle):
     from glm5_train.job_config import compose_job
 
     spool = tmp_path / "spool"
     spool.mkdir()
-    overrides = [*STREAM, "model=glm5_tiny", f"data.paths=[{spool}]", *extra]
+    overrides = [*STREAM, "model=glm5_tiny", f"data.paths=[{spool}]",
+                 f"checkpoint.save={tmp_path / 'ckpt'}", *extra]
     keys = {e.split("=", 1)[0] for e in extra}
     overrides = [o for o in overrides if o.split("=", 1)[0] not in keys or o in extra]
     with pytest.raises(ValueError) as refused:
@@ -176,7 +209,8 @@ def test_a_bad_group_file_stops_the_run_in_one_line(tmp_path):
     os.utime(os.path.join(spool, "broken.jsonl"), (1_600_000_000, 1_600_000_000))  # first
     with pytest.raises(RuntimeError) as stopped:
         run_job(2, [*STREAM, "parallel=single", "parallel.data_parallel_size=2",
-                    f"data.paths=[{spool}]", "train.train_iters=1"], str(tmp_path / "run"))
+                    f"data.paths=[{spool}]", "train.train_iters=1",
+                    f"checkpoint.save={tmp_path / 'ckpt'}"], str(tmp_path / "run"))
     errors = [line for line in str(stopped.value).splitlines()
               if line.startswith("glm5_train: error:")]
     assert len(errors) == 1 and "broken.jsonl" in errors[0], str(stopped.value)[-3000:]

@@ -349,8 +349,21 @@ class RolloutWorker:
         engine = load_latest(self.options.versions, stop=self.stop, poll_s=self.options.poll_s)
         if engine is None:
             return False
+        self._drop_withdrawn(engine.version)
         self.engine = engine
         return True
+
+    def _drop_withdrawn(self, newest: int) -> None:
+        """``latest`` went back (the trainer resumed from a checkpoint before versions it had
+        published, and withdrew them): groups held back by latency that those weights made
+        are dropped, their slots made again."""
+        kept = [p for p in self.pending if p.rollouts[0].policy_version <= newest]
+        if len(kept) < len(self.pending):
+            self._say(f"dropped {len(self.pending) - len(kept)} pending groups of versions "
+                      f"above v{newest} (withdrawn by the trainer)")
+            self.pending = kept
+            heapq.heapify(self.pending)
+            self._cursor = 0  # their slots are free again
 
     def _say_if_waiting(self, done_version: int | None) -> None:
         current = latest_version(self.options.versions)
@@ -436,16 +449,21 @@ def stop_on_signals(stop: threading.Event) -> None:
         signal.signal(signum, lambda *_: stop.set())
 
 
+def options_from_args(args: argparse.Namespace) -> WorkerOptions:
+    """The options of a parsed command line (ValueError: the first bad one, in one line)."""
+    return WorkerOptions(
+        versions=args.versions, spool=args.spool, worker=args.worker, workers=args.workers,
+        group_size=args.group_size, task=DigitTask(args.kind, args.digits, args.task_seed),
+        latency=args.latency, latency_median_s=args.latency_median_s,
+        latency_sigma=args.latency_sigma, sync_groups=args.sync_groups,
+        groups_per_version=args.groups_per_version, max_groups=args.max_groups,
+        seed=args.seed)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        options = WorkerOptions(
-            versions=args.versions, spool=args.spool, worker=args.worker, workers=args.workers,
-            group_size=args.group_size, task=DigitTask(args.kind, args.digits, args.task_seed),
-            latency=args.latency, latency_median_s=args.latency_median_s,
-            latency_sigma=args.latency_sigma, sync_groups=args.sync_groups,
-            groups_per_version=args.groups_per_version, max_groups=args.max_groups,
-            seed=args.seed)
+        options = options_from_args(args)
         set_threads(args.threads)
     except ValueError as err:
         print(f"rollout_worker: {err}", file=sys.stderr)

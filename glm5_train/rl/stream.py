@@ -48,10 +48,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from glm5_train.rl.records import Rollout, RolloutRecordError, read_rollouts
+from glm5_train.rl.records import Rollout, read_rollouts
 from glm5_train.rl.rollout_data import PAD_ID, RolloutDataError, RolloutDataset, pack_rollouts
+from parallel.device import comm_device
 
 LEDGER_DIR = "rollout_ledger"
+WITHDRAWN = ".withdrawn-"  # prefix of a group set aside at resume (made by withdrawn weights)
 _LEDGER_FILE = re.compile(r"^step_(\d+)\.json$")
 
 
@@ -74,6 +76,21 @@ def check_spool_config(job) -> None:
         raise ValueError(f"data.paths=[{paths[0]}] is a spool directory, read as rollouts "
                          "arrive, with train.objective=lm: supervised training reads record "
                          "files; give .jsonl/.parquet files, or set train.objective=grpo")
+    ckpt = job.checkpoint
+    if not ckpt.save:
+        raise ValueError(f"data.paths=[{paths[0]}] is a spool directory and checkpoint.save is "
+                         "null: the ledger of the groups each step consumed lives beside the "
+                         "checkpoints (a resumed run must not train a group twice); set "
+                         "checkpoint.save=<directory>")
+    if ckpt.load not in ("auto", ckpt.save):
+        raise ValueError(f"checkpoint.load={ckpt.load} with a spool directory: the rollout "
+                         f"ledger is the one in checkpoint.save={ckpt.save}, so the run must "
+                         "resume from there; set checkpoint.load=auto (a new stage from other "
+                         "weights: checkpoint.pretrained=<directory>)")
+    if job.data.num_workers:
+        raise ValueError(f"data.num_workers={job.data.num_workers} with a spool directory: the "
+                         "step's groups are decided as it starts, in this process; set "
+                         "data.num_workers=0")
     if rl.updates_per_batch != 1:
         raise ValueError(f"rl.updates_per_batch={rl.updates_per_batch} with a spool directory: "
                          "each streamed step trains the groups ready then, once; set "
@@ -149,44 +166,81 @@ class StreamedRollouts(torch.utils.data.Dataset):
     # -- resuming -------------------------------------------------------------------------
 
     def resume(self, iteration: int, group) -> None:
-        """The groups consumed by the steps up to ``iteration`` (the checkpoint's); later
-        ledger entries are removed (rank 0) so their groups are read again. Collective."""
-        if dist.get_rank(group) == 0 and self.ledger:
-            os.makedirs(self.ledger, exist_ok=True)
-            for name in sorted(os.listdir(self.ledger)):
-                match = _LEDGER_FILE.match(name)
-                if not match:
-                    continue
-                path = os.path.join(self.ledger, name)
-                if int(match.group(1)) > iteration:
-                    os.remove(path)
-                else:
-                    with open(path) as handle:
-                        self.consumed.update(StepGroups(**json.load(handle)).consumed())
-        held = [sorted(self.consumed)]
-        dist.broadcast_object_list(held, src=_global_rank0(group), group=group)
-        self.consumed = set(held[0])
+        """Before the first step (and before the run publishes its first version): the
+        groups consumed by the steps up to ``iteration`` (the checkpoint's) are those of the
+        ledger's entries up to it; later entries are removed so their groups are read again;
+        groups not consumed yet that were made by a version above ``iteration`` (weights of
+        the stopped attempt, which this run withdraws) are set aside, renamed
+        ``.withdrawn-<name>``: a worker makes their slots again from this run's weights.
+        Collective; a failure on rank 0 is raised on every rank."""
+        outcome = [None, []]
+        if dist.get_rank(group) == 0:
+            try:
+                outcome[1] = self._read_ledger(iteration)
+                withdrawn = self._set_aside_withdrawn(iteration, set(outcome[1]))
+                if withdrawn:
+                    print(f"rl: set aside {len(withdrawn)} rollout groups made by versions "
+                          f"above {iteration} (weights the stopped attempt had and this run "
+                          f"withdraws): {self.spool}/.withdrawn-*", flush=True)
+            except Exception as err:  # noqa: BLE001 (one agreed error, not a hang)
+                outcome[0] = f"reading the rollout ledger {self.ledger}: {one_line(err)}"
+        dist.broadcast_object_list(outcome, src=_global_rank0(group), group=group)
+        if outcome[0] is not None:
+            raise RolloutStreamError(outcome[0])
+        self.consumed = set(outcome[1])
+
+    def _read_ledger(self, iteration: int) -> list[str]:
+        consumed: set[str] = set()
+        if not self.ledger:
+            return []
+        os.makedirs(self.ledger, exist_ok=True)
+        for name in sorted(os.listdir(self.ledger)):
+            match = _LEDGER_FILE.match(name)
+            if not match:
+                continue
+            path = os.path.join(self.ledger, name)
+            if int(match.group(1)) > iteration:
+                os.remove(path)
+            else:
+                with open(path) as handle:
+                    consumed.update(StepGroups(**json.load(handle)).consumed())
+        return sorted(consumed)
+
+    def _set_aside_withdrawn(self, iteration: int, consumed: set[str]) -> list[str]:
+        self.consumed = consumed
+        withdrawn = [name for name in self._ready()
+                     if max(r.policy_version for r in self._read(name)) > iteration]
+        for name in withdrawn:
+            os.replace(os.path.join(self.spool, name),
+                       os.path.join(self.spool, f"{WITHDRAWN}{name}"))
+            self._groups.pop(name, None)
+        return withdrawn
 
     # -- one step -------------------------------------------------------------------------
 
     def prepare_step(self, step_index: int, group, stop=None) -> StepGroups:
         """Decide (rank 0), share and pack step ``step_index``'s groups (0-based: the
-        learner's version). Collective over ``group``. ``stop``: a StopRequest, checked
-        while waiting."""
-        decision = [None]
-        if dist.get_rank(group) == 0:
-            try:
-                decision[0] = self._decide(step_index, stop)
-            except (RolloutStreamError, RolloutDataError, RolloutRecordError) as err:
-                decision[0] = StepGroups(step_index + 1, step_index, error=str(err))
-            if decision[0].error is None and not decision[0].stop:
-                self._write_ledger(decision[0])
+        learner's version). Collective over ``group``: while rank 0 waits for groups, every
+        rank takes part in one small all-reduce per poll (ready, a stop signal on any rank),
+        so no rank sits in one collective for minutes (NCCL's watchdog would abort it) and a
+        stop signal reaching any rank is seen. ``stop``: a StopRequest."""
+        started, decision = time.monotonic(), [None]
+        while True:
+            if dist.get_rank(group) == 0:
+                decision[0] = self._try_decide(step_index, started)
+            flags = torch.tensor([float(decision[0] is not None),
+                                  float(bool(stop is not None and stop.received))],
+                                 device=comm_device())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+            if flags[0] > 0:
+                break
+            if flags[1] > 0:
+                return StepGroups(step_index + 1, step_index, stop=True)
+            time.sleep(self.rl.stream_poll_s)
         dist.broadcast_object_list(decision, src=_global_rank0(group), group=group)
         groups: StepGroups = decision[0]
         if groups.error is not None:
             raise RolloutStreamError(groups.error)
-        if groups.stop:
-            return groups
         self.consumed.update(groups.consumed())
         self._pack(step_index, groups)
         self.last = groups
@@ -205,22 +259,24 @@ class StreamedRollouts(torch.utils.data.Dataset):
         for name in groups.consumed():  # never read again
             self._groups.pop(name, None)
 
-    def _decide(self, step_index: int, stop) -> StepGroups:
-        started = time.monotonic()
-        while True:
+    def _try_decide(self, step_index: int, started: float) -> StepGroups | None:
+        """Rank 0: the step's groups if it can start now (written to the ledger), an error
+        decision past rl.stream_wait_s or on any failure, else None (poll again)."""
+        try:
             groups, full = self._select(step_index)
             if len(groups.trained) >= self.rl.stream_min_groups or full:
                 groups.wait_s = time.monotonic() - started
+                self._write_ledger(groups)
                 return groups
-            if stop is not None and stop.received:
-                return StepGroups(step_index + 1, step_index, stop=True)
             if time.monotonic() - started > self.rl.stream_wait_s:
                 raise RolloutStreamError(
                     f"step {step_index + 1} waited rl.stream_wait_s={self.rl.stream_wait_s} s "
                     f"for rl.stream_min_groups={self.rl.stream_min_groups} fresh groups in "
                     f"{self.spool} and has {len(groups.trained)}: are the rollout engines "
                     "running and writing there? (python -m launch.rl starts them)")
-            time.sleep(self.rl.stream_poll_s)
+            return None
+        except Exception as err:  # noqa: BLE001 (one agreed error on every rank, not a hang)
+            return StepGroups(step_index + 1, step_index, error=one_line(err))
 
     def _select(self, step_index: int) -> tuple[StepGroups, bool]:
         """One pass over the ready groups (rules 1-3 of the module docstring); True with it:
@@ -296,6 +352,10 @@ class StreamedRollouts(torch.utils.data.Dataset):
                 "stream_dropped_future": len(groups.dropped_future),
                 "stream_wait_s": round(groups.wait_s, 3),
                 "stream_lag_hist": dict(sorted(lags.items(), key=lambda kv: int(kv[0])))}
+
+
+def one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
 
 
 def _global_rank0(group) -> int:
