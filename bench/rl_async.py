@@ -104,6 +104,20 @@ def run_figures(records: list[dict]) -> dict:
             "lag_hist": dict(sorted(lags.items()))}
 
 
+def mismatch_line(runs: dict[str, str], steps: int) -> str:
+    """The two engines' mismatch over the same first steps, indexer frozen against trained
+    (sync runs: every trained token is of the learner's own version)."""
+    parts = []
+    for name, label in (("sync", "frozen indexer"), ("sync_trained_indexer", "trained indexer")):
+        records = metrics(runs[name])[:steps]
+        mean = sum(r["rl_logp_diff_mean"] for r in records) / len(records)
+        worst = max(r["rl_logp_diff_max"] for r in records)
+        masked = sum(r["rl_masked_fraction"] for r in records) / len(records)
+        parts.append(f"{label}: mean={mean:.5f} max={worst:.3f} masked={masked:.2e}")
+    return f"mismatch |log pi_train - log pi_rollout|, first {steps} sync steps: " + \
+        "; ".join(parts)
+
+
 def draw(out: str, curves: dict[str, list[dict]], target: float) -> str:
     import matplotlib
 
@@ -163,6 +177,7 @@ def main() -> None:
                        wall_s=rows[-1]["wall_s"])
         print(f"{name}: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                      for k, v in figures.items()))
+    print(mismatch_line(runs, args.mismatch_steps))
     print(f"picture: {draw(out, curves, target)}")
     print(f"target held-out reward {target:.3f} (warm start {start:.3f})")
     ratio = ours / baseline if ours is not None and baseline else float("nan")

@@ -101,7 +101,7 @@ def parse_args(argv: list[str]) -> tuple[str, LoopSettings, list[str]]:
         else:
             p.add_argument(flag, type=type(value), default=value)
     args = vars(p.parse_args(argv))
-    run_dir = args.pop("run_dir")
+    run_dir = os.path.abspath(args.pop("run_dir"))  # the children run in the repository
     return run_dir, LoopSettings(**args), overrides
 
 
