@@ -29,7 +29,7 @@ import pytest
 
 from glm5_train.checkpoint import latest_iteration
 from glm5_train.rl.records import read_rollouts
-from glm5_train.rl.stream import LEDGER_DIR
+from glm5_train.rl.stream import read_ledger
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, GROUPS_PER_STEP, LAG = 6, 2, 4
@@ -75,13 +75,8 @@ def worker_files(spool: str, worker: int) -> list[str]:
 
 
 def ledger(run_dir: str) -> dict[int, dict]:
-    root = os.path.join(run_dir, "rl", LEDGER_DIR)
-    entries = {}
-    for name in os.listdir(root):
-        with open(os.path.join(root, name)) as handle:
-            entry = json.load(handle)
-        entries[entry["step"]] = entry
-    return entries
+    return {step: vars(entry)
+            for step, entry in read_ledger(os.path.join(run_dir, "rl")).items()}
 
 
 @pytest.mark.timeout(900)

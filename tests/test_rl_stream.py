@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -20,7 +19,7 @@ import numpy
 import pytest
 
 from glm5_train.rl.records import Rollout, read_rollouts, write_rollouts
-from glm5_train.rl.stream import LEDGER_DIR
+from glm5_train.rl.stream import read_ledger
 from tests.parity import FP32, assert_layout_ran, compare, one_process, run_job
 
 VOCAB, SEQ, GBS = 320, 64, 4
@@ -62,13 +61,7 @@ def write_groups(spool: str, versions: list[int], first: int = 0, seed: int = 0)
 
 
 def ledger(checkpoints: str) -> dict[int, dict]:
-    root = os.path.join(checkpoints, LEDGER_DIR)
-    entries = {}
-    for name in os.listdir(root):
-        with open(os.path.join(root, name)) as handle:
-            entry = json.load(handle)
-        entries[entry["step"]] = entry
-    return entries
+    return {step: vars(entry) for step, entry in read_ledger(checkpoints).items()}
 
 
 def test_a_streamed_spool_trains_as_the_same_records_from_a_file(tmp_path):

@@ -144,3 +144,15 @@ def demonstration_records(task: DigitTask, count: int, first: int = 0) -> list[R
                                numpy.zeros(len(answer), dtype=numpy.float32), 1.0,
                                f"demo{index}", 0))
     return records
+
+
+def add_task_arguments(parser) -> None:
+    """The task's flags (``--kind``, ``--digits``, ``--task-seed``) on an argparse parser;
+    ``task_from_args`` reads them back."""
+    parser.add_argument("--kind", choices=sorted(KINDS), required=True)
+    parser.add_argument("--digits", type=int, required=True)
+    parser.add_argument("--task-seed", type=int, required=True)
+
+
+def task_from_args(args) -> DigitTask:
+    return DigitTask(args.kind, args.digits, args.task_seed)

@@ -29,7 +29,7 @@ import threading
 from dataclasses import dataclass
 from typing import TextIO
 
-from glm5_train.rl.digit_task import KINDS, DigitTask
+from glm5_train.rl.digit_task import DigitTask, add_task_arguments, task_from_args
 from glm5_train.rl.engine import POLL_S, HfEngine, load_latest, set_threads
 from glm5_train.rl.publisher import latest_version
 from glm5_train.rl.rollout_worker import stop_on_signals
@@ -155,9 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Evaluate each published version on held-out prompts.")
     parser.add_argument("--versions", required=True, help="the publisher's directory of versions")
     parser.add_argument("--out", required=True, help="jsonl file the records are appended to")
-    parser.add_argument("--kind", choices=sorted(KINDS), required=True)
-    parser.add_argument("--digits", type=int, required=True)
-    parser.add_argument("--task-seed", type=int, required=True)
+    add_task_arguments(parser)
     parser.add_argument("--prompts", type=int, default=128, help="held-out prompts 0..P-1")
     parser.add_argument("--every", type=int, default=1, help="evaluate versions divisible by this")
     parser.add_argument("--until-version", type=int, default=None,
@@ -172,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         options = EvalOptions(versions=args.versions, out=args.out,
-                              task=DigitTask(args.kind, args.digits, args.task_seed),
+                              task=task_from_args(args),
                               prompts=args.prompts, every=args.every,
                               until_version=args.until_version, stop_file=args.stop_file,
                               seed=args.seed)

@@ -51,7 +51,7 @@ from typing import TextIO
 
 import numpy
 
-from glm5_train.rl.digit_task import KINDS, DigitTask
+from glm5_train.rl.digit_task import DigitTask, add_task_arguments, task_from_args
 from glm5_train.rl.engine import POLL_S, HfEngine, load_latest, set_threads
 from glm5_train.rl.publisher import complete_versions, latest_version
 from glm5_train.rl.records import Rollout, write_rollouts
@@ -425,9 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--worker", type=int, required=True, help="this worker's number K")
     parser.add_argument("--workers", type=int, required=True, help="how many workers W")
     parser.add_argument("--group-size", type=int, required=True, help="rollouts per prompt G")
-    parser.add_argument("--kind", choices=sorted(KINDS), required=True)
-    parser.add_argument("--digits", type=int, required=True)
-    parser.add_argument("--task-seed", type=int, required=True)
+    add_task_arguments(parser)
     parser.add_argument("--latency", choices=LATENCIES, default="none")
     parser.add_argument("--latency-median-s", type=float, default=1.0)
     parser.add_argument("--latency-sigma", type=float, default=1.0)
@@ -453,7 +451,7 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
     """The options of a parsed command line (ValueError: the first bad one, in one line)."""
     return WorkerOptions(
         versions=args.versions, spool=args.spool, worker=args.worker, workers=args.workers,
-        group_size=args.group_size, task=DigitTask(args.kind, args.digits, args.task_seed),
+        group_size=args.group_size, task=task_from_args(args),
         latency=args.latency, latency_median_s=args.latency_median_s,
         latency_sigma=args.latency_sigma, sync_groups=args.sync_groups,
         groups_per_version=args.groups_per_version, max_groups=args.max_groups,

@@ -354,6 +354,17 @@ class StreamedRollouts(torch.utils.data.Dataset):
                 "stream_lag_hist": dict(sorted(lags.items(), key=lambda kv: int(kv[0])))}
 
 
+def read_ledger(checkpoint_root: str) -> dict[int, StepGroups]:
+    """The rollout ledger beside a run's checkpoints, by step (for tools and tests)."""
+    root, entries = os.path.join(checkpoint_root, LEDGER_DIR), {}
+    for name in os.listdir(root):
+        if _LEDGER_FILE.match(name):
+            with open(os.path.join(root, name)) as handle:
+                entry = StepGroups(**json.load(handle))
+            entries[entry.step] = entry
+    return entries
+
+
 def one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
