@@ -45,7 +45,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # run as `python launch/rl.py` too
     sys.path.insert(0, REPO)
 
+from glm5_train.checkpoint import latest_iteration  # noqa: E402
 from glm5_train.preemption import parent_death_signal  # noqa: E402
+from glm5_train.rl.digit_task import DigitTask, demonstration_records  # noqa: E402
+from glm5_train.rl.publisher import complete_versions, latest_version  # noqa: E402
+from glm5_train.rl.records import write_rollouts  # noqa: E402
+from glm5_train.rl.rollout_worker import build_parser, options_from_args  # noqa: E402
 
 SFT_EXPERIMENT = "glm5_rl_digits_sft"
 RL_EXPERIMENT = "glm5_rl_digits"
@@ -122,8 +127,6 @@ def check_settings(s: LoopSettings) -> None:
 
 def check_worker_options(run_dir: str, s: LoopSettings) -> None:
     """Each worker's command line as the worker will check it, before anything starts."""
-    from glm5_train.rl.rollout_worker import build_parser, options_from_args
-
     for k in range(s.workers):
         try:
             options_from_args(build_parser().parse_args(worker_command(run_dir, s, k)[3:]))
@@ -159,9 +162,6 @@ def warm_start(run_dir: str, s: LoopSettings, overrides: list[str]) -> str:
     sft = os.path.join(run_dir, "sft")
     if _checkpoint_step(sft) == s.sft_steps:
         return sft
-    from glm5_train.rl.digit_task import DigitTask, demonstration_records
-    from glm5_train.rl.records import write_rollouts
-
     records = os.path.join(run_dir, "sft_records.jsonl")
     if not os.path.exists(records):
         # One demonstration per packed slot of every step: 6 per 128-token sequence.
@@ -188,8 +188,6 @@ def _model_overrides(overrides: list[str]) -> list[str]:
 
 def _checkpoint_step(root: str) -> int | None:
     """The newest checkpoint's step in ``root`` (None: none)."""
-    from glm5_train.checkpoint import latest_iteration
-
     return latest_iteration(root) if os.path.isdir(root) else None
 
 
@@ -314,8 +312,6 @@ def _wait_for_version(run_dir: str, version: int, trainer: subprocess.Popen,
                       stop: _StopOnSignal) -> bool:
     """Until ``latest`` names ``version`` and no newer version is left (False: the trainer
     ended or a stop signal came first)."""
-    from glm5_train.rl.publisher import complete_versions, latest_version
-
     versions = os.path.join(run_dir, "versions")
     while trainer.poll() is None and not stop.received:
         if (latest_version(versions) == version
