@@ -46,6 +46,7 @@ if REPO not in sys.path:  # run as `python launch/rl.py` too
     sys.path.insert(0, REPO)
 
 from glm5_train.checkpoint import latest_iteration  # noqa: E402
+from glm5_train.job_config import CONFIG_ERRORS, compose_job, one_line  # noqa: E402
 from glm5_train.preemption import parent_death_signal  # noqa: E402
 from glm5_train.rl.digit_task import DigitTask, demonstration_records  # noqa: E402
 from glm5_train.rl.publisher import complete_versions, latest_version  # noqa: E402
@@ -123,6 +124,27 @@ def check_settings(s: LoopSettings) -> None:
     if s.digits < 3:
         raise LoopError(f"--digits={s.digits} must be >= 3 (a held-out split needs strings "
                         "enough: one in 8 is held out)")
+
+
+def check_trainer_config(run_dir: str, s: LoopSettings, overrides: list[str]) -> None:
+    """The trainer's config composes, and a step's groups fit its batch: otherwise a step
+    would take fewer groups than --groups-per-step and the rest would go stale."""
+    try:
+        job = compose_job([f"+experiment={RL_EXPERIMENT}",
+                           f"data.paths=[{os.path.join(run_dir, 'spool')}]", *overrides])
+    except CONFIG_ERRORS as err:
+        raise LoopError(f"the trainer's config: {one_line(err)}") from None
+    task, t = DigitTask(s.kind, s.digits), job.train
+    length = task.prompt_length + task.max_new_tokens
+    per_sequence = t.seq_length // length
+    rollouts = s.groups_per_step * s.group_size
+    needed = -(-rollouts // per_sequence) if per_sequence else None
+    if needed is None or needed > t.global_batch_size:
+        raise LoopError(
+            f"a step's {s.groups_per_step} groups x {s.group_size} rollouts of {length} tokens "
+            f"need {needed or 'more'} sequences of train.seq_length={t.seq_length}, and "
+            f"train.global_batch_size={t.global_batch_size}: lower --groups-per-step or "
+            f"--group-size, or pass -- train.global_batch_size=<at least {needed}>")
 
 
 def check_worker_options(run_dir: str, s: LoopSettings) -> None:
@@ -465,6 +487,7 @@ def main(argv: list[str]) -> int:
         run_dir, settings, overrides = parse_args(argv)
         check_settings(settings)
         check_worker_options(run_dir, settings)
+        check_trainer_config(run_dir, settings, overrides)
         remember_settings(run_dir, settings)
         sft = warm_start(run_dir, settings, overrides)
         _say(f"loop: {settings.workers} workers ({settings.mode}, latency {settings.latency}), "

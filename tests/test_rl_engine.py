@@ -92,6 +92,12 @@ def options(versions: str, spool: str, **overrides) -> WorkerOptions:
     return WorkerOptions(**{**fields, **overrides})
 
 
+def spool_files(spool: str) -> list[str]:
+    """The spool's files but the workers' claims (``.lock-w<K>``, kept: a lock file is never
+    removed, or two processes could each lock a different file of the same name)."""
+    return [n for n in os.listdir(spool) if not n.startswith(".lock-")]
+
+
 def spool_versions(spool: str, worker: int) -> dict[int, int]:
     """slot -> policy_version of every group file of ``worker``."""
     return {slot: read_rollouts([group_path(spool, worker, slot)])[0].policy_version
@@ -208,7 +214,7 @@ def test_worker_writes_well_formed_groups(versions, engine, tmp_path):
     out = io.StringIO()
     wrote = RolloutWorker(options(versions, spool, worker=1, workers=2, max_groups=3),
                           out=out).run()
-    assert wrote == 3 and sorted(os.listdir(spool)) == [
+    assert wrote == 3 and sorted(spool_files(spool)) == [
         f"w001-000000{slot}.jsonl" for slot in range(3)]
     for slot in range(3):
         rollouts = read_rollouts([group_path(spool, 1, slot)], vocab_size=VOCAB)
@@ -262,7 +268,7 @@ def test_latency_holds_groups_back_by_their_own_delay(versions, tmp_path):
     for line in out.getvalue().splitlines():  # each line reports its slot's own delay
         slot = int(line.split()[3].split("-")[1])
         assert line.endswith(f"latency={delays[slot]:.1f}s")
-    assert not [n for n in os.listdir(spool) if n.startswith(".")]
+    assert not [n for n in spool_files(spool) if n.startswith(".")]
 
 
 def test_worker_picks_up_a_newly_published_version(tmp_path):
@@ -296,6 +302,17 @@ def test_groups_of_withdrawn_versions_are_dropped_before_they_are_written(tmp_pa
     assert worker._pick_up_latest() and worker.engine.version == 0
     assert worker.pending == [] and worker._lowest_free_slot() == 0
     assert not written_slots(spool, 0)
+
+
+def test_a_second_process_as_the_same_worker_is_refused(versions, tmp_path):
+    spool = str(tmp_path / "spool")
+    first = RolloutWorker(options(versions, spool, max_groups=1), out=io.StringIO())
+    with pytest.raises(ValueError, match="worker 0 is already running on"):
+        RolloutWorker(options(versions, spool), out=io.StringIO())
+    RolloutWorker(options(versions, spool, worker=1), out=io.StringIO())  # another worker
+    assert first.run() == 1  # done: the claim goes with it
+    assert RolloutWorker(options(versions, spool, max_groups=1), out=io.StringIO()).run() == 1
+    assert written_slots(spool, 0) == {0, 1}
 
 
 def test_sync_mode_writes_its_share_then_waits(tmp_path):
@@ -337,7 +354,7 @@ def test_worker_cli_stops_on_sigterm_leaving_whole_files(versions, tmp_path):
     finally:
         if process.poll() is None:
             process.kill()
-    names = os.listdir(spool)
+    names = spool_files(spool)
     assert names and not [n for n in names if n.startswith(".")]
     read_rollouts([os.path.join(spool, n) for n in names], vocab_size=VOCAB)
 

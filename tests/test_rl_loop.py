@@ -168,3 +168,20 @@ def check_records_flowed(run_dir: str) -> None:
     with open(os.path.join(run_dir, "rl_run", "metrics.jsonl")) as handle:
         steps = [json.loads(line)["step"] for line in handle if line.strip()]
     assert steps == list(range(1, STEPS + 1))  # each step once in the surviving history
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--group-size", "16"], "need 16 sequences of train.seq_length=128"),
+    (["--", "train.bogus=1"], "the trainer's config: Could not override 'train.bogus'"),
+    (["--mode", "sync", "--workers", "8", "--groups-per-step", "6"], "worker 6: --worker 6"),
+    (["--digits", "2"], "--digits=2 must be >= 3"),
+])
+def test_loops_that_cannot_run_are_refused_before_anything_starts(tmp_path, capsys, args,
+                                                                   needle):
+    from launch.rl import main
+
+    run_dir = tmp_path / "loop"
+    assert main(["--run-dir", str(run_dir), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("launch.rl: error: ") and needle in err[0], err
+    assert not run_dir.exists()  # nothing written, no warm start

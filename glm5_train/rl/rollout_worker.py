@@ -36,6 +36,7 @@ each worker, for the j with ``j * W + K < N``.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import heapq
 import math
@@ -158,6 +159,21 @@ def written_slots(spool: str, worker: int) -> set[int]:
     return {int(m.group(1)) for m in map(pattern.match, os.listdir(spool)) if m}
 
 
+def claim_worker(spool: str, worker: int):
+    """Hold ``<spool>/.lock-w{K:03d}`` (an exclusive flock, released when the process ends or
+    the handle closes): two processes started as the same worker would overwrite each other's
+    groups and delete each other's staged files. ValueError when another holds it."""
+    path = os.path.join(spool, f".lock-w{worker:03d}")
+    handle = open(path, "a")  # noqa: SIM115 (held for the worker's life)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise ValueError(f"worker {worker} is already running on {spool} (another process "
+                         f"holds {path}): give each worker its own --worker number") from None
+    return handle
+
+
 def remove_own_leftovers(spool: str, worker: int) -> list[str]:
     """Delete this worker's staged files (names starting ``.w{K:03d}-``) that a kill left
     behind; never another worker's. The names removed."""
@@ -258,6 +274,7 @@ class RolloutWorker:
         self.out = out or sys.stdout
         self.engine: HfEngine | None = None
         os.makedirs(options.spool, exist_ok=True)
+        self._claim = claim_worker(options.spool, options.worker)
         self.removed = remove_own_leftovers(options.spool, options.worker)
         self.written = written_slots(options.spool, options.worker)
         self.pending: list[_Pending] = []
@@ -272,6 +289,7 @@ class RolloutWorker:
         else:
             self._run_sync()
         self.pending.clear()  # dropped: their slots are not written, a restart regenerates them
+        self._claim.close()  # another process may be this worker now
         return self.written_this_run
 
     # -- the two modes --------------------------------------------------------------------
@@ -463,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = options_from_args(args)
         set_threads(args.threads)
+        stop = threading.Event()
+        worker = RolloutWorker(options, stop)
     except ValueError as err:
         print(f"rollout_worker: {err}", file=sys.stderr)
         return 2
@@ -471,9 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     # Not the load report of every version: the MTP layer (model.layers.<N>) is in the
     # published weights for engines that decode speculatively; transformers' model has none.
     hf_logging.set_verbosity_error()
-    stop = threading.Event()
     stop_on_signals(stop)
-    RolloutWorker(options, stop).run()
+    worker.run()
     return 0
 
 
