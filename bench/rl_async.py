@@ -25,7 +25,6 @@ curves over wall time into ``--out``/rl_async.png.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -33,6 +32,10 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as `python bench/rl_async.py`
+    sys.path.insert(0, REPO)
+
+from glm5_train.rl.publisher import written_at_seconds  # noqa: E402
 
 
 def run_loop(out: str, name: str, args: argparse.Namespace, mode: str, steps: int,
@@ -75,9 +78,9 @@ def evaluations(run_dir: str) -> list[dict]:
     with open(os.path.join(run_dir, "eval.jsonl")) as handle:
         rows = sorted((json.loads(line) for line in handle if line.strip()),
                       key=lambda r: r["version"])
-    start = _epoch(rows[0]["written_at"])
+    start = written_at_seconds(rows[0]["written_at"])
     for row in rows:
-        row["wall_s"] = _epoch(row["written_at"]) - start
+        row["wall_s"] = written_at_seconds(row["written_at"]) - start
     return rows
 
 
@@ -138,10 +141,6 @@ def draw(out: str, curves: dict[str, list[dict]], target: float) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
-
-
-def _epoch(stamp: str) -> float:
-    return datetime.datetime.fromisoformat(stamp).timestamp()
 
 
 def main() -> None:

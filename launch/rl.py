@@ -32,7 +32,6 @@ a lognormal (median ``--latency-median-s``), standing for tool calls and builds.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import signal
@@ -49,7 +48,11 @@ from glm5_train.checkpoint import latest_iteration  # noqa: E402
 from glm5_train.job_config import CONFIG_ERRORS, compose_job, one_line  # noqa: E402
 from glm5_train.preemption import parent_death_signal  # noqa: E402
 from glm5_train.rl.digit_task import DigitTask, demonstration_records  # noqa: E402
-from glm5_train.rl.publisher import complete_versions, latest_version  # noqa: E402
+from glm5_train.rl.publisher import (  # noqa: E402
+    complete_versions,
+    latest_version,
+    written_at_seconds,
+)
 from glm5_train.rl.records import write_rollouts  # noqa: E402
 from glm5_train.rl.rollout_worker import build_parser, options_from_args  # noqa: E402
 
@@ -186,10 +189,9 @@ def warm_start(run_dir: str, s: LoopSettings, overrides: list[str]) -> str:
         return sft
     records = os.path.join(run_dir, "sft_records.jsonl")
     if not os.path.exists(records):
-        # One demonstration per packed slot of every step: 6 per 128-token sequence.
-        count = s.sft_steps * 8 * (128 // (DigitTask(s.kind, s.digits).prompt_length
-                                           + DigitTask(s.kind, s.digits).max_new_tokens))
+        # One demonstration per packed slot of every step (the SFT preset: 8 x 128 tokens).
         task = DigitTask(s.kind, s.digits, s.task_seed)
+        count = s.sft_steps * 8 * (128 // (task.prompt_length + task.max_new_tokens))
         write_rollouts(records + ".tmp.jsonl", demonstration_records(task, count))
         os.replace(records + ".tmp.jsonl", records)
     _say(f"warm start: {s.sft_steps} supervised steps on {records}")
@@ -456,16 +458,11 @@ def summary(run_dir: str) -> str:
     rows.sort(key=lambda r: r["version"])
     first, last = rows[0], rows[-1]
     best = max(rows, key=lambda r: r["reward"])
-    span = _epoch(last["written_at"]) - _epoch(first["written_at"])
+    span = written_at_seconds(last["written_at"]) - written_at_seconds(first["written_at"])
     return (f"rl: held-out reward {first['reward']:.3f} at version {first['version']} -> "
             f"{last['reward']:.3f} at version {last['version']} ({span:.0f} s of training), "
             f"best {best['reward']:.3f} at version {best['version']}; exact "
             f"{first['exact']:.3f} -> {last['exact']:.3f}")
-
-
-def _epoch(stamp: str) -> float:
-    """version.json's ``written_at`` (ISO 8601) in seconds since the epoch."""
-    return datetime.datetime.fromisoformat(stamp).timestamp()
 
 
 def _run(cmd: list[str]) -> int:

@@ -363,6 +363,11 @@ def write_version_file(path: str, version: int, dtype: str) -> None:
     open_up_modes(path, [VERSION_FILE])
 
 
+def written_at_seconds(stamp: str) -> float:
+    """A version.json ``written_at`` (ISO 8601, UTC) as seconds since the epoch."""
+    return datetime.datetime.fromisoformat(stamp).timestamp()
+
+
 def sync_files(path: str, files: bool = True) -> None:
     """fsync the files of directory ``path`` (``files``), then the directory itself: durable
     before visible, so a version ``latest`` names survives a crash of the machine holding it

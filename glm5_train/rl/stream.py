@@ -139,7 +139,6 @@ class StreamedRollouts(torch.utils.data.Dataset):
         self._groups: dict[str, list[Rollout]] = {}  # read once: files never change
         self.current = RolloutDataset([], self.seq_length, PAD_ID, self.objective, self.rl)
         self.current_step = -1
-        self.last = StepGroups(0, 0)
 
     # -- the dataset seen by the iterators ------------------------------------------------
 
@@ -243,7 +242,6 @@ class StreamedRollouts(torch.utils.data.Dataset):
             raise RolloutStreamError(groups.error)
         self.consumed.update(groups.consumed())
         self._pack(step_index, groups)
-        self.last = groups
         return groups
 
     def _pack(self, step_index: int, groups: StepGroups) -> None:
