@@ -23,7 +23,8 @@ attention materialises dense [b, h, s, s] scores, and its Hadamard rotation need
 Tensor parallelism: indexer weights are replicated on every TP rank and each rank computes the
 same selection on the full sequence (gathered under sequence parallelism), so the selection is
 identical across ranks and each rank attends with its own heads. The indexer's gradient comes
-from the indexer KL loss (a later stage); top-k itself passes no gradient.
+from the indexer KL loss (a later stage); top-k itself passes no gradient. In ``dsa.stage=dense``
+(pre- and mid-training, before DSA) the indexer is not run: every layer attends densely.
 
 Shape legend: B batch, S sequence, T query chunk, K top-k, N attention heads (this rank),
 Hi / Di indexer heads / head width, D head widths.
@@ -568,8 +569,9 @@ class DSACoreAttention(MLACoreAttention):
             return head_parallel.attend(self, query, key, value, attention_mask, x, qr,
                                         with_loss, record_kl, shard)
         # --- end of the head-parallel CP hook
-        if cfg.stage == "dense_warmup" or self.indexer.topk >= shard.seq:
-            # Warm-up, or every causal key selected (sparse attention is then exactly dense).
+        if cfg.attends_densely or self.indexer.topk >= shard.seq:
+            # Dense stage (no indexer at all), warm-up (dense attention, the indexer's KL
+            # below), or every causal key selected (sparse attention is then exactly dense).
             query, key, value = self._dense_inputs(query, key, value, shard)
             out = self._dense(query, key, value, allowed_BSS, shard)
             if cfg.stage != "dense_warmup":

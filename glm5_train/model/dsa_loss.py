@@ -4,6 +4,8 @@ DeepSeek-V3.2's recipe (GLM-5 does not state its loss; ``docs/glm5_reference.md`
 the target is the main attention's probabilities summed over all heads and L1-normalised; the
 indexer's distribution is the softmax of its index scores; loss = KL(target || indexer).
 
+- ``dense``: dense causal MLA attention, the indexer neither run nor trained (its weights kept,
+  frozen, for a later warm-up): GLM-5's pre- and mid-training, before DSA is introduced.
 - ``dense_warmup``: attention stays dense, everything but the indexer is frozen, KL over all
   causal keys.
 - ``sparse``: attention over the top-k keys, KL over the selected set only, with the indexer's
@@ -33,7 +35,9 @@ from glm5_train.model.key_masks import DocumentStarts, KeyMask, allowed_block
 from glm5_train.model.picked_rows import compute_dtype, fp32_at_least
 from parallel.context_parallel import ContextShard, context_shard
 
-STAGES = ("sparse", "dense_warmup")
+STAGES = ("sparse", "dense_warmup", "dense")
+# The stages whose main attention is dense causal MLA over every key (no top-k selection).
+DENSE_ATTENTION_STAGES = ("dense_warmup", "dense")
 # Sparse-stage attention: MLA absorbed over the selected latent keys (glm5_train.model.
 # sparse_mla, O(S K)), or the reference: dense attention under a top-k mask (O(S^2) compute).
 SPARSE_ATTENTION = ("absorbed", "masked_dense")
@@ -55,6 +59,11 @@ class DSATrainingConfig:
     def trains_indexer(self) -> bool:
         return not self.freeze_indexer and self.indexer_loss_coeff > 0
 
+    @property
+    def attends_densely(self) -> bool:
+        """Dense causal attention over every key whatever index_topk (no selection)."""
+        return self.stage in DENSE_ATTENTION_STAGES
+
     def validate(self) -> None:
         if self.stage not in STAGES:
             raise ValueError(f"dsa.stage={self.stage!r}: use one of {STAGES}")
@@ -73,6 +82,20 @@ class DSATrainingConfig:
                 "dsa.stage=dense_warmup trains only the indexer, but dsa.freeze_indexer=true or "
                 "dsa.indexer_loss_coeff=0 leaves nothing to train: set dsa.freeze_indexer=false "
                 "and a positive dsa.indexer_loss_coeff, or use dsa.stage=sparse")
+        if self.stage == "dense":
+            _check_dense_stage(self.freeze_indexer, self.indexer_loss_coeff)
+
+
+def _check_dense_stage(freeze_indexer: bool, indexer_loss_coeff: float) -> None:
+    """dsa.stage=dense never runs the indexer, so nothing could train it: a KL coefficient or
+    an unfrozen indexer would be silently ignored (and an unfrozen one would carry gradient
+    buffers and optimizer state that are never used). Refused rather than overridden, so
+    the config says what runs."""
+    if not freeze_indexer or indexer_loss_coeff > 0:
+        raise ValueError(
+            f"dsa.stage=dense runs no indexer, but dsa.freeze_indexer={str(freeze_indexer).lower()}"
+            f" and dsa.indexer_loss_coeff={indexer_loss_coeff} ask to train it: use dsa=dense "
+            "(or set dsa.freeze_indexer=true dsa.indexer_loss_coeff=0)")
 
 
 def _check_triton_kernel_runs(sparse_attention: str) -> None:

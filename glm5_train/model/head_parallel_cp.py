@@ -17,10 +17,11 @@ rows); the selection [T, B, K] is then all-gathered (int32, -1 marking a pick pa
 keys) because every rank now attends for all S rows. For the indexer KL, the attention
 probabilities of the picks, summed over this rank's heads for all S rows, are reduce-scattered
 back to the rows' owners (sum over all heads), where the KL runs as in the all-gather mode.
-Dense attention (the warm-up, or top-k covering the sequence) up-projects the gathered latent
-for this rank's heads only and runs plain causal attention over the rows in natural order; the
-warm-up KL, which needs every head's attention of a row, runs on the sequence shard with the
-whole latent up-projected for every head (detached), as in the all-gather mode.
+Dense attention (dsa.stage=dense, the warm-up, or top-k covering the sequence) up-projects the
+gathered latent for this rank's heads only and runs plain causal attention over the rows in
+natural order (no indexer key crosses then but the warm-up's); the warm-up KL, which needs
+every head's attention of a row, runs on the sequence shard with the whole latent up-projected
+for every head (detached), as in the all-gather mode.
 
 Bytes per layer and rank (``bench/cp_comm_modes.py`` checks these against the meter): the
 all-gather mode's (c - 1) x T x (C + R + Di) each way, plus the query and output all-to-alls
@@ -95,7 +96,7 @@ class HeadParallelCP:
                      _my_heads(query.shape[2], shard), with_loss, record_kl)
         q_hp = step.rows.natural(sequence_to_heads(query, self.exchange))  # [S, B, N/c, Dq]
         latent = gather_sequence(key, shard)  # [S, B, 1, C + R], natural order
-        if module.training_cfg.stage == "dense_warmup" or module.indexer.topk >= shard.seq:
+        if module.training_cfg.attends_densely or module.indexer.topk >= shard.seq:
             out = self._back(step.dense(q_hp, latent), step.rows)
             if module.training_cfg.stage == "dense_warmup" and with_loss:
                 out = step.warmup_kl(out, query, latent, x, qr)
@@ -282,13 +283,14 @@ def layer_transfers(shape: AttentionShape, seq: int, cp: int, mode: str,
     """The collectives on the CP group (c = ``cp`` ranks, T = seq / c rows each) of one DSA
     layer application in training, forward and backward, for ``batch`` sequences of ``seq``
     tokens: ``mode`` "all_gather" (``DSACoreAttention._attend``) or "head_parallel" (this
-    module). ``stage``: "sparse" (trained end to end; selects top-k when K < seq) or
+    module). ``stage``: "sparse" (trained end to end; selects top-k when K < seq),
     "dense_warmup" (the model frozen but the indexer: nothing of the main attention has a
-    backward). ``act_bytes``: bytes per activation value (bf16 2, fp32 4); the selection is
-    int32 and the pick probabilities fp32."""
+    backward) or "dense" (trained end to end, no indexer: as "sparse" with K >= seq).
+    ``act_bytes``: bytes per activation value (bf16 2, fp32 4); the selection is int32 and the
+    pick probabilities fp32."""
     rows = seq // cp * batch
-    trained = stage == "sparse"
-    selects = trained and shape.topk < seq
+    trained = stage != "dense_warmup"
+    selects = stage == "sparse" and shape.topk < seq
     latent = rows * shape.latent * act_bytes
     out = [Transfer("latent key", "all_gather", latent)]
     if trained:
