@@ -42,7 +42,7 @@ from glm5_train.data import (
     check_token_ids,
     ensure_builtin_corpus,
 )
-from glm5_train.flexible_batches import FlexibleBatches
+from glm5_train.flexible_batches import FlexibleBatches, online_refit
 from glm5_train.job_config import JobConfig
 from glm5_train.model.config import to_mcore_config
 from glm5_train.model.glm5 import (
@@ -58,6 +58,7 @@ from glm5_train.rl.objective import RLObjective
 from glm5_train.rl.publisher import publication_problem
 from glm5_train.rl.rollout_data import build_rollout_dataset, freeze_mtp
 from glm5_train.rl.stream import StreamedRollouts, is_spool
+from glm5_train.schedules import check_rampup_layout
 from glm5_train.tokenizer import build_tokenizer
 from parallel import deferred_wgrad, int4_qat, mcore_compat, process_groups
 from parallel.activation_offload import ActivationTracker
@@ -97,6 +98,8 @@ class Runtime:
     qat: Int4QAT | None = None
     # train.objective=grpo|dis|distill: what each micro-batch's loss applies (glm5_train/rl)
     objective: RLObjective | None = None
+    # The global batch of the step under way (train.rampup_batch_size); None: the config's
+    global_batch_now: int | None = None
 
     @property
     def dp_rank(self) -> int:
@@ -203,6 +206,7 @@ def validate_job(job: JobConfig) -> int:
                          "true: megatron-core keeps low-precision models' fp32 masters with the "
                          "host-resident state only there (its precision-aware path); set it, or "
                          "train.params_dtype=fp32")
+    _check_rampup_for(job, dp)
     check_data(job)
     if job.rl.publish_dir:  # the engines' weight versions: writable, with a usable tokenizer
         problem = publication_problem(job, job.rl.publish_dir, job.rl.publish_keep,
@@ -216,6 +220,12 @@ def validate_job(job: JobConfig) -> int:
               f"{job.parallel.mtp_placement})", flush=True)
     job.parallel.pipeline_model_parallel_layout = layout
     return dp
+
+
+def _check_rampup_for(job: JobConfig, dp: int) -> None:
+    """Every batch size of a ramp splits into whole micro-batches on every data-parallel rank."""
+    t = job.train
+    check_rampup_layout(t.rampup_batch_size, t.global_batch_size, t.micro_batch_size, dp)
 
 
 def _check_muon_offload(job: JobConfig) -> None:
@@ -315,7 +325,8 @@ def build_dataset(job: JobConfig, tokenizer):
 def flexible_workload(job: JobConfig) -> Workload:
     par = job.parallel
     return Workload(par.flexible_cp_cost_pair, par.flexible_cp_cost_selected,
-                    par.flexible_cp_cost_token, job.model.index_topk)
+                    par.flexible_cp_cost_token, job.model.index_topk,
+                    par.flexible_cp_cost_gathered)
 
 
 def num_microbatches(job: JobConfig, groups: ProcessGroupCollection) -> int:
@@ -334,7 +345,9 @@ def iterators(rt: Runtime, consumed_samples: int) -> list | FlexibleBatches:
                                par.flexible_cp_max_size, flexible_workload(rt.job),
                                len(rt.chunks), consumed_samples,
                                slot_multiple=par.pipeline_model_parallel_size if interleaved
-                               else 1, plan_ranks=par.flexible_cp_plan_ranks)
+                               else 1, plan_ranks=par.flexible_cp_plan_ranks,
+                               refit=online_refit(par, flexible_workload(rt.job)))
     make = partial(build_train_iterator, rt.dataset, t.micro_batch_size, t.global_batch_size,
-                   rt.dp_rank, rt.dp_size, consumed_samples, num_workers=rt.job.data.num_workers)
+                   rt.dp_rank, rt.dp_size, consumed_samples, num_workers=rt.job.data.num_workers,
+                   rampup=t.rampup_batch_size)
     return [make() for _ in rt.chunks]

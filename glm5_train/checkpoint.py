@@ -29,6 +29,7 @@ from megatron.core import dist_checkpointing
 from glm5_train import checkpoint_store
 from glm5_train.checkpoint_store import LATEST
 from glm5_train.model.config import TRAINING_FIELDS, GLM5Config
+from glm5_train.schedules import final_lr
 from parallel import distopt_checkpoint, mcore_compat
 from parallel.muon import MuonAdamW
 
@@ -58,10 +59,14 @@ class CheckpointConfig:
     # state fresh (needed when the optimizer's structure changed, e.g. EP=1 <-> EP>1).
     load_optimizer: bool = True
     # Weights to start from when there is no checkpoint to resume (``load`` finds none, or is
-    # null): a new stage (SFT after pre-training, RL after SFT) from another run's checkpoint:
-    # its weights only, at step 0 with a fresh optimizer and schedule. A restart of this run
-    # resumes from its own checkpoints instead. null: the seed's initial weights.
+    # null): a new stage (SFT after pre-training, RL after SFT) from another run's checkpoint,
+    # at step 0 with this run's own schedule, counting its own samples and tokens. A restart of
+    # this run resumes from its own checkpoints instead. null: the seed's initial weights.
     pretrained: str | None = None
+    # The pretrained run's optimizer state too: auto, when it is of this run's kind (same
+    # train.optimizer and distributed-ness; a fresh state, with a notice, otherwise); true:
+    # required; false: a fresh state.
+    pretrained_optimizer: bool | str = AUTO
 
 
 @dataclass
@@ -95,9 +100,14 @@ def _sharded_state(chunks, optimizer, scheduler, state: TrainState, model_cfg: G
     model_sd = _model_sharded(chunks)
     sharded = {"model": model_sd, "train_state": dataclasses.asdict(state),
                "model_config": dataclasses.asdict(model_cfg)}
-    if scheduler is None:  # weights only (e.g. imported from Hugging Face)
+    if scheduler is None and optimizer is None:  # weights only (e.g. imported from HF)
         return {**sharded, "weights_only": True}
-    sharded["scheduler"] = scheduler.state_dict()
+    if scheduler is not None:  # None: a new stage takes the optimizer state alone
+        sharded["scheduler"] = scheduler.state_dict()
+    if scheduler is not None and not is_loading:
+        # Where the schedule stands (the learning rate of the next step): a next stage may
+        # start there (train.lr_from_pretrained); megatron's state leaves out WSD's fields.
+        sharded["schedule_lr"] = scheduler.get_lr({})
     if optimizer is not None:
         sharded["optimizer"] = _optimizer_sharded(optimizer, model_sd, is_loading)
         sharded["optimizer_parts"] = _optimizer_parts(optimizer)
@@ -259,10 +269,12 @@ def _choose_on_this_rank(root: str, required: bool, rejected: dict[str, str]
 
 
 def load_checkpoint(root: str, chunks, optimizer, scheduler, model_cfg: GLM5Config,
-                    load_optimizer: bool = True, required: bool = True) -> TrainState | None:
+                    load_optimizer: bool = True, required: bool = True,
+                    chosen: str | None = None) -> TrainState | None:
     """Load the newest complete checkpoint under ``root`` into this layout (a torn newest one
-    is passed over). ``required=False``: None when ``root`` holds no checkpoint at all."""
-    path = choose_checkpoint(root, required)
+    is passed over). ``required=False``: None when ``root`` holds no checkpoint at all.
+    ``chosen``: the checkpoint ``choose_checkpoint`` already picked under ``root``."""
+    path = chosen or choose_checkpoint(root, required)
     if path is None:
         return None
     check_model_config(path, model_cfg)
@@ -333,6 +345,32 @@ def _saved_setting(saved: dict, key: str):
     if _SCHEDULE_KEYS[key] == "train.lr_decay_iters":
         return saved.get("wd_incr_steps", saved["lr_decay_steps"])
     return saved[key]
+
+
+def schedule_end_lr(root: str) -> tuple[str, float]:
+    """(checkpoint, learning rate) where the newest complete checkpoint's schedule stands: the
+    learning rate its next step would take (its last decay step's: min_lr once it is done)."""
+    path = choose_checkpoint(root, required=True)
+    common = dist_checkpointing.load_common_state_dict(path)
+    if "schedule_lr" in common:
+        return path, float(common["schedule_lr"])
+    if "scheduler" not in common:
+        raise ValueError(f"train.lr_from_pretrained=true: checkpoint {path} holds weights only "
+                         "(no learning-rate schedule to continue); set train.lr_from_pretrained="
+                         "false and train.lr to this stage's starting learning rate")
+    return path, final_lr(common["scheduler"])
+
+
+def optimizer_mismatch(path: str, optimizer) -> str | None:
+    """Why the checkpoint's optimizer state cannot be this run's (None: it can)."""
+    common = dist_checkpointing.load_common_state_dict(path)
+    if common.get("weights_only", False) or "optimizer_kind" not in common:
+        return "it holds weights only"
+    try:
+        _check_optimizer_matches(path, optimizer)
+    except ValueError as err:
+        return str(err).split(": resume with")[0]
+    return None
 
 
 def _check_optimizer_matches(path: str, optimizer) -> None:

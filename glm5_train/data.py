@@ -39,6 +39,7 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, Indexe
 
 from glm5_train import chat_data
 from glm5_train.rl.objective import ROLLOUT_FIELDS
+from glm5_train.schedules import BatchSchedule
 from glm5_train.tokenizer import tokenizer_name
 from parallel import mcore_compat
 
@@ -665,37 +666,61 @@ class MicroBatchSampler:
     starting at ``g*GBS + r*(GBS//dp)``, cut into micro-batches of ``MBS``. Iteration starts at
     global batch ``consumed_samples // GBS`` and stops before a global batch the dataset can't
     fill, so a DP-n run sees exactly the global batches of a 1-process run.
+
+    With a batch-size ramp (``rampup``, ``glm5_train.schedules``) each global batch starts
+    where the previous one ended and holds the ramp's size at that point: the same layout, batch
+    by batch.
     """
 
     def __init__(self, total_samples: int, micro_batch_size: int, global_batch_size: int,
-                 dp_rank: int, dp_size: int, consumed_samples: int) -> None:
+                 dp_rank: int, dp_size: int, consumed_samples: int,
+                 rampup: list[int] | None = None) -> None:
+        self.schedule = BatchSchedule(global_batch_size, micro_batch_size, dp_size, rampup)
         _check_batch_layout(micro_batch_size, global_batch_size, dp_rank, dp_size,
-                            consumed_samples)
+                            consumed_samples, self.schedule)
         self.total = total_samples
         self.mbs, self.gbs = micro_batch_size, global_batch_size
-        self.per_rank = global_batch_size // dp_size
-        self.rank_offset = dp_rank * self.per_rank
-        self.first_batch = consumed_samples // global_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.consumed = consumed_samples
+
+    def batches(self) -> Iterator[tuple[int, int]]:
+        """(first sample, size) of each global batch from ``consumed`` on that fits."""
+        start = self.consumed
+        while True:
+            size = self.schedule.size_at(start)
+            if start + size > self.total:
+                return
+            yield start, size
+            start += size
 
     def __iter__(self) -> Iterator[list[int]]:
-        for g in range(self.first_batch, self.total // self.gbs):
-            start = g * self.gbs + self.rank_offset
-            for j in range(self.per_rank // self.mbs):
-                yield list(range(start + j * self.mbs, start + (j + 1) * self.mbs))
+        for start, size in self.batches():
+            per_rank = size // self.dp_size
+            first = start + self.dp_rank * per_rank
+            for j in range(per_rank // self.mbs):
+                yield list(range(first + j * self.mbs, first + (j + 1) * self.mbs))
 
     def __len__(self) -> int:
-        return max(0, self.total // self.gbs - self.first_batch) * (self.per_rank // self.mbs)
+        if not self.schedule.ramps:
+            left = max(0, self.total // self.gbs - self.consumed // self.gbs)
+            return left * (self.gbs // self.dp_size // self.mbs)
+        return sum(size // self.dp_size // self.mbs for _, size in self.batches())
 
 
-def _check_batch_layout(mbs: int, gbs: int, dp_rank: int, dp_size: int, consumed: int) -> None:
+def _check_batch_layout(mbs: int, gbs: int, dp_rank: int, dp_size: int, consumed: int,
+                        schedule: BatchSchedule) -> None:
     if mbs < 1 or dp_size < 1 or gbs % (mbs * dp_size):
         raise ValueError(f"global_batch_size={gbs} must be a positive multiple of "
                          f"micro_batch_size*dp_size={mbs}*{dp_size}: adjust the batch sizes")
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_size={dp_size})")
-    if consumed < 0 or consumed % gbs:
+    if consumed < 0 or (consumed % gbs if not schedule.ramps
+                        else schedule.steps_at(consumed) is None):
         raise ValueError(f"consumed_samples={consumed} must be a non-negative multiple of "
-                         f"global_batch_size={gbs} (steps_done * global_batch_size)")
+                         f"global_batch_size={gbs} (steps_done * global_batch_size)"
+                         if not schedule.ramps else
+                         f"consumed_samples={consumed} is not where a step of the batch-size "
+                         "ramp ends (train.rampup_batch_size)")
 
 
 # and rollout micro-batches' per-token fields (glm5_train/rl/objective.py)
@@ -718,15 +743,15 @@ def collate_samples(samples: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def build_train_iterator(dataset, micro_batch_size: int, global_batch_size: int, dp_rank: int,
-                         dp_size: int, consumed_samples: int,
-                         num_workers: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+                         dp_size: int, consumed_samples: int, num_workers: int = 0,
+                         rampup: list[int] | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """Iterator over this rank's micro-batches (see ``MicroBatchSampler`` for the layout).
 
     Yields dicts from ``collate_samples``; ends when the dataset can't fill the next global
     batch. Worker processes (``num_workers``) don't change the order.
     """
     sampler = MicroBatchSampler(len(dataset), micro_batch_size, global_batch_size, dp_rank,
-                                dp_size, consumed_samples)
+                                dp_size, consumed_samples, rampup)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                          collate_fn=collate_samples,
                                          persistent_workers=num_workers > 0)

@@ -27,6 +27,7 @@ from glm5_train.profiling import ProfileOptions, check_profile_options
 from glm5_train.rl.config import RLConfig
 from glm5_train.rl.stream import check_spool_config
 from glm5_train.run_dir import register_resolvers, run_id
+from glm5_train.schedules import LR_DECAY_STYLES, WSD_DECAY_STYLES, check_rampup, steps_for_tokens
 from parallel.config.int4_qat import Int4QATOptions
 from parallel.config.muon import MuonOptions, check_muon_options
 from parallel.int4_qat import check_group_size
@@ -70,11 +71,29 @@ class TrainConfig(ProfileOptions, NonfiniteOptions, Int4QATOptions, MuonOptions)
     seed: int = 1234
     params_dtype: str = "fp32"
     log_interval: int = 1
-    # AdamW with linear warm-up and cosine decay, in optimizer steps.
+    # Learning rate, in optimizer steps (megatron-core's OptimizerParamScheduler): linear
+    # warm-up from lr_warmup_init to lr over warmup_iters, then lr_decay_style down to min_lr
+    # at lr_decay_iters (null: the run's end), min_lr after. glm5_train/schedules.py.
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_iters: int | None = None  # null: DEFAULT_WARMUP_STEPS, at most half the run
     lr_decay_iters: int | None = None
+    lr_decay_style: str = "cosine"  # constant, linear, cosine, inverse-square-root, WSD
+    lr_warmup_init: float = 0.0
+    # WSD (warm-up, stable, decay): lr until the last lr_wsd_decay_iters steps of the decay,
+    # then lr_wsd_decay_style (linear, cosine, exponential, minus_sqrt) down to min_lr.
+    lr_wsd_decay_iters: int | None = None
+    lr_wsd_decay_style: str = "linear"
+    # A new stage (checkpoint.pretrained) starts its schedule at the learning rate the
+    # pretrained run's schedule ended at, in place of lr (the peak after any warm-up).
+    lr_from_pretrained: bool = False
+    # Batch-size warm-up, megatron-core's: [start, increment, samples]: the global batch is
+    # start at first, grows by increment in equal shares of samples consumed samples, and is
+    # global_batch_size after. null: global_batch_size from the first step.
+    rampup_batch_size: list[int] | None = None
+    # A token budget in place of train_iters: the steps whose batches (ramp included) first
+    # hold this many tokens. null: train_iters as given.
+    train_tokens: int | None = None
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -102,6 +121,7 @@ class TrainConfig(ProfileOptions, NonfiniteOptions, Int4QATOptions, MuonOptions)
         return min(DEFAULT_WARMUP_STEPS, self.train_iters // 2)
 
     def validate(self) -> None:
+        _resolve_token_budget(self)
         for name in ("train_iters", "global_batch_size", "micro_batch_size", "seq_length",
                      "log_interval"):
             if getattr(self, name) < 1:
@@ -115,9 +135,45 @@ class TrainConfig(ProfileOptions, NonfiniteOptions, Int4QATOptions, MuonOptions)
         if self.optimizer not in ("adamw", "muon"):
             raise ValueError(f"train.optimizer={self.optimizer!r}: use 'adamw' or 'muon'")
         _check_warmup(self)
+        _check_lr_schedule(self)
+        check_rampup(self.rampup_batch_size, self.global_batch_size, self.micro_batch_size)
         check_muon_options(self)
         check_nonfinite_options(self)
         check_profile_options(self, self.train_iters)
+
+
+def _resolve_token_budget(t: TrainConfig) -> None:
+    """train.train_tokens: train_iters becomes the steps that reach the budget."""
+    if t.train_tokens is None:
+        return
+    if t.train_tokens < 1 or t.seq_length < 1 or t.global_batch_size < 1:
+        raise ValueError(f"train.train_tokens={t.train_tokens} must be >= 1 (with positive "
+                         "train.seq_length and train.global_batch_size), or null to run "
+                         "train.train_iters steps")
+    check_rampup(t.rampup_batch_size, t.global_batch_size, t.micro_batch_size)
+    t.train_iters = steps_for_tokens(t.train_tokens, t.seq_length, t.global_batch_size,
+                                     t.rampup_batch_size, t.micro_batch_size)
+
+
+def _check_lr_schedule(t: TrainConfig) -> None:
+    if t.lr_decay_style not in LR_DECAY_STYLES:
+        raise ValueError(f"train.lr_decay_style={t.lr_decay_style!r}: use one of "
+                         f"{', '.join(LR_DECAY_STYLES)} (megatron-core's names)")
+    if not 0.0 <= t.lr_warmup_init <= t.lr:
+        raise ValueError(f"train.lr_warmup_init={t.lr_warmup_init} must lie in [0, "
+                         f"train.lr={t.lr}]")
+    if t.lr_decay_style != "WSD":
+        return
+    decay = t.lr_decay_iters or t.train_iters
+    wsd = t.lr_wsd_decay_iters
+    if wsd is None or not 1 <= wsd <= decay - t.warmup_steps:
+        raise ValueError(f"train.lr_wsd_decay_iters={wsd}: WSD decays over the last "
+                         f"lr_wsd_decay_iters steps of its {decay}-step schedule, after the "
+                         f"{t.warmup_steps} warm-up steps: set it in [1, "
+                         f"{decay - t.warmup_steps}], e.g. {max(1, (decay - t.warmup_steps) // 10)}")
+    if t.lr_wsd_decay_style not in WSD_DECAY_STYLES:
+        raise ValueError(f"train.lr_wsd_decay_style={t.lr_wsd_decay_style!r}: use one of "
+                         f"{', '.join(WSD_DECAY_STYLES)}")
 
 
 def _check_warmup(t: TrainConfig) -> None:
@@ -182,9 +238,32 @@ class JobConfig:
             self.model.mtp_num_steps if self.model.mtp_sets else 0, self.dsa.stage)
         self.activations.check_offload_for(self.model.num_hidden_layers, self.model.mtp_sets)
         _check_checkpoint(self.checkpoint)
+        _check_rampup_use(self)
+        if self.train.lr_from_pretrained and not self.checkpoint.pretrained:
+            raise ValueError("train.lr_from_pretrained=true needs checkpoint.pretrained=<the "
+                             "previous stage's checkpoint directory> (its schedule's last "
+                             "learning rate starts this one); set it, or "
+                             "train.lr_from_pretrained=false")
         _check_flexible_cp(self)
         _check_int4_qat(self)
         _check_objective(self)
+
+
+def _check_rampup_use(job: JobConfig) -> None:
+    """A batch-size ramp is for next-token training on indexed data: RL reads its records by
+    step x global batch, and flexible CP plans fixed global batches."""
+    t = job.train
+    if t.rampup_batch_size is None:
+        return
+    if t.objective != "lm" or job.data.format == "rollouts":
+        raise ValueError(f"train.rampup_batch_size={t.rampup_batch_size} with train.objective="
+                         f"{t.objective} data.format={job.data.format}: RL steps read their "
+                         "rollouts by step x global batch; set train.rampup_batch_size=null")
+    if job.parallel.cp_groups == "flexible":
+        raise ValueError(f"train.rampup_batch_size={t.rampup_batch_size} with parallel."
+                         "cp_groups=flexible: flexible CP plans every global batch at "
+                         "train.global_batch_size; set train.rampup_batch_size=null or "
+                         "parallel.cp_groups=fixed")
 
 
 def _check_objective(job: JobConfig) -> None:
@@ -308,6 +387,10 @@ def _check_checkpoint(ckpt: CheckpointConfig) -> None:
                                         or not ckpt.pretrained.strip()):
         raise ValueError(f"checkpoint.pretrained={ckpt.pretrained!r}: use a checkpoint "
                          "directory (its weights start a new stage at step 0), or null")
+    if ckpt.pretrained_optimizer not in (True, False, "auto"):
+        raise ValueError(f"checkpoint.pretrained_optimizer={ckpt.pretrained_optimizer!r}: use "
+                         "auto (the pretrained run's optimizer state when it is of this run's "
+                         "kind), true (required) or false (a fresh state)")
     if ckpt.load is not None and (not isinstance(ckpt.load, str) or not ckpt.load.strip()):
         raise ValueError(f"checkpoint.load={ckpt.load!r}: use 'auto' (resume from "
                          "checkpoint.save), a checkpoint directory, or null (start at step 0)")

@@ -1,4 +1,4 @@
-"""megatron-core DDP, optimizer (AdamW) and warm-up + cosine learning-rate schedule."""
+"""megatron-core DDP, optimizer (AdamW) and learning-rate schedule (``glm5_train.schedules``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from glm5_train.schedules import build_lr_scheduler
 from parallel import mcore_compat
 from parallel.deferred_wgrad import drain_first
 from parallel.host_optimizer import provide_init_state
@@ -128,18 +129,10 @@ def precision_aware(opt_config: OptimizerConfig) -> None:
 
 
 def build_scheduler(optimizer, cfg: "TrainConfig", train_iters: int) -> OptimizerParamScheduler:
-    """Linear warm-up to ``lr`` then cosine decay to ``min_lr``; counted in optimizer steps."""
-    decay = cfg.lr_decay_iters or train_iters
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=cfg.lr,
-        min_lr=cfg.min_lr,
-        lr_warmup_steps=cfg.warmup_steps,
-        lr_decay_steps=max(decay, cfg.warmup_steps + 1),
-        lr_decay_style="cosine",
-        start_wd=cfg.weight_decay,
-        end_wd=cfg.weight_decay,
-        wd_incr_steps=max(decay, 1),
-        wd_incr_style="constant",
-    )
+    """``train.lr_decay_style`` after the warm-up (``glm5_train.schedules``), counted in
+    optimizer steps; the decay ends at ``train.lr_decay_iters`` or the run's last step."""
+    return build_lr_scheduler(
+        optimizer, lr=cfg.lr, min_lr=cfg.min_lr, init_lr=cfg.lr_warmup_init,
+        warmup_steps=cfg.warmup_steps, decay_steps=cfg.lr_decay_iters or train_iters,
+        style=cfg.lr_decay_style, weight_decay=cfg.weight_decay,
+        wsd_decay_steps=cfg.lr_wsd_decay_iters, wsd_decay_style=cfg.lr_wsd_decay_style)
