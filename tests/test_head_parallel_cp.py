@@ -191,6 +191,7 @@ def test_good_head_parallel_settings_pass():
 
 SPARSE = ["checkpoint.load=null"]
 WARMUP = ["checkpoint.load=null", "dsa=dense_warmup"]
+DENSE = ["checkpoint.load=null", "dsa=dense"]  # no indexer: the hook's dense path alone
 HEAD_PARALLEL = ["parallel=single", "parallel.cp_comm=head_parallel"]
 
 LAYOUTS = [
@@ -199,6 +200,7 @@ LAYOUTS = [
     ("cp2_masked_dense_sparse", 2, None, [*HEAD_PARALLEL, "parallel.context_parallel_size=2",
                                           "dsa.sparse_attention=masked_dense", *SPARSE]),
     ("cp2_warmup", 2, None, [*HEAD_PARALLEL, "parallel.context_parallel_size=2", *WARMUP]),
+    ("cp2_dense", 2, None, [*HEAD_PARALLEL, "parallel.context_parallel_size=2", *DENSE]),
     ("cp4_nodes_of_2_sparse", 4, 2, [*HEAD_PARALLEL, "parallel.context_parallel_size=4",
                                      "parallel.cp_node_size=2", *SPARSE]),
 ]
@@ -207,7 +209,7 @@ LAYOUTS = [
 @pytest.fixture(scope="module")
 def references():
     return {name: one_process(["parallel=single", *stage]).records
-            for name, stage in (("sparse", SPARSE), ("warmup", WARMUP))}
+            for name, stage in (("sparse", SPARSE), ("warmup", WARMUP), ("dense", DENSE))}
 
 
 @pytest.mark.parametrize("name,nprocs,node_size,overrides", LAYOUTS,
@@ -215,8 +217,7 @@ def references():
 def test_head_parallel_context_parallel_matches_one_process(tmp_path, references, name, nprocs,
                                                             node_size, overrides):
     result = run_job(nprocs, overrides, str(tmp_path))
-    problems = compare(references["warmup" if "warmup" in name else "sparse"], result.records,
-                       FP32)
+    problems = compare(references[name.rsplit("_", 1)[-1]], result.records, FP32)
     assert not problems, "\n".join(problems)
     job = compose_job([*BASE_OVERRIDES, *overrides])
     layout = layout_of(job, nprocs)

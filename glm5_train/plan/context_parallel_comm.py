@@ -27,8 +27,8 @@ def dsa_context_parallel_comm(cfg: GLM5Config, inp: MemoryInputs, forwards: int 
     first forward kept no graph). Sparse stage: latent and indexer keys gathered, the latent's
     gradient returned, the indexer key's when the KL trains it. Dense warm-up: the forward
     runs without autograd, so only the indexer key's gradient (its KL's own backward) goes
-    back. Dense fallback (every key selected): the latent alone, no indexer. The head-parallel
-    mode's all-to-alls are not modelled (nothing counted)."""
+    back. Dense stage, or dense fallback (every key selected): the latent alone, no indexer.
+    The head-parallel mode's all-to-alls are not modelled (nothing counted)."""
     if inp.cp == 1 or inp.cp_comm != "all_gather":
         return ()
     latent, index = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.index_head_dim

@@ -72,7 +72,9 @@ class MemoryInputs:
     int4_qat: bool = False  # train.int4_qat: an INT4 copy of every routed expert weight
     dsa_kl: bool = True  # the indexer trains with the KL
     # dsa.stage: "dense_warmup" freezes all but the indexer, attends densely and runs the
-    # model without autograd (``dense_indexer_kl_bytes``); "sparse": everything trains.
+    # model without autograd (``dense_indexer_kl_bytes``); "sparse": everything trains;
+    # "dense": dense attention, the indexer never runs (planned as the sparse stage's dense
+    # fallback, no indexer, no KL; its frozen weights are counted as trained ones).
     dsa_stage: str = "sparse"
     # DSA's sparse attention on SDPA's fused kernels (CUDA); False: its math path (CPU, where
     # q/k and v widths differ). Dense attention pads to one width and is fused on both.
@@ -195,9 +197,9 @@ def _model_path_inputs(job: JobConfig) -> dict:
 
 def dsa_sparse(cfg: GLM5Config, inp: MemoryInputs) -> bool:
     """DSACoreAttention falls back to dense causal attention (and no KL) when every key of the
-    whole sequence (all context-parallel ranks' tokens) fits; the dense warm-up attends densely
-    whatever the sequence."""
-    return cfg.index_topk < inp.seq_length and not dense_warmup(inp)
+    whole sequence (all context-parallel ranks' tokens) fits; the dense stage (no indexer) and
+    the dense warm-up attend densely whatever the sequence."""
+    return cfg.index_topk < inp.seq_length and inp.dsa_stage == "sparse"
 
 
 def takes_latent(cfg: GLM5Config, inp: MemoryInputs) -> bool:

@@ -29,10 +29,10 @@ One decoder layer (absorbed sparse DSA, ``attention_comm`` + ``mlp_comm``), sequ
   experts take: (EP-1)/EP where the router spreads them evenly. Its dispatched rows are fixed,
   the rows its experts receive follow the router (their mean over the EP group is the rows
   dispatched): planned as the mean.
-On megatron-core's MLA path (the masked-dense reference, the dense fallback when every key
-fits the top-k: no indexer, no KL there) the key-value up projection is column-parallel and
-gathers the latent again in backward. The dense warm-up runs all of it forward only, its KL
-all-reducing per chunk of query rows (``dense_kl_comm``).
+On megatron-core's MLA path (the masked-dense reference, the dense stage and the dense
+fallback when every key fits the top-k: no indexer, no KL there) the key-value up projection
+is column-parallel and gathers the latent again in backward. The dense warm-up runs all of it
+forward only, its KL all-reducing per chunk of query rows (``dense_kl_comm``).
 Without sequence parallelism the row-parallel outputs and the column-parallel inputs'
 gradients are all-reduced instead ([T, w], T the whole sequence's tokens), the latent's and the
 RoPE key's gradients too (parallel/mla_down_projection.py).
@@ -98,8 +98,8 @@ def unmodelled(cfg: GLM5Config, dsa_stage: str, absorbed: bool, seq_length: int,
             return "the dense warm-up's KL chunks follow the CP shards' positions"
         if recompute:
             return "recompute in the dense warm-up is not modelled"
-    elif recompute and not (absorbed and cfg.index_topk < seq_length):
-        return "recompute on megatron-core's MLA path (masked-dense or dense fallback)"
+    elif recompute and not (absorbed and cfg.index_topk < seq_length and dsa_stage == "sparse"):
+        return "recompute on megatron-core's MLA path (masked-dense, dense stage or fallback)"
     if cfg.q_lora_rank is None:
         return "MLA without a query latent is not modelled"
     return None
@@ -123,7 +123,8 @@ def _absorbed(cfg: GLM5Config, inp: MemoryInputs) -> bool:
     """Our absorbed sparse MLA shares the latent; elsewhere megatron-core's MLA up-projects it
     with a column-parallel linear, whose backward gathers its input again. (``dsa_sparse``: the
     sparse stage selects keys, falling back to dense attention, no indexer, no KL, when every
-    key fits the top-k; ``dense_warmup`` runs the model forward only.)"""
+    key fits the top-k, as the dense stage always does; ``dense_warmup`` runs the model forward
+    only.)"""
     return dsa_sparse(cfg, inp) and inp.absorbed_attention
 
 
@@ -173,7 +174,7 @@ def attention_comm(cfg: GLM5Config, inp: MemoryInputs) -> tuple[Comm, Comm]:
 def indexer_inputs_comm(cfg: GLM5Config, inp: MemoryInputs) -> Comm:
     """The indexer's inputs (hidden states and query latent) gathered to the whole sequence
     under SP, inside the core attention (detached: no backward); no indexer runs in the
-    dense fallback."""
+    dense stage or the dense fallback."""
     if inp.tp == 1 or not inp.sequence_parallel or not (dsa_sparse(cfg, inp) or dense_warmup(inp)):
         return ()
     return ((TP_GATHER, _sp(inp, cfg.hidden_size + cfg.q_lora_rank)),)
