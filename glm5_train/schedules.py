@@ -214,9 +214,9 @@ def final_lr(saved_scheduler: dict) -> float:
 def lr_shape(style: str, lr: float, min_lr: float, init_lr: float, warmup_steps: int,
              wsd_decay_steps: int | None = None, wsd_decay_style: str = "linear") -> str:
     """One line for a table: e.g. ``0 -> 2e-4 (2000 warm-up) -> 4e-5 cosine``."""
-    head = f"{init_lr:g} -> {lr:g} ({warmup_steps} warm-up) -> " if warmup_steps else f"{lr:g} -> "
+    head = f"{init_lr:.3g} -> {lr:.3g} ({warmup_steps} warm-up) -> " if warmup_steps else f"{lr:.3g} -> "
     if style == "constant":
-        return f"{head.removesuffix(' -> ') if warmup_steps else f'{lr:g}'} constant"
+        return f"{head.removesuffix(' -> ') if warmup_steps else f'{lr:.3g}'} constant"
     if style == "WSD":
-        return f"{head}{min_lr:g} WSD ({wsd_decay_style} over the last {wsd_decay_steps})"
-    return f"{head}{min_lr:g} {style}"
+        return f"{head}{min_lr:.3g} WSD ({wsd_decay_style} over the last {wsd_decay_steps})"
+    return f"{head}{min_lr:.3g} {style}"
