@@ -9,8 +9,10 @@ pipeline rank is rank // (world / PP), megatron-core's default order "tp-cp-ep-d
 
 How close each must be (``problems``):
 - parameters: exactly; likewise INT4 QAT's quantised expert copies (``int4_qat_buffer_bytes``);
-- gradients and optimizer state (AdamW, nothing frozen; with ``parallel.optimizer_cpu_offload``
-  at fraction 0 or 1 also the host-resident state, ``optimizer_host_bytes``): within
+- gradients and optimizer state (AdamW; not where ``traffic.frozen_parameters``: a frozen
+  indexer is modelled, the dense warm-up's and RL's frozen MTP are not; with
+  ``parallel.optimizer_cpu_offload`` at fraction 0 or 1 also the host-resident state,
+  ``optimizer_host_bytes``): within
   STATE_RTOL; the planner leaves out megatron-core's padding (distributed optimizer: buckets
   to a multiple of lcm(DP, 128) elements, parameter starts 64-aligned), the 4-byte Adam step
   counter per tensor and ZeRO2's pinned embedding-gradient copies. Muon's state likewise

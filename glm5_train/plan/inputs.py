@@ -71,10 +71,13 @@ class MemoryInputs:
     shard_grads: bool = False
     int4_qat: bool = False  # train.int4_qat: an INT4 copy of every routed expert weight
     dsa_kl: bool = True  # the indexer trains with the KL
+    # dsa.freeze_indexer (required by dsa.stage=dense): the indexers' weights are held but get
+    # no gradient and no optimizer state (DDP and the optimizer take trained parameters only).
+    frozen_indexer: bool = False
     # dsa.stage: "dense_warmup" freezes all but the indexer, attends densely and runs the
     # model without autograd (``dense_indexer_kl_bytes``); "sparse": everything trains;
     # "dense": dense attention, the indexer never runs (planned as the sparse stage's dense
-    # fallback, no indexer, no KL; its frozen weights are counted as trained ones).
+    # fallback, no indexer, no KL; its weights frozen: ``frozen_indexer``).
     dsa_stage: str = "sparse"
     # DSA's sparse attention on SDPA's fused kernels (CUDA); False: its math path (CPU, where
     # q/k and v widths differ). Dense attention pads to one width and is fused on both.
@@ -183,6 +186,7 @@ def _model_path_inputs(job: JobConfig) -> dict:
     head's chunking, recompute, and SDPA's fused kernels (with CUDA only)."""
     dsa = job.dsa
     return {"dsa_kl": bool(dsa.trains_indexer), "dsa_stage": dsa.stage,
+            "frozen_indexer": dsa.freeze_indexer,
             "fused_attention": torch.cuda.is_available(),
             "absorbed_attention": dsa.sparse_attention == "absorbed",
             "document_mask": bool(job.data.reset_attention_mask),

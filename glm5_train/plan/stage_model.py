@@ -58,8 +58,9 @@ class Part:
     transient bytes (held only while one of its pieces runs: a stage's is its largest), and
     the bytes it sends per micro-batch that the model counts (``dsa_context_parallel_comm``,
     ``glm5_train.plan.tensor_parallel_comm``) and of those what one more forward sends again
-    (``forward_comm``: full recompute's). ``adamw_params``: the dense parameters Muon leaves to
-    AdamW (``adamw_elements``)."""
+    (``forward_comm``: full recompute's). ``adamw_params``: the trained dense parameters Muon
+    leaves to AdamW (``adamw_elements``). ``frozen_params``: dense parameters held (counted in
+    ``dense_params``) with no gradient or optimizer state (a frozen indexer)."""
 
     dense_params: int = 0
     expert_params: int = 0
@@ -69,6 +70,7 @@ class Part:
     comm: Comm = ()
     adamw_params: int = 0
     forward_comm: Comm = ()
+    frozen_params: int = 0
 
     def __add__(self, other: Part) -> Part:
         return Part(self.dense_params + other.dense_params,
@@ -76,12 +78,18 @@ class Part:
                     self.activation_bytes + other.activation_bytes, self.flops + other.flops,
                     max(self.transient_bytes, other.transient_bytes),
                     comm_sum(self.comm, other.comm), self.adamw_params + other.adamw_params,
-                    comm_sum(self.forward_comm, other.forward_comm))
+                    comm_sum(self.forward_comm, other.forward_comm),
+                    self.frozen_params + other.frozen_params)
 
     def times(self, k: int) -> Part:
         return Part(k * self.dense_params, k * self.expert_params, k * self.activation_bytes,
                     k * self.flops, self.transient_bytes if k else 0, comm_times(self.comm, k),
-                    k * self.adamw_params, comm_times(self.forward_comm, k))
+                    k * self.adamw_params, comm_times(self.forward_comm, k),
+                    k * self.frozen_params)
+
+    @property
+    def trained_dense_params(self) -> int:
+        return self.dense_params - self.frozen_params
 
 
 # What Muon leaves to AdamW (parallel/muon.py): every tensor that is not a matrix (norms,
@@ -120,11 +128,14 @@ def _attention_flops(cfg: GLM5Config, inp: MemoryInputs) -> int:
 
 
 def layer_part(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> Part:
-    dense = expert = active = adamw = 0
+    dense = expert = active = adamw = frozen = 0
     for term in layer_terms(cfg, moe):
         if term.key == "routed_experts":
             expert += term.count // (inp.ep * inp.expert_tp)
             active += term.count * cfg.num_experts_per_tok // cfg.n_routed_experts
+        elif term.key == "indexer" and inp.frozen_indexer:  # held (replicated), not trained
+            dense += term.count
+            frozen += term.count
         else:
             split = inp.tp if term.key in TP_SPLIT else 1
             dense += term.count // split
@@ -137,7 +148,7 @@ def layer_part(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> Part:
     tp, tp_again = layer_comm(cfg, moe, inp)
     return Part(dense, expert, decoder_layer_activation_bytes(cfg, moe, inp), flops,
                 local_kl_transient_bytes(cfg, inp), comm_sum(cp, tp), adamw,
-                comm_sum(recomputed_forward_comm(cp), tp_again))
+                comm_sum(recomputed_forward_comm(cp), tp_again), frozen)
 
 
 def local_kl_transient_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
@@ -178,7 +189,8 @@ def mtp_part(cfg: GLM5Config, inp: MemoryInputs) -> Part:
     eh_proj = 2 * H * H // inp.tp
     params = Part(dense_params=layer.dense_params + eh_proj + 3 * H,
                   expert_params=layer.expert_params,
-                  adamw_params=layer.adamw_params + 3 * H).times(sets)  # + its 3 norms
+                  adamw_params=layer.adamw_params + 3 * H,  # + its 3 norms
+                  frozen_params=layer.frozen_params).times(sets)
     flops = layer.flops + 6 * 2 * H * H * inp.tokens // inp.tp
     projection = mtp_projection_comm(cfg, inp)  # its embedding lookup is not recomputed
     comm = comm_sum(layer.comm, mtp_roll_comm(inp), *projection,
@@ -230,7 +242,9 @@ HOST_OPTIMIZER_BYTES = 16
 
 
 def stage_costs(part: Part, inp: MemoryInputs) -> StageCosts:
-    d, e = part.dense_params, part.expert_params
+    """Weights of every parameter held; gradients, optimizer state and what the data-parallel
+    reduction moves (``dense_params``) of the trained ones only."""
+    d, e = part.trained_dense_params, part.expert_params
     sharded = -(-d // (inp.dp * inp.cp)) - (-e // inp.expert_dp)  # per rank, rounded up
     grads = sharded if inp.shard_grads else d + e
     if inp.muon:
@@ -240,7 +254,8 @@ def stage_costs(part: Part, inp: MemoryInputs) -> StageCosts:
         on_host = round(states * inp.optimizer_offload_fraction)
         device = inp.optimizer_bytes * (states - on_host)
         host = HOST_OPTIMIZER_BYTES * on_host
-    return StageCosts(inp.weight_bytes * (d + e), inp.grad_bytes * grads, device,
+    held = part.dense_params + e
+    return StageCosts(inp.weight_bytes * held, inp.grad_bytes * grads, device,
                       part.activation_bytes, part.flops, zero2_accumulated_bytes(d, e, inp),
                       part.transient_bytes, part.comm, dense_params=d, expert_params=e,
                       host_bytes=host,
@@ -272,7 +287,7 @@ def muon_state_bytes(part: Part, inp: MemoryInputs) -> tuple[int, int]:
     all of it: Muon takes no other fraction). Distributed Muon's matrices are planned as an
     even 1/dp share per rank: their owners are balanced by Newton-Schulz cost, not bytes
     (the data-parallel group's total is exact)."""
-    d, e, a = part.dense_params, part.expert_params, part.adamw_params
+    d, e, a = part.trained_dense_params, part.expert_params, part.adamw_params
     matrices_d = d - a  # every expert parameter is a matrix
     master = MASTER_BYTES if inp.weight_bytes < 4 else 0
     dense_ranks = inp.dp * inp.cp if inp.distributed_optimizer else 1

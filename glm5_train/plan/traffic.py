@@ -22,11 +22,12 @@ SHAPE_MESSAGE_BYTES = 3 * 8
 
 
 def frozen_parameters(job: JobConfig) -> bool:
-    """The dense warm-up trains the indexer only, a frozen indexer or (RL) frozen MTP layers
-    train without their part: those have no gradient or optimizer state (the planner counts
-    the whole model's)."""
+    """Frozen parameters the planner does not model: the dense warm-up trains the indexer
+    only, (RL) frozen MTP layers train without their part; those have no gradient or
+    optimizer state, but the planner counts the whole model's. A frozen indexer
+    (dsa.freeze_indexer, dsa.stage=dense) is modelled (``MemoryInputs.frozen_indexer``)."""
     frozen_mtp = bool(job.model.mtp_sets) and not job.runs_mtp
-    return job.dsa.stage == "dense_warmup" or job.dsa.freeze_indexer or frozen_mtp
+    return job.dsa.stage == "dense_warmup" or frozen_mtp
 
 
 def traffic_modelled(job: JobConfig) -> tuple[str, ...]:
