@@ -105,6 +105,10 @@ class TrainConfig(ProfileOptions, NonfiniteOptions, Int4QATOptions, MuonOptions)
     # (``param_grad_norms``: {global tensor name: norm}, the same names in every layout; see
     # parallel/grad_norms.py). For parity checks and debugging: one all_gather_object per step.
     log_param_grad_norms: bool = False
+    # Tokens per expert of every MoE layer and the expert biases in metrics.jsonl (expert_load,
+    # expert_load_max_over_mean, expert_load_cv, expert_bias; glm5_train/expert_load.py): one
+    # all-reduce of layers x (2E+1) float64 per logged step (744B: 312 KB, ~0.35 MB a record).
+    log_expert_load: bool = True
     # What the step minimises: lm (next-token cross-entropy), or an RL objective over rollout
     # records (grpo, dis, distill: data.format=rollouts; the rl group holds their keys).
     objective: str = "lm"

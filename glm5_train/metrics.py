@@ -94,11 +94,13 @@ class MetricsLogger:
         mtp = f" | mtp_loss {r['mtp_loss']:.4f}" if "mtp_loss" in r else ""
         rl = (f" | reward {r['reward_mean']:.3f} | masked {r['rl_masked_fraction']:.3f}"
               f" | dropped {r['rl_dropped_rollouts']}" if "rl_masked_fraction" in r else "")
+        load = (f" | expert max/mean {r['expert_load_worst_max_over_mean']:.2f}"
+                if "expert_load_worst_max_over_mean" in r else "")
         comm = (f" | max rank sent {max(r['comm_bytes']) / 2**20:.1f} MiB"
                 if r.get("comm_bytes") else "")
         return (f"step {step}/{self.train_iters} ({pct:5.1f}%) | loss {r['loss']:.4f}{mtp}{kl}{rl} | "
                 f"grad_norm {r['grad_norm']:.3f} | lr {r['lr']:.3e} | "
-                f"tokens/s {r['tokens_per_s']:.0f} | consumed_tokens {r['consumed_tokens']} | "
+                f"tokens/s {r['tokens_per_s']:.0f} | consumed_tokens {r['consumed_tokens']}{load} | "
                 f"max rank peak {peak_mib:.0f} MiB{comm} | elapsed {elapsed:.0f}s")
 
 
@@ -118,9 +120,14 @@ TENSORBOARD_SCALARS = ("loss", "mtp_loss", "mtp_loss_1", "mtp_loss_2", "mtp_loss
                        "reward_mean", "rl_masked_fraction", "rl_clipped_fraction",
                        "rl_logp_diff_mean", "rl_logp_diff_max", "rl_policy_drift", "rl_ratio_p05", "rl_ratio_p50",
                        "rl_ratio_p95", "rl_ratio_min", "rl_ratio_max", "rl_rollouts",
-                       "rl_dropped_rollouts", "rl_entropy")
+                       "rl_dropped_rollouts", "rl_entropy",
+                       # expert load over layers (glm5_train/expert_load.py load_fields)
+                       "expert_load_worst_max_over_mean", "expert_load_worst_cv")
 TENSORBOARD_PER_RANK = ("mem_peak_bytes", "mem_rss_bytes", "comm_bytes", "saved_bytes_peak",
                         "offloaded_bytes")
+# per-MoE-layer dicts ({layer: value}) written as one scalar per layer (``<tag>/<layer>``)
+TENSORBOARD_PER_LAYER = {"expert_load_max_over_mean": "expert_load/max_over_mean",
+                         "expert_load_cv": "expert_load/cv"}
 
 
 class TensorBoardScalars:
@@ -145,6 +152,12 @@ class TensorBoardScalars:
         for name in TENSORBOARD_PER_RANK:
             for rank, value in enumerate(record.get(name) or []):
                 self._writer.add_scalar(f"ranks/{name}/rank{rank}", value, step)
+        for name, tag in TENSORBOARD_PER_LAYER.items():
+            for layer, value in (record.get(name) or {}).items():
+                if value is not None:  # None: the layer received no token
+                    self._writer.add_scalar(f"{tag}/{layer}", value, step)
+        for layer, bias in (record.get("expert_bias") or {}).items():
+            self._writer.add_scalar(f"expert_bias/range/{layer}", max(bias) - min(bias), step)
         self._writer.flush()
 
     def close(self) -> None:

@@ -43,10 +43,14 @@ from glm5_train.checkpoint import (
     CheckpointUnfitError,
     NoCheckpointError,
     TrainState,
+    choose_checkpoint,
     load_checkpoint,
+    optimizer_mismatch,
     save_checkpoint,
+    schedule_end_lr,
 )
 from glm5_train.data import build_train_iterator
+from glm5_train.expert_load import ExpertLoad
 from glm5_train.flexible_batches import FlexibleBatches, plan_record
 from glm5_train.job_config import CONFIG_ERRORS, JobConfig, one_line
 from glm5_train.metrics import MetricsLogger, gather_memory, gather_per_rank, gather_saved_bytes
@@ -59,6 +63,7 @@ from glm5_train.rl.publisher import WeightPublisher
 from glm5_train.rl.rollout_data import step_summary
 from glm5_train.rl.stream import RolloutStreamError, StreamedRollouts
 from glm5_train.run_dir import register_resolvers
+from glm5_train.schedules import BatchSchedule
 from glm5_train.step import global_loss, global_mtp_losses, run_step
 from parallel.comm_meter import CommMeter, buffer_bytes, gather_fields, names_of_groups
 from parallel.deferred_wgrad import FIGURE_NAMES as WGRAD_FIGURES
@@ -160,7 +165,7 @@ def _forward_backward(rt: Runtime, iterators: list) -> list:
     if rt.zero2 is not None:
         rt.zero2.begin_step()
     rt.optimizer.zero_grad()
-    num_micro = t.global_batch_size // (t.micro_batch_size * rt.dp_size)
+    num_micro = (rt.global_batch_now or t.global_batch_size) // (t.micro_batch_size * rt.dp_size)
     seq_length = t.seq_length
     if isinstance(iterators, FlexibleBatches):  # this global batch's plan, its micro-batches
         planned = iterators.next_step()
@@ -229,6 +234,11 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
     logger = MetricsLogger(run_dir, job.train.train_iters)
     data = iterators(rt, state.consumed_samples)
     t, ckpt = job.train, job.checkpoint
+    batches = BatchSchedule(t.global_batch_size, t.micro_batch_size, rt.dp_size,
+                            t.rampup_batch_size)
+    # Tokens per expert of every MoE layer, summed over the job (its hooks only read the
+    # routers' choices); train.log_expert_load.
+    expert_load = ExpertLoad(rt.chunks, dist.group.WORLD) if t.log_expert_load else None
     policy = NonFinitePolicy(t.nonfinite, t.nonfinite_max_consecutive, t.nonfinite_max_total)
     minutes = ckpt.save_interval_minutes if ckpt.save else None
     records = []
@@ -251,7 +261,12 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
             # This step's collectives on this rank (the loss's included), by group size and
             # by megatron-core group name.
             meter = CommMeter(group_names=group_names)
+            rt.global_batch_now = batches.size_at(state.consumed_samples)
+            if expert_load is not None:
+                expert_load.begin_step()
             outcome = train_step(rt, data, meter, boundary, step_index=state.iteration)
+            if isinstance(data, FlexibleBatches):  # the measured micro-batches refit the model
+                data.observe_step(rt.last_plan)
             if rt.objective is not None:  # the step's rewards, from the records it trained on
                 outcome.stats.update(step_summary(rt.dataset, state.iteration,
                                                   t.global_batch_size))
@@ -261,13 +276,13 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
             cpu_ms = int(1000 * (time.process_time() - cpu_started))
             profiler.step_ends(state.iteration + 1)
             state.iteration += 1
-            state.consumed_samples += t.global_batch_size
-            batch_tokens = t.global_batch_size * t.seq_length
+            state.consumed_samples += rt.global_batch_now
+            batch_tokens = rt.global_batch_now * t.seq_length
             state.consumed_tokens += batch_tokens
             record = _record(rt, state, outcome.stats, outcome.grad_norm, batch_tokens / elapsed)
             stop_error = _judge(policy, outcome, record)
             if state.iteration % t.log_interval == 0 or state.iteration == 1 or stop_error:
-                _log(rt, logger, record, meter, cpu_ms)
+                _log(rt, logger, record, meter, cpu_ms, expert_load)
             records.append(record)
             if stop_error is not None:
                 raise stop_error
@@ -293,9 +308,10 @@ def start_publishing(job: JobConfig, rt: Runtime, iteration: int) -> WeightPubli
 
 
 def _log(rt: Runtime, logger: MetricsLogger, record: dict, meter: CommMeter,
-         cpu_ms: int) -> None:
+         cpu_ms: int, expert_load: ExpertLoad | None = None) -> None:
     """Add the per-rank figures (memory, communication, saved bytes, the step's CPU time: the
-    work each rank did, which on an oversubscribed machine wall time cannot show) and log."""
+    work each rank did, which on an oversubscribed machine wall time cannot show), the step's
+    expert load summed over the job, and log."""
     record["mem_rss_bytes"], record["mem_peak_bytes"] = gather_memory()
     # With the step's CPU time, each rank's Triton sparse-MLA launches so far (forward,
     # backward): where they ran. One gather for both.
@@ -313,6 +329,8 @@ def _log(rt: Runtime, logger: MetricsLogger, record: dict, meter: CommMeter,
     if rt.qat is not None:  # INT4 QAT: layers requantised, their buffers, the rounding error
         ranks = gather_per_rank(rt.qat.figures())
         record.update({name: [r[i] for r in ranks] for i, name in enumerate(QAT_FIGURES)})
+    if expert_load is not None:
+        record.update(expert_load.gather())
     logger.log(record)
 
 
@@ -372,19 +390,65 @@ def resume(job: JobConfig, rt: Runtime) -> TrainState:
     ckpt = job.checkpoint
     root = ckpt.save if ckpt.load == AUTO else ckpt.load
     loaded = None
+    if job.train.lr_from_pretrained:  # before a resume, so its saved schedule matches ours
+        continue_schedule(job, rt)
     if root:
         loaded = load_checkpoint(root, rt.chunks, rt.optimizer, rt.scheduler, job.model,
                                  ckpt.load_optimizer, required=ckpt.load != AUTO)
     if loaded is None and ckpt.pretrained:  # a new stage from another run's weights
-        load_checkpoint(ckpt.pretrained, rt.chunks, rt.optimizer, None, job.model,
-                        load_optimizer=False)
-        if dist.get_rank() == 0:
-            print(f"checkpoint: starting from the weights of {ckpt.pretrained} (step 0, a "
-                  "fresh optimizer and schedule)", flush=True)
+        start_stage(job, rt)
     state = loaded or TrainState()
     if rt.objective is not None:
         check_rollout_position(state, job.train.global_batch_size)
     return state
+
+
+def continue_schedule(job: JobConfig, rt: Runtime) -> None:
+    """train.lr_from_pretrained: this stage's schedule peaks (after any warm-up) at the
+    learning rate where the pretrained run's schedule stands, in place of train.lr."""
+    path, lr = schedule_end_lr(job.checkpoint.pretrained)
+    if lr < job.train.min_lr:
+        raise ValueError(f"train.lr_from_pretrained=true: {path} ends at learning rate {lr:g}, "
+                         f"below this stage's train.min_lr={job.train.min_lr:g}: lower "
+                         "train.min_lr, or set train.lr_from_pretrained=false")
+    scale = lr / rt.scheduler.max_lr
+    rt.scheduler.max_lr = lr
+    for group in rt.optimizer.param_groups:  # megatron's groups carry their own peak
+        if "max_lr" in group:
+            group["max_lr"] *= scale
+    rt.scheduler.step(increment=0)  # the optimizer's learning rate, from the new peak
+    if dist.get_rank() == 0 and not math.isclose(lr, job.train.lr, rel_tol=1e-9):
+        print(f"checkpoint: this stage's schedule starts at learning rate {lr:g}, where {path} "
+              f"ended (train.lr_from_pretrained; train.lr={job.train.lr:g} is not used)",
+              flush=True)
+
+
+def start_stage(job: JobConfig, rt: Runtime) -> None:
+    """A new stage from ``checkpoint.pretrained``: its weights, and its optimizer state when
+    ``checkpoint.pretrained_optimizer`` asks and it is of this run's kind; step 0 and this
+    run's own schedule either way."""
+    ckpt = job.checkpoint
+    path = choose_checkpoint(ckpt.pretrained, required=True)
+    why_not = optimizer_mismatch(path, rt.optimizer) if ckpt.pretrained_optimizer else "off"
+    if why_not is not None and ckpt.pretrained_optimizer is True:
+        raise ValueError(f"checkpoint.pretrained_optimizer=true: cannot take the optimizer "
+                         f"state of {path}: {why_not}; set checkpoint.pretrained_optimizer="
+                         "auto or false for a fresh optimizer state")
+    # The loaded state brings the previous stage's param groups, learning-rate bounds
+    # included: this stage keeps its own schedule.
+    bounds = [(g.get("max_lr"), g.get("min_lr")) for g in rt.optimizer.param_groups]
+    load_checkpoint(ckpt.pretrained, rt.chunks, rt.optimizer, None, job.model,
+                    load_optimizer=why_not is None, chosen=path)
+    for group, (max_lr, min_lr) in zip(rt.optimizer.param_groups, bounds, strict=True):
+        if max_lr is not None:
+            group["max_lr"], group["min_lr"] = max_lr, min_lr
+    rt.scheduler.step(increment=0)
+    if dist.get_rank() == 0:
+        optimizer = ("and its optimizer state" if why_not is None
+                     else "a fresh optimizer state" + (f" ({why_not})" if why_not != "off"
+                                                        else ""))
+        print(f"checkpoint: starting from the weights of {ckpt.pretrained} {optimizer}, at "
+              "step 0 with this stage's schedule", flush=True)
 
 
 def check_rollout_position(state: TrainState, global_batch_size: int) -> None:
@@ -458,6 +522,7 @@ def _record(rt: Runtime, state, stats: dict, grad_norm: float, tokens_per_s: flo
         "tokens_per_s": tokens_per_s,
         "consumed_tokens": state.consumed_tokens,
         "consumed_samples": state.consumed_samples,
+        "global_batch_size": rt.global_batch_now or rt.job.train.global_batch_size,
     }
     if rt.param_grad_norms is not None:  # gathered here, outside the step's comm meter
         record["param_grad_norms"] = rt.param_grad_norms.gather()

@@ -27,10 +27,10 @@ def test_every_stage_composes_and_fits_its_cluster_by_the_planner(rows):
                              job.train.micro_batch_size, job.train.seq_length)
         row = rows[stage.experiment]
         assert row.dp == dp and row.fit.gpus == stage.gpus
-        assert row.fit.peak_bytes <= curriculum.DEVICES[stage.device], (stage.name, row.fit)
+        # Every stage leaves the stated margin of its device for what the planner leaves out.
+        assert row.free_fraction >= 0.2, (stage.name, row.fit.peak_bytes)
         if stage.experiment.startswith(("glm5_pretrain", "glm5_midtrain")):
             assert job.dsa.stage == "dense" and job.train.optimizer == "muon"
-            assert row.free_fraction >= 0.2  # the 512-H100 stages leave the stated margin
 
 
 def test_token_budgets_become_the_stages_steps(rows):

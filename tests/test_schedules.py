@@ -135,3 +135,27 @@ def test_ramp_is_refused_where_batches_are_not_the_configs():
     with pytest.raises(ValueError, match="RL steps read their rollouts by step"):
         compose_job(["data=rollouts", "data.paths=[x.jsonl]", "train.objective=grpo",
                      "train.rampup_batch_size=[2,2,10]"])
+
+
+def test_a_new_stage_takes_the_previous_ones_weights_optimizer_state_and_last_lr(tmp_path):
+    """Stage B starts from stage A's checkpoint (checkpoint.pretrained): A's weights and Adam
+    state, at step 0, its own constant schedule at the learning rate A's linear decay ended
+    at (train.lr_from_pretrained), not B's train.lr. A fresh Adam state on the same weights
+    gives the same first loss and a different second step."""
+    stage_a = ["parallel=single", "train.train_iters=3", "train.lr=1e-3", "train.min_lr=2e-4",
+               "train.lr_decay_style=linear", f"checkpoint.save={tmp_path / 'a'}"]
+    run_job(1, stage_a, str(tmp_path / "run_a"))
+    stage_b = ["parallel=single", "train.train_iters=2", "train.lr=5e-3", "train.min_lr=1e-4",
+               "train.lr_decay_style=constant", f"checkpoint.pretrained={tmp_path / 'a'}",
+               "train.lr_from_pretrained=true", "checkpoint.save=null", "checkpoint.load=null"]
+    took = run_job(1, stage_b, str(tmp_path / "run_b"))
+    fresh = run_job(1, [*stage_b, "checkpoint.pretrained_optimizer=false"],
+                    str(tmp_path / "run_fresh"))
+    assert "and its optimizer state, at step 0" in took.log
+    assert "a fresh optimizer state, at step 0" in fresh.log
+    assert "schedule starts at learning rate 0.0002, where" in took.log
+    assert [r["step"] for r in took.records] == [1, 2]
+    assert [r["lr"] for r in took.records] == pytest.approx([2e-4, 2e-4])
+    assert took.records[0]["consumed_samples"] == 4  # the stage counts its own samples
+    assert took.records[0]["loss"] == fresh.records[0]["loss"]  # the same weights and data
+    assert took.records[1]["loss"] != fresh.records[1]["loss"]  # Adam's moments differ

@@ -81,7 +81,8 @@ STAGES = (
     Stage("mid-training 200K", "glm5_midtrain_200k", 512, "H100", "50B tokens"),
     Stage("DSA warm-up", "glm5_dsa_warmup", 256, "H200", "1,000 steps x 14 seq"),
     Stage("sparse adaptation", "glm5_dsa_sparse", 256, "H200", "20B tokens"),
-    Stage("SFT 202K", "glm5_sft_202k", 256, "H100", "the user's data"),
+    Stage("SFT 202K", "glm5_sft_202k", 128, "H100", "the user's data",
+          ("parallel=glm5_sft_202k_128gpu",)),
     Stage("RL", "glm5_rl_744b", 256, "H100", "the user's rollouts",
           ("data.paths=[rollouts.jsonl]",)),
 )
@@ -139,14 +140,14 @@ def _tokens(n: int) -> str:
 
 def table(rows: list[Row], margin: float) -> list[str]:
     head = (f"{'stage':<18} {'preset':<20} {'budget':<21} {'tokens':>7} {'steps':>8} "
-            f"{'learning rate':<40} {'layout':<30} {'GPUs':>9} {'GB/GPU':>7} {'free':>5} "
+            f"{'learning rate':<44} {'layout':<30} {'GPUs':>9} {'GB/GPU':>7} {'free':>5} "
             f"{'fit':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         verdict = ("margin" if r.free_fraction >= margin else "tight" if r.free_fraction >= 0
                    else "NO")
         lines.append(f"{r.stage.name:<18} {r.stage.experiment:<20} {r.stage.budget:<21} "
-                     f"{_tokens(r.tokens):>7} {r.steps:>8,} {r.lr:<40} {r.layout:<30} "
+                     f"{_tokens(r.tokens):>7} {r.steps:>8,} {r.lr:<44} {r.layout:<30} "
                      f"{r.stage.gpus:>4} {r.stage.device} {r.fit.peak_bytes / GB:>7.1f} "
                      f"{r.free_fraction:>5.0%} {verdict:>6}")
     lines += ["", (f"GB/GPU: the planner's largest rank + one layer's recompute working set; free: "
