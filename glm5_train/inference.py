@@ -1,11 +1,13 @@
 """Forward-only logits through megatron-core's pipeline schedules, in any layout.
 
 Used to check the model against outside implementations (HF transformers) and by tools.
-The returned logits are the full vocabulary (gathered over TP) in fp32.
+The returned logits are the full vocabulary (gathered over TP) in fp32; ``compute_head_logits``
+adds the MTP steps' logits (the drafts of speculative decoding).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -32,15 +34,16 @@ def _forward_step(tp_group, data_iterator, model):
     return output, partial(_store_logits, tp_group)
 
 
-def compute_logits(chunks: list, tokens_BS: torch.Tensor,
-                   groups: ProcessGroupCollection) -> torch.Tensor | None:
+def compute_logits(chunks: list, tokens_BS: torch.Tensor, groups: ProcessGroupCollection,
+                   micro_batch_size: int = 1) -> torch.Tensor | None:
     """Logits [B, S, V] on the CPU for ``tokens_BS`` (any device) on last-stage ranks, else
     None.
 
-    Each sequence is one micro-batch (the interleaved schedule needs at least PP of them)."""
+    Micro-batches of ``micro_batch_size`` sequences (the interleaved schedule needs at least PP
+    of them; B a multiple of it)."""
     for chunk in chunks:
         chunk.eval()
-    samples = list(tokens_BS.split(1))
+    samples = list(tokens_BS.split(micro_batch_size))
     iterators = [iter(samples) for _ in chunks]
     schedule = get_forward_backward_func(pp_size=groups.pp.size(),
                                          vp_size=len(chunks) if len(chunks) > 1 else None)
@@ -51,9 +54,30 @@ def compute_logits(chunks: list, tokens_BS: torch.Tensor,
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=len(samples),
             seq_length=tokens_BS.shape[1],
-            micro_batch_size=1,
+            micro_batch_size=micro_batch_size,
             forward_only=True,
         )
     if not is_pp_last_stage(groups.pp):
         return None
     return torch.cat([item["logits"] for item in stored]).cpu()
+
+
+def compute_head_logits(chunks: list, tokens_BS: torch.Tensor, groups: ProcessGroupCollection,
+                        micro_batch_size: int = 1) -> torch.Tensor | None:
+    """Logits [B, 1 + K, S, V] on the CPU on last-stage ranks (else None): head 0 is the main
+    model (position i predicts token i + 1), head k the k-th of the model's K MTP steps
+    (position i predicts token i + k + 1 from step k - 1's hidden state at i and the embedding
+    of token i + k, as in training)."""
+    with _mtp_logits_emitted(chunks):
+        return compute_logits(chunks, tokens_BS, groups, micro_batch_size)
+
+
+@contextmanager
+def _mtp_logits_emitted(chunks: list):
+    for chunk in chunks:
+        chunk.emit_mtp_logits = True
+    try:
+        yield
+    finally:
+        for chunk in chunks:
+            chunk.emit_mtp_logits = False

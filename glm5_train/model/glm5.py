@@ -224,6 +224,9 @@ class GLM5Model(GPTModel):
         # one [B, S] tensor per micro-batch, taken by the loss function (take_entropy).
         self.measure_entropy = False
         self._entropy_reports: list[torch.Tensor] = []
+        # Speculative-decoding drafts (tools/mtp_accept_length.py): a forward without labels
+        # also runs the MTP steps and returns every head's logits (``_head_logits``).
+        self.emit_mtp_logits = False
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None):
@@ -279,8 +282,9 @@ class GLM5Model(GPTModel):
         if any(value is not None for value in newer.values()):
             raise NotImplementedError(f"{sorted(k for k, v in newer.items() if v is not None)}: "
                                       "not supported with MTP or the chunked loss")
-        # Without labels (inference) nothing predicts beyond the next token: skip MTP.
-        with_mtp = labels is not None and self.mtp_num_steps > 0
+        # Without labels (inference) nothing predicts beyond the next token unless the drafts
+        # are asked for (emit_mtp_logits): skip MTP.
+        with_mtp = (labels is not None or self.emit_mtp_logits) and self.mtp_num_steps > 0
         if mtp_in_postprocess and with_mtp:
             hidden_states = self._mtp_steps(hidden_states, input_ids, position_ids,
                                             attention_mask, rotary_pos_emb, packed_seq_params,
@@ -289,6 +293,9 @@ class GLM5Model(GPTModel):
             return hidden_states
         output_weight = (self.shared_embedding_or_output_weight()
                          if self.share_embeddings_and_output_weights else None)
+        if with_mtp and labels is None:
+            return self._head_logits(torch.chunk(hidden_states, 1 + self.mtp_num_steps, dim=0),
+                                     output_weight, runtime_gather_output)
         if with_mtp:
             main, *steps = torch.chunk(hidden_states, 1 + self.mtp_num_steps, dim=0)
             # A zero weight (RL: the MTP layers frozen) adds nothing: no head runs for it (nor
@@ -304,6 +311,17 @@ class GLM5Model(GPTModel):
             return logits.transpose(0, 1).contiguous()  # [s, b, v] -> [b, s, v]
         return self._token_losses(hidden_states, labels, output_weight, runtime_gather_output,
                                   entropy=self.measure_entropy)
+
+    def _head_logits(self, hidden_per_head: tuple, output_weight,
+                     runtime_gather_output) -> torch.Tensor:
+        """Logits [B, 1 + K, S, V/TP] of the main head and each of the K MTP steps (head k at
+        position i predicts token i + k + 1). Each head's hidden states go through the output
+        layer separately: under sequence parallelism each rank holds a shard of every head's
+        sequence, and the layer's sequence gather must not interleave heads."""
+        logits = [self.output_layer(hidden_SBH, weight=output_weight,
+                                    runtime_gather_output=runtime_gather_output)[0]
+                  for hidden_SBH in hidden_per_head]
+        return torch.stack([head_SBV.transpose(0, 1) for head_SBV in logits], dim=1)
 
     def _token_losses(self, hidden_SBH, labels_BS, output_weight, runtime_gather_output,
                       entropy: bool = False):
@@ -332,8 +350,9 @@ class GLM5Model(GPTModel):
                    rotary_pos_emb, packed_seq_params, sequence_len_offset):
         """[main; step 1; ...; step K] hidden states, concatenated along the sequence. With a
         zero MTP loss weight (RL with the MTP layers frozen) nothing trains through the steps:
-        they do not run, and zeros keep the [main; steps] shape the pipeline sends on."""
-        if not self.config.mtp_loss_scaling_factor:
+        they do not run (unless ``emit_mtp_logits`` asks for the drafts), and zeros keep the
+        [main; steps] shape the pipeline sends on."""
+        if not self.config.mtp_loss_scaling_factor and not self.emit_mtp_logits:
             return torch.cat([hidden_states] + [torch.zeros_like(hidden_states)]
                              * self.mtp_num_steps, dim=0)
         outputs = [hidden_states]
