@@ -40,6 +40,7 @@ SELECTIVE_OFFLOAD = ["activations.recompute_granularity=selective",
 CASES = [  # (name, processes, overrides)
     ("cp2_sparse", 2, CP2),
     ("cp2_dense_warmup", 2, [*CP2, "dsa=dense_warmup"]),
+    ("cp2_dense", 2, [*CP2, "dsa=dense"]),  # the latent alone crosses: no indexer key
     ("cp2_pp2_vpp2_sparse", 4, CP2_PP2_VPP2),
     # selective recompute runs the DSA core attention again in backward: its gathers repeat
     ("cp2_pp2_vpp2_selective_offload", 4, [*CP2_PP2_VPP2, *SELECTIVE_OFFLOAD]),
