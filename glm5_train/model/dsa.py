@@ -491,8 +491,8 @@ class DSACoreAttention(MLACoreAttention):
     Sparse stage with index_topk < S and ``dsa.sparse_attention=absorbed``: ``key`` is MLA's
     latent key [S, B, 1, C + R] and ``value`` None (``runs_absorbed``, fed by
     ``sparse_mla.GLM5MLASelfAttention``), attended in the absorbed form. Otherwise the usual
-    up-projected q / k / v: dense flash attention (warm-up, every key selected) or the
-    masked-dense reference."""
+    up-projected q / k / v: dense flash attention (``dsa.stage=dense``, which never runs the
+    indexer; the warm-up; every key selected) or the masked-dense reference."""
 
     supports_context_parallel = True  # queries stay local, keys gathered (_attend)
     # megatron-core 0.19's MLA hands the core attention the hidden states and the query latent
