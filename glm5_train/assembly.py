@@ -58,10 +58,11 @@ from glm5_train.rl.objective import RLObjective
 from glm5_train.rl.publisher import publication_problem
 from glm5_train.rl.rollout_data import build_rollout_dataset, freeze_mtp
 from glm5_train.rl.stream import StreamedRollouts, is_spool
-from glm5_train.schedules import check_rampup_layout
+from glm5_train.schedules import BatchRamp, check_rampup_layout
 from glm5_train.tokenizer import build_tokenizer
 from parallel import deferred_wgrad, int4_qat, mcore_compat, process_groups
 from parallel.activation_offload import ActivationTracker
+from parallel.config.pipeline import check_interleaving
 from parallel.deferred_wgrad import WeightGradQueue
 from parallel.device import comm_device
 from parallel.distributed_muon import install_distributed_muon
@@ -100,6 +101,7 @@ class Runtime:
     objective: RLObjective | None = None
     # The global batch of the step under way (train.rampup_batch_size); None: the config's
     global_batch_now: int | None = None
+    batch_start: int | None = None  # the samples consumed before it
 
     @property
     def dp_rank(self) -> int:
@@ -223,9 +225,18 @@ def validate_job(job: JobConfig) -> int:
 
 
 def _check_rampup_for(job: JobConfig, dp: int) -> None:
-    """Every batch size of a ramp splits into whole micro-batches on every data-parallel rank."""
+    """Every batch size of a ramp splits into whole micro-batches on every data-parallel rank,
+    and each one's micro-batches suit the interleaved schedule."""
     t = job.train
+    if t.rampup_batch_size is None:
+        return
     check_rampup_layout(t.rampup_batch_size, t.global_batch_size, t.micro_batch_size, dp)
+    for size in BatchRamp.from_config(t.rampup_batch_size, t.global_batch_size).sizes():
+        try:
+            check_interleaving(job.parallel, size // (t.micro_batch_size * dp))
+        except ValueError as err:
+            raise ValueError(f"train.rampup_batch_size={t.rampup_batch_size}: at its global "
+                             f"batch of {size}: {err}") from None
 
 
 def _check_muon_offload(job: JobConfig) -> None:

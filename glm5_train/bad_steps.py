@@ -55,17 +55,19 @@ class NonFiniteStepError(FloatingPointError):
 @dataclass
 class BatchPosition:
     """Where the step's global batch lies in the training split (see ``MicroBatchSampler``):
-    global batch ``index`` is samples [index * global_batch, (index + 1) * global_batch)."""
+    global batch ``index`` is samples [first, first + global_batch); ``first`` is
+    index * global_batch unless given (a batch-size ramp: the samples consumed before it)."""
 
     index: int
     global_batch: int
     micro_batch: int
     dp_rank: int
     dp_size: int
+    first: int | None = None
 
     @property
     def samples(self) -> range:
-        start = self.index * self.global_batch
+        start = self.index * self.global_batch if self.first is None else self.first
         return range(start, start + self.global_batch)
 
     def micro_batch_samples(self, micro: int) -> range:

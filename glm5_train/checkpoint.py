@@ -112,6 +112,8 @@ def _sharded_state(chunks, optimizer, scheduler, state: TrainState, model_cfg: G
         sharded["optimizer"] = _optimizer_sharded(optimizer, model_sd, is_loading)
         sharded["optimizer_parts"] = _optimizer_parts(optimizer)
         sharded["optimizer_kind"] = optimizer_kind(optimizer)
+        if not is_loading:  # which parameters the state is of (a later stage may train others)
+            sharded["trained_parameters"] = trained_parameters(chunks)
     return sharded
 
 
@@ -270,13 +272,18 @@ def _choose_on_this_rank(root: str, required: bool, rejected: dict[str, str]
 
 def load_checkpoint(root: str, chunks, optimizer, scheduler, model_cfg: GLM5Config,
                     load_optimizer: bool = True, required: bool = True,
-                    chosen: str | None = None) -> TrainState | None:
+                    chosen: str | None = None,
+                    peak_from_checkpoint: bool = False) -> TrainState | None:
     """Load the newest complete checkpoint under ``root`` into this layout (a torn newest one
     is passed over). ``required=False``: None when ``root`` holds no checkpoint at all.
-    ``chosen``: the checkpoint ``choose_checkpoint`` already picked under ``root``."""
+    ``chosen``: the checkpoint ``choose_checkpoint`` already picked under ``root``.
+    ``peak_from_checkpoint``: the saved peak learning rate is expected to differ from
+    ``train.lr`` (``train.lr_from_pretrained``): no notice for it."""
     path = chosen or choose_checkpoint(root, required)
     if path is None:
         return None
+    bounds = (group_bounds(optimizer, scheduler)
+              if optimizer is not None and scheduler is not None else None)
     check_model_config(path, model_cfg)
     weights_only = is_weights_only(path)
     restores_optimizer = optimizer is not None and load_optimizer and not weights_only
@@ -285,7 +292,8 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler, model_cfg: GLM5Conf
     if restores_optimizer:
         _check_optimizer_matches(path, optimizer)
     if scheduler is not None:
-        _say_when_the_saved_schedule_differs(path, scheduler)
+        _say_when_the_saved_schedule_differs(path, scheduler,
+                                             ignore=("max_lr",) if peak_from_checkpoint else ())
     sharded = _sharded_state(chunks, optimizer if restores_optimizer else None, scheduler,
                              TrainState(), model_cfg, is_loading=True)
     loaded = dist_checkpointing.load(sharded, path)
@@ -300,6 +308,8 @@ def load_checkpoint(root: str, chunks, optimizer, scheduler, model_cfg: GLM5Conf
     if scheduler is None:
         return TrainState()
     scheduler.load_state_dict(loaded["scheduler"])
+    if bounds is not None:  # the saved bounds rule the param groups too (the distributed
+        follow_scheduler(optimizer, scheduler, bounds)  # optimizer's state has none of them)
     return TrainState(**loaded["train_state"])
 
 
@@ -319,7 +329,7 @@ _SCHEDULE_KEYS = {"max_lr": "train.lr", "min_lr": "train.min_lr",
                   "end_wd": "train.weight_decay"}
 
 
-def _say_when_the_saved_schedule_differs(path: str, scheduler) -> None:
+def _say_when_the_saved_schedule_differs(path: str, scheduler, ignore: tuple = ()) -> None:
     """megatron-core's scheduler (use_checkpoint_opt_param_scheduler, its default) continues
     the schedule the checkpoint saved, whatever this run's config says: a run extended from
     100 to 200 steps with train.lr_decay_iters=null keeps decaying over 100 (then stays at
@@ -327,7 +337,8 @@ def _say_when_the_saved_schedule_differs(path: str, scheduler) -> None:
     train.* values that make the config say what runs."""
     saved = dist_checkpointing.load_common_state_dict(path).get("scheduler") or {}
     ours = scheduler.state_dict()
-    differ = [key for key in _SCHEDULE_KEYS if key in saved and saved[key] != ours[key]]
+    differ = [key for key in _SCHEDULE_KEYS
+              if key in saved and saved[key] != ours[key] and key not in ignore]
     if not differ or (dist.is_initialized() and dist.get_rank() != 0):
         return
     listed = ", ".join(f"{key} ({_SCHEDULE_KEYS[key]}) {saved[key]} there, {ours[key]} in "
@@ -361,8 +372,22 @@ def schedule_end_lr(root: str) -> tuple[str, float]:
     return path, final_lr(common["scheduler"])
 
 
-def optimizer_mismatch(path: str, optimizer) -> str | None:
-    """Why the checkpoint's optimizer state cannot be this run's (None: it can)."""
+def trained_parameters(chunks: list) -> list[str]:
+    """The names of the trained parameters, layer and expert numbers as ``*`` (the same in
+    every layout), over every rank of the job (one small gather)."""
+    mine = {re.sub(r"\d+", "*", name) for chunk in chunks
+            for name, param in _unwrap(chunk).named_parameters() if param.requires_grad}
+    if not dist.is_initialized():
+        return sorted(mine)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return sorted(set().union(*every))
+
+
+def optimizer_mismatch(path: str, optimizer, chunks: list) -> str | None:
+    """Why the checkpoint's optimizer state cannot be this run's (None: it can): weights only,
+    another optimizer kind, or the state of other trained parameters (a DSA warm-up trains
+    the indexer alone)."""
     common = dist_checkpointing.load_common_state_dict(path)
     if common.get("weights_only", False) or "optimizer_kind" not in common:
         return "it holds weights only"
@@ -370,7 +395,183 @@ def optimizer_mismatch(path: str, optimizer) -> str | None:
         _check_optimizer_matches(path, optimizer)
     except ValueError as err:
         return str(err).split(": resume with")[0]
+    saved, ours = common.get("trained_parameters"), trained_parameters(chunks)
+    if saved is None or saved != ours:  # older checkpoints did not record them
+        differ = sorted(set(saved or []) ^ set(ours))
+        return ("it is the state of other trained parameters (e.g. "
+                f"{differ[0] if differ else 'unrecorded'})")
     return None
+
+
+def group_bounds(optimizer, scheduler) -> list[tuple[float | None, float | None]]:
+    """Each param group's learning-rate bounds relative to the scheduler's: megatron-core's
+    groups carry their own ``max_lr`` / ``min_lr``, which its ``get_lr`` reads first."""
+    def ratio(value, of):
+        return None if value is None or not of else value / of
+    return [(ratio(g.get("max_lr"), scheduler.max_lr), ratio(g.get("min_lr"), scheduler.min_lr))
+            for g in optimizer.param_groups]
+
+
+def follow_scheduler(optimizer, scheduler, bounds: list) -> None:
+    """Put the groups' bounds back in ``bounds``' proportion to the scheduler's, and set the
+    learning rates from them."""
+    for group, (to_max, to_min) in zip(optimizer.param_groups, bounds, strict=True):
+        if to_max is not None:
+            group["max_lr"] = to_max * scheduler.max_lr
+        if to_min is not None:
+            group["min_lr"] = to_min * scheduler.min_lr
+    scheduler.step(increment=0)
+
+
+def set_peak_lr(optimizer, scheduler, lr: float) -> None:
+    """The schedule's peak learning rate ``lr``, in the scheduler and in the param groups."""
+    bounds = group_bounds(optimizer, scheduler)
+    scheduler.max_lr = lr
+    follow_scheduler(optimizer, scheduler, bounds)
+
+
+def load_checkpoint(root: str, chunks, optimizer, scheduler, model_cfg: GLM5Config,
+                    load_optimizer: bool = True, required: bool = True,
+                    chosen: str | None = None,
+                    peak_from_checkpoint: bool = False) -> TrainState | None:
+    """Load the newest complete checkpoint under ``root`` into this layout (a torn newest one
+    is passed over). ``required=False``: None when ``root`` holds no checkpoint at all.
+    ``chosen``: the checkpoint ``choose_checkpoint`` already picked under ``root``.
+    ``peak_from_checkpoint``: the saved peak learning rate is expected to differ from
+    ``train.lr`` (``train.lr_from_pretrained``): no notice for it."""
+    path = chosen or choose_checkpoint(root, required)
+    if path is None:
+        return None
+    bounds = (group_bounds(optimizer, scheduler)
+              if optimizer is not None and scheduler is not None else None)
+    check_model_config(path, model_cfg)
+    weights_only = is_weights_only(path)
+    restores_optimizer = optimizer is not None and load_optimizer and not weights_only
+    if weights_only:
+        scheduler = None
+    if restores_optimizer:
+        _check_optimizer_matches(path, optimizer)
+    if scheduler is not None:
+        _say_when_the_saved_schedule_differs(path, scheduler,
+                                             ignore=("max_lr",) if peak_from_checkpoint else ())
+    sharded = _sharded_state(chunks, optimizer if restores_optimizer else None, scheduler,
+                             TrainState(), model_cfg, is_loading=True)
+    loaded = dist_checkpointing.load(sharded, path)
+    for i, chunk in enumerate(chunks):
+        _unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"])
+    if restores_optimizer:
+        _load_optimizer(optimizer, loaded["optimizer"])
+    elif optimizer is not None:
+        # A fresh optimizer state on the loaded weights: bf16 models' fp32 masters were copied
+        # from the initial weights when the optimizer was built; they must follow the load.
+        optimizer.reload_model_params()
+    if scheduler is None:
+        return TrainState()
+    scheduler.load_state_dict(loaded["scheduler"])
+    if bounds is not None:  # the saved bounds rule the param groups too (the distributed
+        follow_scheduler(optimizer, scheduler, bounds)  # optimizer's state has none of them)
+    return TrainState(**loaded["train_state"])
+
+
+def _load_optimizer(optimizer, state: dict) -> None:
+    if distopt_checkpoint.is_distributed(optimizer):
+        distopt_checkpoint.load_state(optimizer, state)
+    else:
+        optimizer.load_state_dict(state)
+
+
+# megatron-core's scheduler state (every field its load_state_dict compares) -> the train.* key
+# that sets it. The decay's length is train.lr_decay_iters, or train.train_iters when that is
+# null: wd_incr_steps holds it as given, lr_decay_steps at least warm-up + 1 (optim.py).
+_SCHEDULE_KEYS = {"max_lr": "train.lr", "min_lr": "train.min_lr",
+                  "lr_warmup_steps": "train.warmup_iters", "lr_decay_steps": "train.lr_decay_iters",
+                  "wd_incr_steps": "train.lr_decay_iters", "start_wd": "train.weight_decay",
+                  "end_wd": "train.weight_decay"}
+
+
+def _say_when_the_saved_schedule_differs(path: str, scheduler, ignore: tuple = ()) -> None:
+    """megatron-core's scheduler (use_checkpoint_opt_param_scheduler, its default) continues
+    the schedule the checkpoint saved, whatever this run's config says: a run extended from
+    100 to 200 steps with train.lr_decay_iters=null keeps decaying over 100 (then stays at
+    train.min_lr). That is the intended resume, but silent; say it on rank 0, once, with the
+    train.* values that make the config say what runs."""
+    saved = dist_checkpointing.load_common_state_dict(path).get("scheduler") or {}
+    ours = scheduler.state_dict()
+    differ = [key for key in _SCHEDULE_KEYS
+              if key in saved and saved[key] != ours[key] and key not in ignore]
+    if not differ or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    listed = ", ".join(f"{key} ({_SCHEDULE_KEYS[key]}) {saved[key]} there, {ours[key]} in "
+                       "this config" for key in differ)
+    settings = {_SCHEDULE_KEYS[key]: _saved_setting(saved, key) for key in differ}
+    print(f"checkpoint: continuing the saved learning-rate schedule ({listed}); to make the "
+          "config say what runs, pass "
+          + " ".join(f"{name}={value}" for name, value in settings.items()),
+          file=sys.stderr, flush=True)
+
+
+def _saved_setting(saved: dict, key: str):
+    """The train.* value that rebuilds the saved scheduler's ``key``: the decay length as
+    given is wd_incr_steps (lr_decay_steps may be clamped to warm-up + 1)."""
+    if _SCHEDULE_KEYS[key] == "train.lr_decay_iters":
+        return saved.get("wd_incr_steps", saved["lr_decay_steps"])
+    return saved[key]
+
+
+def schedule_end_lr(root: str) -> tuple[str, float]:
+    """(checkpoint, learning rate) where the newest complete checkpoint's schedule stands: the
+    learning rate its next step would take (its last decay step's: min_lr once it is done)."""
+    path = choose_checkpoint(root, required=True)
+    common = dist_checkpointing.load_common_state_dict(path)
+    if "schedule_lr" in common:
+        return path, float(common["schedule_lr"])
+    if "scheduler" not in common:
+        raise ValueError(f"train.lr_from_pretrained=true: checkpoint {path} holds weights only "
+                         "(no learning-rate schedule to continue); set train.lr_from_pretrained="
+                         "false and train.lr to this stage's starting learning rate")
+    return path, final_lr(common["scheduler"])
+
+
+def trained_parameters(chunks: list) -> list[str]:
+    """The names of the trained parameters, layer and expert numbers as ``*`` (the same in
+    every layout), over every rank of the job (one small gather)."""
+    mine = {re.sub(r"\d+", "*", name) for chunk in chunks
+            for name, param in _unwrap(chunk).named_parameters() if param.requires_grad}
+    if not dist.is_initialized():
+        return sorted(mine)
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return sorted(set().union(*every))
+
+
+def optimizer_mismatch(path: str, optimizer, chunks: list) -> str | None:
+    """Why the checkpoint's optimizer state cannot be this run's (None: it can): weights only,
+    another optimizer kind, or the state of other trained parameters (a DSA warm-up trains
+    the indexer alone)."""
+    common = dist_checkpointing.load_common_state_dict(path)
+    if common.get("weights_only", False) or "optimizer_kind" not in common:
+        return "it holds weights only"
+    try:
+        _check_optimizer_matches(path, optimizer)
+    except ValueError as err:
+        return str(err).split(": resume with")[0]
+    saved, ours = common.get("trained_parameters"), trained_parameters(chunks)
+    if saved is None or saved != ours:  # older checkpoints did not record them
+        differ = sorted(set(saved or []) ^ set(ours))
+        return ("it is the state of other trained parameters (e.g. "
+                f"{differ[0] if differ else 'unrecorded'})")
+    return None
+
+
+def set_peak_lr(optimizer, scheduler, lr: float) -> None:
+    """The schedule's peak learning rate, in the scheduler and in megatron-core's param groups
+    (each carries its own ``max_lr``, which megatron's ``get_lr`` reads first), scaled alike."""
+    scale = lr / scheduler.max_lr if scheduler.max_lr else 1.0
+    scheduler.max_lr = lr
+    for group in optimizer.param_groups:
+        if group.get("max_lr") is not None:
+            group["max_lr"] = group["max_lr"] * scale if scale != 1.0 or lr else lr
+    scheduler.step(increment=0)
 
 
 def _check_optimizer_matches(path: str, optimizer) -> None:

@@ -263,6 +263,11 @@ def _check_rampup_use(job: JobConfig) -> None:
         raise ValueError(f"train.rampup_batch_size={t.rampup_batch_size} with train.objective="
                          f"{t.objective} data.format={job.data.format}: RL steps read their "
                          "rollouts by step x global batch; set train.rampup_batch_size=null")
+    if job.activations.offload_micro_batches:
+        raise ValueError(f"train.rampup_batch_size={t.rampup_batch_size} with activations."
+                         f"offload_micro_batches={job.activations.offload_micro_batches}: the "
+                         "offload plan is made for the full batch's micro-batches; set "
+                         "activations.offload_micro_batches=0 or train.rampup_batch_size=null")
     if job.parallel.cp_groups == "flexible":
         raise ValueError(f"train.rampup_batch_size={t.rampup_batch_size} with parallel."
                          "cp_groups=flexible: flexible CP plans every global batch at "

@@ -48,6 +48,7 @@ from glm5_train.checkpoint import (
     optimizer_mismatch,
     save_checkpoint,
     schedule_end_lr,
+    set_peak_lr,
 )
 from glm5_train.data import build_train_iterator
 from glm5_train.expert_load import ExpertLoad
@@ -116,8 +117,9 @@ class StepBoundary:
 
     def _report(self, reports: list, stats: dict, step_index: int) -> str:
         t, rt = self.rt.job.train, self.rt
-        batch = BatchPosition(step_index, t.global_batch_size, t.micro_batch_size, rt.dp_rank,
-                              rt.dp_size)
+        batch = BatchPosition(step_index, rt.global_batch_now or t.global_batch_size,
+                              t.micro_batch_size, rt.dp_rank, rt.dp_size,
+                              first=rt.batch_start)
         found = self.watch.findings(dist.get_rank())
         found.bad_loss_samples = [s for micro in bad_loss_micro_batches(reports)
                                   for s in batch.micro_batch_samples(micro)]
@@ -261,6 +263,7 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
             # This step's collectives on this rank (the loss's included), by group size and
             # by megatron-core group name.
             meter = CommMeter(group_names=group_names)
+            rt.batch_start = state.consumed_samples
             rt.global_batch_now = batches.size_at(state.consumed_samples)
             if expert_load is not None:
                 expert_load.begin_step()
@@ -390,13 +393,14 @@ def resume(job: JobConfig, rt: Runtime) -> TrainState:
     ckpt = job.checkpoint
     root = ckpt.save if ckpt.load == AUTO else ckpt.load
     loaded = None
-    if job.train.lr_from_pretrained:  # before a resume, so its saved schedule matches ours
-        continue_schedule(job, rt)
-    if root:
+    if root:  # the schedule a stage started (lr_from_pretrained) is the one it saved
         loaded = load_checkpoint(root, rt.chunks, rt.optimizer, rt.scheduler, job.model,
-                                 ckpt.load_optimizer, required=ckpt.load != AUTO)
+                                 ckpt.load_optimizer, required=ckpt.load != AUTO,
+                                 peak_from_checkpoint=job.train.lr_from_pretrained)
     if loaded is None and ckpt.pretrained:  # a new stage from another run's weights
         start_stage(job, rt)
+        if job.train.lr_from_pretrained:
+            continue_schedule(job, rt)
     state = loaded or TrainState()
     if rt.objective is not None:
         check_rollout_position(state, job.train.global_batch_size)
@@ -411,13 +415,12 @@ def continue_schedule(job: JobConfig, rt: Runtime) -> None:
         raise ValueError(f"train.lr_from_pretrained=true: {path} ends at learning rate {lr:g}, "
                          f"below this stage's train.min_lr={job.train.min_lr:g}: lower "
                          "train.min_lr, or set train.lr_from_pretrained=false")
-    scale = lr / rt.scheduler.max_lr
-    rt.scheduler.max_lr = lr
-    for group in rt.optimizer.param_groups:  # megatron's groups carry their own peak
-        if "max_lr" in group:
-            group["max_lr"] *= scale
-    rt.scheduler.step(increment=0)  # the optimizer's learning rate, from the new peak
-    if dist.get_rank() == 0 and not math.isclose(lr, job.train.lr, rel_tol=1e-9):
+    if lr < job.train.lr_warmup_init:
+        raise ValueError(f"train.lr_from_pretrained=true: {path} ends at learning rate {lr:g}, "
+                         f"below train.lr_warmup_init={job.train.lr_warmup_init:g} (the warm-up "
+                         "would fall): lower train.lr_warmup_init")
+    set_peak_lr(rt.optimizer, rt.scheduler, lr)
+    if dist.get_rank() == 0:
         print(f"checkpoint: this stage's schedule starts at learning rate {lr:g}, where {path} "
               f"ended (train.lr_from_pretrained; train.lr={job.train.lr:g} is not used)",
               flush=True)
@@ -429,19 +432,19 @@ def start_stage(job: JobConfig, rt: Runtime) -> None:
     run's own schedule either way."""
     ckpt = job.checkpoint
     path = choose_checkpoint(ckpt.pretrained, required=True)
-    why_not = optimizer_mismatch(path, rt.optimizer) if ckpt.pretrained_optimizer else "off"
+    why_not = (optimizer_mismatch(path, rt.optimizer, rt.chunks) if ckpt.pretrained_optimizer
+               else "off")
     if why_not is not None and ckpt.pretrained_optimizer is True:
         raise ValueError(f"checkpoint.pretrained_optimizer=true: cannot take the optimizer "
                          f"state of {path}: {why_not}; set checkpoint.pretrained_optimizer="
                          "auto or false for a fresh optimizer state")
-    # The loaded state brings the previous stage's param groups, learning-rate bounds
-    # included: this stage keeps its own schedule.
-    bounds = [(g.get("max_lr"), g.get("min_lr")) for g in rt.optimizer.param_groups]
+    # A loaded state brings the previous stage's param groups (plain DDP: torch replaces them
+    # whole; learning-rate bounds, betas, eps): this stage keeps its own settings.
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in rt.optimizer.param_groups]
     load_checkpoint(ckpt.pretrained, rt.chunks, rt.optimizer, None, job.model,
                     load_optimizer=why_not is None, chosen=path)
-    for group, (max_lr, min_lr) in zip(rt.optimizer.param_groups, bounds, strict=True):
-        if max_lr is not None:
-            group["max_lr"], group["min_lr"] = max_lr, min_lr
+    for group, own in zip(rt.optimizer.param_groups, settings, strict=True):
+        group.update(own)
     rt.scheduler.step(increment=0)
     if dist.get_rank() == 0:
         optimizer = ("and its optimizer state" if why_not is None

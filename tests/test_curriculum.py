@@ -1,4 +1,4 @@
-"""GLM-5's curriculum (tools/curriculum.py): every stage preset composes, passes the layout rules
+"""GLM-5's curriculum (glm5_train/curriculum.py, printed by tools/curriculum.py): every stage preset composes, passes the layout rules
 on its cluster, reaches the report's token budget and fits its device by the planner; the
 learning rate runs on from stage to stage as the report's does."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from glm5_train.job_config import compose_job
+from glm5_train import curriculum
 from parallel.layout import validate_layout
-from tools import curriculum
 
 # The report's budgets, in tokens, by preset.
 BUDGETS = {"glm5_pretrain_4k": 28.5e12, "glm5_midtrain_32k": 1e12, "glm5_midtrain_128k": 5e11,
@@ -77,7 +77,7 @@ def test_the_table_names_every_stage(rows):
 def test_the_202k_sft_fits_128_h100_with_the_optimizer_state_in_host_memory():
     """tools/curriculum.py --smallest-sft's answer as a preset: 128 H100 fit with a margin;
     on 64 the weights, gradients and what is left of the state on the device pass 80 GB."""
-    fit = curriculum.plan_fit(["+experiment=glm5_sft_202k", "parallel=glm5_sft_202k_128gpu"], 1)
+    fit = curriculum.stage_plan(["+experiment=glm5_sft_202k", "parallel=glm5_sft_202k_128gpu"], 1)
     assert fit.gpus == 128 and fit.peak_bytes <= 0.8 * curriculum.DEVICES["H100"]
-    smaller = curriculum.plan_fit(curriculum.sft_overrides(8, 4, 2, host_optimizer=True), 1)
-    assert smaller.gpus == 64 and curriculum._static(smaller) > curriculum.DEVICES["H100"]
+    smaller = curriculum.stage_plan(curriculum.sft_overrides(8, 4, 2, host_optimizer=True), 1)
+    assert smaller.gpus == 64 and smaller.static_bytes > curriculum.DEVICES["H100"]

@@ -16,7 +16,6 @@ from glm5_train.optim import build_scheduler
 from glm5_train.schedules import (
     BatchSchedule,
     check_rampup_layout,
-    final_lr,
     steps_for_tokens,
     tokens_in_steps,
 )
@@ -57,8 +56,8 @@ def test_each_decay_style_drives_megatrons_scheduler():
     ({"lr_decay_style": "WSD"}, r"train.lr_wsd_decay_iters=None: WSD decays over the last"),
     ({"lr_decay_style": "WSD", "lr_wsd_decay_iters": 4, "lr_wsd_decay_style": "step"},
      r"train.lr_wsd_decay_style='step': use one of linear"),
-    ({"rampup_batch_size": [2, 4, 100]}, r"global_batch_size - start = 6 is not a multiple "
-                                         r"of the increment 4"),
+    ({"rampup_batch_size": [2, 4, 100]}, (r"global_batch_size - start = 6 is not a multiple "
+                                         r"of the increment 4")),
     ({"rampup_batch_size": [8, 2, 100]}, r"need 0 < start < train.global_batch_size=8"),
     ({"rampup_batch_size": [2, 2]}, r"three integers \[start, increment, samples\]"),
     ({"train_tokens": 0}, r"train.train_tokens=0 must be >= 1"),
@@ -147,9 +146,9 @@ def test_a_new_stage_takes_the_previous_ones_weights_optimizer_state_and_last_lr
     run_job(1, stage_a, str(tmp_path / "run_a"))
     stage_b = ["parallel=single", "train.train_iters=2", "train.lr=5e-3", "train.min_lr=1e-4",
                "train.lr_decay_style=constant", f"checkpoint.pretrained={tmp_path / 'a'}",
-               "train.lr_from_pretrained=true", "checkpoint.save=null", "checkpoint.load=null"]
-    took = run_job(1, stage_b, str(tmp_path / "run_b"))
-    fresh = run_job(1, [*stage_b, "checkpoint.pretrained_optimizer=false"],
+               "train.lr_from_pretrained=true"]
+    took = run_job(1, [*stage_b, f"checkpoint.save={tmp_path / 'b'}"], str(tmp_path / "run_b"))
+    fresh = run_job(1, [*stage_b, "checkpoint.pretrained_optimizer=false", "checkpoint.load=null"],
                     str(tmp_path / "run_fresh"))
     assert "and its optimizer state, at step 0" in took.log
     assert "a fresh optimizer state, at step 0" in fresh.log
@@ -159,3 +158,11 @@ def test_a_new_stage_takes_the_previous_ones_weights_optimizer_state_and_last_lr
     assert took.records[0]["consumed_samples"] == 4  # the stage counts its own samples
     assert took.records[0]["loss"] == fresh.records[0]["loss"]  # the same weights and data
     assert took.records[1]["loss"] != fresh.records[1]["loss"]  # Adam's moments differ
+    # Stage B extended and restarted: it resumes its own checkpoint and the peak it started
+    # at, with no notice that the saved schedule differs from train.lr.
+    again = run_job(1, [*stage_b, "train.train_iters=3", f"checkpoint.save={tmp_path / 'b'}"],
+                    str(tmp_path / "run_b"))
+    assert [r["step"] for r in again.records] == [1, 2, 3]
+    assert again.records[-1]["lr"] == pytest.approx(2e-4)
+    assert "starting from the weights" not in again.log.split("checkpoint: loading")[-1]
+    assert "continuing the saved learning-rate schedule (max_lr" not in again.log
