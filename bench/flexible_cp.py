@@ -1,29 +1,34 @@
 """Flexible vs fixed context-parallel groups on a long-tailed batch of chat conversations: the
 tiny GLM-5 (DSA sparse stage with its KL, MTP 3 steps) on 8 ranks.
 
-    python bench/flexible_cp.py [--ranks 8] [--rank-tokens 2048] [--short 48] [--steps 2]
-                                [--no-calibrate]
+    python bench/flexible_cp.py [--ranks 8] [--rank-tokens 2048] [--short 48] [--steps 8]
+                                [--measured 5] [--no-calibrate]
 
 Length distribution (``tools/synthetic_chat.py --long-tail``), scaled to what this CPU trains in
 minutes, in the same proportions as GLM-5's SFT mix (most conversations under 8K tokens, a few
 at 64K-202K of a 202,752-token window): ``--short`` conversations log-uniform in [128, L / 4]
 tokens and three long ones at about 0.4, 0.7 and 1.0 x the window, for a window of 4 x L
 tokens (L = ``--rank-tokens``: 8,192 at the default). One global batch = every packed
-sequence (an even number of them: the last is dropped if odd).
+sequence (an even number of them: the last is dropped if odd); every step trains it again.
 
+Three modes, ``--steps`` steps each:
 - fixed: megatron-style CP4 x DP(ranks / 4): the conversations packed into 4L-token sequences
   (``tools/prepare_chat_sft.py``), each sequence over one CP group of 4 (zigzag), the batch's
   sequences split in order between the data-parallel groups;
-- flexible: ``parallel.cp_groups=flexible`` with groups of up to 4, the workload model measured
-  first on this machine (``tools/calibrate_cp_workload.py``; ``--no-calibrate``: the config's
-  defaults).
+- flexible: ``parallel.cp_groups=flexible`` with groups of up to 4, planned with the workload
+  model measured first on this machine (``tools/calibrate_cp_workload.py``; ``--no-calibrate``:
+  the config's defaults);
+- flexible + refit: the same, with ``parallel.flexible_cp_refit=true``: from the fourth step
+  the plans use the model refitted from the run's own micro-batch CPU times.
 
-Prints per mode the step time (wall clock), each rank's CPU seconds in the step (its measured
-work: on 2 cores 4 ranks share the CPU, so wall time is the sum of the work, and the busiest
-rank's CPU time is what a cluster's step would wait for), the measured imbalance (busiest /
-mean CPU), and for flexible the plan's modelled imbalance. Both runs train on the same
-conversations: their losses agree. Last line:
-``ours=<flexible step s> baseline=<fixed CP step s> ratio=<ours/baseline>``.
+Each rank's CPU seconds are summed over the last ``--measured`` steps (the refit's plans; the
+same steps in every mode): on 2 cores the ranks share the CPU, so wall time is the sum of the
+work and the busiest rank's CPU time is what a cluster's step would wait for. Prints per mode
+the mean step time (wall clock), CPU per rank, the measured imbalance (busiest / mean CPU),
+and for the flexible modes the last plan's modelled imbalance and workload model. All modes
+train on the same conversations: their losses agree. Then
+``wall: ours=<flexible + refit step s> baseline=<fixed step s> ratio=...``, and last
+``ours=<flexible + refit imbalance> baseline=<fixed CP imbalance> ratio=<ours/baseline>``.
 """
 
 from __future__ import annotations
@@ -71,25 +76,30 @@ def common(prefix: str, window: int, packs: int, steps: int) -> list[str]:
             "data.reset_position_ids=true", f"train.seq_length={window}",
             f"train.train_iters={steps}", "train.warmup_iters=0",
             f"train.global_batch_size={packs}", "train.micro_batch_size=1",
-            "checkpoint.save=null", "checkpoint.load=null"]
+            "checkpoint.save=null", "checkpoint.load=null", "train.log_interval=1"]
 
 
-def report(label: str, records: list[dict], packs: int, window: int) -> float:
-    last = records[-1]
-    step_s = packs * window / last["tokens_per_s"]
-    cpu = [ms / 1000 for ms in last["step_cpu_ms"]]
-    mean = sum(cpu) / len(cpu)
-    line = (f"{label}: step {step_s:.1f} s wall, CPU per rank [{', '.join(f'{c:.1f}' for c in cpu)}]"
-            f" s, measured imbalance (busiest / mean CPU) {max(cpu) / mean:.3f}, loss "
-            f"{last['loss']:.4f}, peak RSS per rank max {max(last['mem_peak_bytes']) / 2**30:.2f}"
-            " GiB")
-    plan = last.get("flexible_cp")
+def report(label: str, records: list[dict], measured: int, packs: int,
+           window: int) -> tuple[float, float]:
+    """Print the mode's line; (mean step seconds, measured imbalance) over the last
+    ``measured`` steps."""
+    steps = records[-measured:]
+    step_s = sum(packs * window / r["tokens_per_s"] for r in steps) / len(steps)
+    cpu = [sum(r["step_cpu_ms"][i] for r in steps) / 1000 / len(steps)
+           for i in range(len(steps[0]["step_cpu_ms"]))]
+    imbalance = max(cpu) / (sum(cpu) / len(cpu))
+    line = (f"{label}: step {step_s:.1f} s wall, CPU per rank per step "
+            f"[{', '.join(f'{c:.2f}' for c in cpu)}] s, measured imbalance (busiest / mean CPU) "
+            f"{imbalance:.3f}, loss {steps[-1]['loss']:.4f}, peak RSS per rank max "
+            f"{max(steps[-1]['mem_peak_bytes']) / 2**30:.2f} GiB")
+    plan = steps[-1].get("flexible_cp")
     if plan:
-        line += (f"; plan: {plan['micro_batches']} micro-batches, groups per slot "
+        model = ", ".join(f"{k} {v:.3g}" for k, v in plan["workload"].items())
+        line += (f"; last plan: {plan['micro_batches']} micro-batches, groups per slot "
                  f"{plan['group_sizes']}, modelled imbalance {plan['work_imbalance']:.3f}, "
-                 f"padding {plan['padding_tokens']} tokens")
+                 f"padding {plan['padding_tokens']} tokens, model ({model})")
     print(line, flush=True)
-    return step_s
+    return step_s, imbalance
 
 
 def main() -> None:
@@ -97,10 +107,14 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--rank-tokens", type=int, default=2048)
     parser.add_argument("--short", type=int, default=48)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--measured", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-calibrate", action="store_true")
     args = parser.parse_args()
+    if not 1 <= args.measured <= args.steps - 3:
+        raise SystemExit(f"--measured {args.measured}: measure 1 .. steps - 3 = "
+                         f"{args.steps - 3} steps (the refit plans from the fourth step on)")
     window = 4 * args.rank_tokens
     with tempfile.TemporaryDirectory() as workdir:
         prefix, packs = make_dataset(workdir, window, args.short, args.seed)
@@ -115,15 +129,20 @@ def main() -> None:
                      f"parallel.flexible_cp_cost_selected={w.selected:.4e}",
                      f"parallel.flexible_cp_cost_token={w.token:.4e}"]
         base = common(prefix, window, packs, args.steps)
-        fixed = run_training(args.ranks, [*base, "parallel.context_parallel_size=4"],
-                             os.path.join(workdir, "fixed"), "fixed CP4")
-        baseline = report(f"fixed CP4 x DP{args.ranks // 4} ({packs} packed sequences of "
-                          f"{window})", fixed, packs, window)
-        flexible = run_training(args.ranks, [*base, "parallel.cp_groups=flexible",
-                                    "parallel.flexible_cp_max_size=4", *costs],
-                                os.path.join(workdir, "flexible"), "flexible")
-        ours = report("flexible groups of 1-4", flexible, packs, window)
-    print(f"ours={ours:.3f} baseline={baseline:.3f} ratio={ours / baseline:.3f}")
+        flexible = [*base, "parallel.cp_groups=flexible", "parallel.flexible_cp_max_size=4",
+                    *costs]
+        modes = [(f"fixed CP4 x DP{args.ranks // 4} ({packs} packed sequences of {window})",
+                  [*base, "parallel.context_parallel_size=4"], "fixed"),
+                 ("flexible groups of 1-4, calibrated model", flexible, "flexible"),
+                 ("flexible groups of 1-4, online refit", [*flexible,
+                  "parallel.flexible_cp_refit=true"], "refit")]
+        results = []
+        for label, overrides, name in modes:
+            records = run_training(args.ranks, overrides, os.path.join(workdir, name), name)
+            results.append(report(label, records, args.measured, packs, window))
+    (base_s, base_imb), _, (ours_s, ours_imb) = results
+    print(f"wall: ours={ours_s:.3f} baseline={base_s:.3f} ratio={ours_s / base_s:.3f}")
+    print(f"ours={ours_imb:.3f} baseline={base_imb:.3f} ratio={ours_imb / base_imb:.3f}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@ data-parallel ranks, and builds its own micro-batch of each slot: its bin's conv
 into units x L tokens (L = seq_length / parallel.flexible_cp_max_size), padding at the end, the
 bin's CP group attached (``cp_group``); ``glm5_train.step.forward_step`` keeps this rank's zigzag
 share and points the model at that group for the micro-batch's forward and backward.
+
+With ``parallel.flexible_cp_refit`` each planned micro-batch also carries a ``CellClock``
+(``cpu_clock``) that ``forward_step`` runs over its forward and backward; after the step,
+``observe_step`` hands the times to the online fit (``parallel/flexible_cp_refit.py``), whose
+model plans the next batches.
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ from dataclasses import dataclass
 
 import numpy
 import torch
+import torch.distributed as dist
 
 from glm5_train.chat_data import ChatSFTDataset, batch_cu_seqlens, build_sample
 from parallel.flexible_cp import FlexiblePlan, GroupPool, Workload, plan_batch
+from parallel.flexible_cp_refit import CellClock, OnlineWorkloadFit
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,8 @@ class FlexibleBatches:
 
     def __init__(self, dataset: ChatSFTDataset, pool: GroupPool, global_batch: int,
                  max_units: int, workload: Workload, num_chunks: int, consumed: int,
-                 slot_multiple: int = 1, plan_ranks: int | None = None) -> None:
+                 slot_multiple: int = 1, plan_ranks: int | None = None,
+                 refit: OnlineWorkloadFit | None = None) -> None:
         self.dataset, self.pool, self.global_batch = dataset, pool, global_batch
         self.max_units, self.workload, self.num_chunks = max_units, workload, num_chunks
         self.rank_tokens = dataset.seq_length // max_units
@@ -63,16 +71,22 @@ class FlexibleBatches:
             raise ValueError(f"parallel.flexible_cp_plan_ranks={plan_ranks} replays a plan on "
                              f"one process, but this run has {len(pool.ranks)} data-parallel "
                              "ranks: set it to null")
+        self.refit = refit  # None: every batch planned with ``workload``
+        self.clocks: list[CellClock] = []  # the latest step's planned micro-batches
 
     def next_step(self) -> FlexibleStep:
         conversations = self._conversations(self.consumed)
         self.consumed += self.global_batch
+        workload = self.refit.current if self.refit is not None else self.workload
         plan = plan_batch([len(c) for c in conversations], self.plan_ranks,
-                          self.rank_tokens, self.max_units, self.workload)
+                          self.rank_tokens, self.max_units, workload)
         packs: dict[int, tuple] = {}  # the samples this rank's bins read, each read once
         if self.plan_ranks == len(self.pool.ranks):
             cells = [plan.slots[slot][self.pool.index] for slot in range(plan.num_microbatches)]
             micro = [self._bin_batch(plan, c.bin, conversations, packs) for c in cells]
+            self.clocks = [CellClock() for _ in micro] if self.refit is not None else []
+            for batch, clock in zip(micro, self.clocks):
+                batch["cpu_clock"] = clock
         else:  # replay: each bin once, whole, in slot order
             bins = sorted(range(len(plan.bins)), key=lambda i: (plan.bins[i].slot,
                                                                  plan.bins[i].first))
@@ -80,6 +94,12 @@ class FlexibleBatches:
         while len(micro) % self.slot_multiple:
             micro.append(self._padding_micro_batch(self.rank_tokens))
         return FlexibleStep([iter(micro) for _ in range(self.num_chunks)], len(micro), plan)
+
+    def observe_step(self, plan: FlexiblePlan) -> None:
+        """Feed the online fit this rank's measured micro-batches of ``plan`` (the step just
+        run); collective over the fit's group. No-op without a refit."""
+        if self.refit is not None:
+            self.refit.observe(plan, self.pool.index, [c.seconds for c in self.clocks])
 
     def _conversations(self, first: int) -> list[Conversation]:
         """The global batch's conversations, from the dataset's index (no token read: every
@@ -125,6 +145,14 @@ class FlexibleBatches:
                 "cp_group": self.pool.single}
 
 
+def online_refit(par, configured: Workload) -> OnlineWorkloadFit | None:
+    """parallel.flexible_cp_refit: the online fit, agreed over every rank of the job
+    (pipeline stages plan alike too); None when off."""
+    if not par.flexible_cp_refit:
+        return None
+    return OnlineWorkloadFit(configured, par.flexible_cp_refit_window, dist.group.WORLD)
+
+
 def _collate(sample: dict, capacity: int) -> dict:
     cu = sample.pop("cu_seqlens")
     batch = {key: value.unsqueeze(0) for key, value in sample.items()}
@@ -140,4 +168,5 @@ def plan_record(plan: FlexiblePlan) -> dict:
                             for slot in plan.slots],
             "work_imbalance": plan.imbalance(),
             "modelled_rank_work": list(plan.rank_work),
-            "padding_tokens": plan.padding_tokens()}
+            "padding_tokens": plan.padding_tokens(),
+            "workload": plan.workload.coefficients()}

@@ -50,11 +50,18 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
     ``cp_group``: every rank of a context-parallel group reads the same whole sequences and
     keeps its zigzag share of them (``parallel.context_parallel``). A micro-batch that brings
     its own ``cp_group`` (flexible CP groups, ``glm5_train/flexible_batches.py``) runs on that
-    group: the model is pointed at it for this forward and again when its backward starts.
+    group: the model is pointed at it for this forward and again when its backward starts;
+    its ``cpu_clock`` (the online refit of the plan's workload model) times both.
     ``labels``: while torch.profiler records, name the forward and backward ranges by chunk
     and micro-batch (``glm5_train/profiling.py``). ``objective``: an RL objective replaces the
     LM loss over the model's per-token losses (-log-probs; ``glm5_train/rl/objective.py``)."""
-    batch = packed_documents(to_device(next(data_iterator)))
+    batch = next(data_iterator)
+    # Flexible CP refit: this micro-batch's CPU seconds, over every chunk that reads it.
+    clock = batch.get("cpu_clock")
+    if clock is not None:
+        clock.start()
+    batch = packed_documents(to_device(batch))
+    batch.pop("cpu_clock", None)
     flexible = "cp_group" in batch
     if flexible:
         cp_group = batch.pop("cp_group")
@@ -67,6 +74,9 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
     output = backward_range(output, labels, label)
     if flexible:
         output = in_group_for_backward(output, model, cp_group)
+    if clock is not None:  # the backward is timed from its first gradient to its end
+        clock.stop()
+        output = clock.time_backward(output)
     inner = unwrap_model(model)
     take_mtp = getattr(inner, "take_mtp_report", None)
     if objective is not None:

@@ -12,14 +12,21 @@ Groups. ``GroupPool`` builds, once at start-up, every aligned power-of-two block
 data-parallel group (ranks [i c, (i + 1) c) in data-parallel order): no ``new_group`` per step.
 log2(R) sizes x R / c blocks: R - 1 groups for R ranks.
 
-Work. ``Workload`` models a document of n tokens as ``pair`` x n(n+1)/2 (the DSA indexer scores
-every causal pair of its document) + ``selected`` x sum_t min(k, t + 1) (sparse attention and its
-KL over the top-k) + ``token`` x n (everything linear: projections, MoE, loss); padding costs
-``token`` per token. The coefficients are measured (``tools/calibrate_cp_workload.py``), not
-guessed. A bin's work is shared by its c ranks.
+Work. ``Workload`` models what one rank does in one micro-batch (a *cell*: its zigzag share
+of a bin) as ``pair`` x its queries' causal key pairs (the DSA indexer scores every causal pair
+of its document) + ``selected`` x its queries' selected keys, sum min(k, t + 1) (sparse
+attention and its KL over the top-k) + ``token`` x its tokens (everything linear: projections,
+MoE, loss) + ``gathered`` x the key tokens it receives from the rest of its group (the CP
+all-gathers). The terms are exact for the cell's own positions (``member_terms``): zigzag
+splits one causal document evenly, but not a bin of packed documents, whose pairs depend on
+where each document lies. A bin's padding (its tail) runs as one more document, so it costs
+pairs too. The coefficients are measured (``tools/calibrate_cp_workload.py`` from one-process
+steps; ``parallel/flexible_cp_refit.py`` refits them online from the run's own micro-batch
+times), not guessed.
 
-Plan (``plan_batch``, deterministic: a pure function of the batch's document lengths, so every
-rank and a resumed run get the same one):
+Plan (``plan_batch``, deterministic: a pure function of the batch's document lengths and the
+workload model, so every rank gets the same one; it is the report's workload-aware reordering:
+sequences go to data-parallel ranks by predicted work, not in dataset order):
 1. each document needs c = the next power of two >= n / L units; those of c >= 2 each open a
    bin of c units (longest first);
 2. the number of slots M starts at the lower bound ceil(units / R); bins go, largest first, to
@@ -57,55 +64,142 @@ def units_needed(length: int, rank_tokens: int) -> int:
 
 @dataclass(frozen=True)
 class Workload:
-    """Cost of a document (see the module docstring); any consistent unit (seconds)."""
+    """Cost coefficients (see the module docstring), in seconds: per causal key pair, per
+    selected key, per token, per key token gathered from the group."""
 
     pair: float
     selected: float
     token: float
     topk: int
+    gathered: float = 0.0
 
     def document(self, n: int) -> float:
-        pairs = n * (n + 1) / 2
-        k = min(self.topk, n)
-        selected = k * (k + 1) / 2 + (n - k) * self.topk
+        """Work of a whole document of n tokens on one rank."""
+        pairs, selected = span_terms(0, n, self.topk)
         return self.pair * pairs + self.selected * selected + self.token * n
 
-    def bin(self, lengths: list[int], capacity: int) -> float:
-        return sum(self.document(n) for n in lengths) + self.token * (capacity - sum(lengths))
+    def cost(self, terms: list[float]) -> float:
+        """Work of a cell with these ``member_terms`` (pairs, selected, tokens, gathered)."""
+        pairs, selected, tokens, gathered = terms
+        return (self.pair * pairs + self.selected * selected + self.token * tokens
+                + self.gathered * gathered)
+
+    def coefficients(self) -> dict[str, float]:
+        return {"pair": self.pair, "selected": self.selected, "token": self.token,
+                "gathered": self.gathered}
+
+
+def _triangle(n: int) -> int:
+    return n * (n + 1) // 2 if n > 0 else 0
+
+
+def span_terms(first: int, last: int, topk: int) -> tuple[int, int]:
+    """(causal key pairs, selected keys) of the queries that see first + 1 .. last keys each
+    (positions first .. last - 1 of a document): sum of j, and of min(k, j), over those j."""
+    if last <= first:
+        return 0, 0
+    pairs = _triangle(last) - _triangle(first)
+    below = _triangle(min(last, topk)) - _triangle(min(first, topk))
+    return pairs, below + topk * (max(last, topk) - max(first, topk))
+
+
+def member_terms(lengths: list[int], capacity: int, width: int, topk: int) -> list[list[float]]:
+    """Per member of a bin's group of ``width`` ranks: [causal pairs, selected keys, tokens,
+    gathered key tokens] of its zigzag share (chunks m and 2 width - 1 - m of 2 width) of
+    ``capacity`` tokens holding documents of ``lengths`` in order, the padding after them
+    as one more document."""
+    terms = [[0.0, 0.0, capacity / width, capacity - capacity / width] for _ in range(width)]
+    start = 0
+    for n in [*lengths, capacity - sum(lengths)]:
+        _add_document(terms, start, start + n, capacity, topk)
+        start += n
+    return terms
+
+
+def _add_document(terms, begin: int, end: int, capacity: int, topk: int,
+                  sign: float = 1.0) -> None:
+    """Add (``sign`` -1: take away) the pairs and selected keys of the document at positions
+    [begin, end) of a bin to each member's ``terms``."""
+    width = len(terms)
+    chunk = capacity // (2 * width)
+    for m in range(width):
+        for c in (m, 2 * width - 1 - m):
+            lo, hi = max(begin, c * chunk), min(end, (c + 1) * chunk)
+            if hi > lo:
+                pairs, selected = span_terms(lo - begin, hi - begin, topk)
+                terms[m][0] += sign * pairs
+                terms[m][1] += sign * selected
 
 
 def workload_terms(n: int, topk: int) -> list[float]:
     """The model's terms for one document of n tokens: causal pairs, selected keys, tokens."""
-    return [Workload(1.0, 0.0, 0.0, topk).document(n), Workload(0.0, 1.0, 0.0, topk).document(n),
-            float(n)]
+    return [*map(float, span_terms(0, n, topk)), float(n)]
 
 
 def fit_workload(lengths: list[int], seconds: list[float], topk: int) -> tuple[Workload, float]:
-    """Coefficients (and a per-step constant) from measured step times of single documents:
-    non-negative least squares, exact for so few unknowns (every subset of active terms is
-    solved unconstrained; the best whose solution is non-negative wins). Past the top-k the
-    selected keys grow linearly (k n - k(k-1)/2): with every length above ``topk`` that term
-    is the token term's and the constant's, so it is left out (0)."""
+    """Coefficients (and a per-step constant) from measured step times of single documents
+    (``nonnegative_fit``). Past the top-k the selected keys grow linearly (k n - k(k-1)/2):
+    with every length above ``topk`` that term is the token term's and the constant's, so it
+    is left out (0)."""
     a = torch.tensor([[*workload_terms(n, topk), 1.0] for n in lengths], dtype=torch.float64)
     if min(lengths) > topk:
         a[:, 1] = 0.0
-    b = torch.tensor(seconds, dtype=torch.float64)
-    scale = a.abs().amax(0).clamp_min(1e-30)  # columns span 1 .. n^2: condition them
-    best, best_err = torch.zeros(4, dtype=torch.float64), float("inf")
-    terms = [c for c in range(4) if a[:, c].abs().sum() > 0]
-    for k in range(1, len(terms) + 1):
-        for active in itertools.combinations(terms, k):
-            cols = list(active)
-            x = torch.linalg.lstsq(a[:, cols] / scale[cols], b[:, None]).solution[:, 0]
-            if (x < 0).any():
-                continue
-            full = torch.zeros(4, dtype=torch.float64)
-            full[cols] = x / scale[cols]
-            err = float(((a @ full - b) ** 2).sum())
-            if err < best_err:
-                best, best_err = full, err
-    pair, selected, token, constant = best.tolist()
+    x = nonnegative_fit(a, torch.tensor(seconds, dtype=torch.float64))
+    pair, selected, token, constant = x.tolist()
     return Workload(pair, selected, token, topk), constant
+
+
+def nonnegative_fit(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """argmin ||a x - b|| over x >= 0 (float64 [rows, terms], [rows]), exact for so few
+    unknowns: every subset of the non-empty columns is solved unconstrained and the best
+    non-negative solution wins (first found on ties); an all-zero column gets 0.
+
+    Bitwise deterministic: the sums are correctly rounded (``math.fsum``) and the small
+    systems solved in Python, because LAPACK's least squares gave different last bits for
+    the same rows at different addresses (so ranks holding equal observations could plan
+    differently)."""
+    rows, target = a.tolist(), b.tolist()
+    width = a.shape[1]
+    scale = [max(abs(r[c]) for r in rows) for c in range(width)]  # terms span 1 .. n^2
+    scaled = [[r[c] / scale[c] if scale[c] else 0.0 for c in range(width)] for r in rows]
+    gram = [[math.fsum(r[i] * r[j] for r in scaled) for j in range(width)]
+            for i in range(width)]
+    rhs = [math.fsum(r[i] * t for r, t in zip(scaled, target)) for i in range(width)]
+    terms = [c for c in range(width) if scale[c] > 0]
+    best, best_err = [0.0] * width, math.inf
+    for k in range(1, len(terms) + 1):
+        for cols in itertools.combinations(terms, k):
+            y = _solve([[gram[i][j] for j in cols] for i in cols], [rhs[i] for i in cols])
+            if y is None or min(y) < 0:
+                continue
+            err = math.fsum((math.fsum(r[c] * v for c, v in zip(cols, y)) - t) ** 2
+                            for r, t in zip(scaled, target))
+            if err < best_err:
+                best, best_err = [0.0] * width, err
+                for c, v in zip(cols, y):
+                    best[c] = v / scale[c]
+    return torch.tensor(best, dtype=torch.float64)
+
+
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """m y = v by Gaussian elimination with partial pivoting; None when m is singular (a
+    pivot below 1e-12 of the largest diagonal entry: dependent columns, which a smaller
+    subset fits as well)."""
+    n, tiny = len(v), 1e-12 * max(abs(m[i][i]) for i in range(len(v)))
+    m, v = [row[:] for row in m], v[:]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: (abs(m[r][col]), -r))
+        if abs(m[pivot][col]) <= tiny:
+            return None
+        m[col], m[pivot], v[col], v[pivot] = m[pivot], m[col], v[pivot], v[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            m[r] = [x - f * y for x, y in zip(m[r], m[col])]
+            v[r] -= f * v[col]
+    y = [0.0] * n
+    for r in reversed(range(n)):
+        y[r] = (v[r] - math.fsum(m[r][c] * y[c] for c in range(r + 1, n))) / m[r][r]
+    return y
 
 
 @dataclass
@@ -138,6 +232,7 @@ class FlexiblePlan:
     bins: tuple[Bin, ...]
     slots: tuple[tuple[Cell, ...], ...]  # slots[s][r]: rank r's micro-batch in slot s
     rank_work: tuple[float, ...]  # modelled work of each rank over the whole batch
+    workload: Workload  # the model it was planned with
 
     @property
     def num_microbatches(self) -> int:
@@ -154,6 +249,13 @@ class FlexiblePlan:
 
     def padding_tokens(self) -> int:
         return sum(b.units * self.rank_tokens - b.used for b in self.bins)
+
+    def cell_terms(self, slot: int, rank: int) -> list[float]:
+        """``member_terms`` of what ``rank`` runs in ``slot``."""
+        cell = self.slots[slot][rank]
+        b = self.bins[cell.bin]
+        return member_terms([self.lengths[d] for d in b.documents], b.units * self.rank_tokens,
+                            self.group_size(b), self.workload.topk)[cell.member]
 
 
 class PlanError(ValueError):
@@ -199,50 +301,62 @@ def _check_plan_args(lengths: list[int], ranks: int, rank_tokens: int, max_units
 
 def _try_plan(lengths, need, ranks, rank_tokens, num_slots, workload, balance):
     """One attempt with ``num_slots`` slots; None when some document finds no room. A bin's
-    ranks start loaded with its capacity as padding; a document adds its work beyond that.
-    ``balance``: short documents go where the load ends lowest; otherwise to the bin they
-    fill best (best fit: packs tighter, the fallback before adding a slot)."""
+    ranks start loaded with its cells' work as padding (``member_terms``); a document adds
+    to each member what it changes there. ``balance``: short documents go where the busiest
+    rank they touch ends lowest; otherwise to the bin they fill best (best fit: packs
+    tighter, the fallback before adding a slot)."""
     load = [0.0] * ranks
     free = [[True] * ranks for _ in range(num_slots)]
     bins: list[Bin] = []
+    terms: list[list[list[float]]] = []  # terms[i][m]: member m of bin i (member_terms)
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
 
-    def open_bin(units: int, slot: int, first: int) -> Bin:
+    def open_bin(units: int, slot: int, first: int) -> None:
         b = Bin(units, slot, first)
         for r in range(first, first + _width(b, ranks)):
             free[slot][r] = False
-            load[r] += workload.token * units * rank_tokens / _width(b, ranks)
         bins.append(b)
-        return b
+        terms.append(member_terms([], units * rank_tokens, _width(b, ranks), workload.topk))
+        for m, t in enumerate(terms[-1]):
+            load[first + m] += workload.cost(t)
 
-    def add(b: Bin, doc: int) -> None:
+    def add(i: int, doc: int) -> None:
+        b, after = bins[i], _with_document(bins[i], terms[i], lengths[doc], rank_tokens, workload)
+        for m, (old, new) in enumerate(zip(terms[i], after)):
+            load[b.first + m] += workload.cost(new) - workload.cost(old)
+        terms[i] = after
         b.documents.append(doc)
         b.used += lengths[doc]
-        extra = _extra_work(workload, lengths[doc]) / _width(b, ranks)
-        for r in range(b.first, b.first + _width(b, ranks)):
-            load[r] += extra
 
     for doc in (i for i in order if need[i] > 1):
         spot = _least_loaded_block(free, load, min(need[doc], ranks))
         if spot is None:
             return None
-        add(open_bin(need[doc], *spot), doc)
+        open_bin(need[doc], *spot)
+        add(len(bins) - 1, doc)
     for slot in range(num_slots):
         for r in range(ranks):
             if free[slot][r]:
                 open_bin(1, slot, r)
     for doc in (i for i in order if need[i] == 1):
-        target = (_best_bin(bins, load, lengths[doc], rank_tokens, ranks, workload) if balance
+        target = (_best_bin(bins, terms, load, lengths[doc], rank_tokens, workload) if balance
                   else _tightest_bin(bins, lengths[doc], rank_tokens))
         if target is None:
             return None
-        add(bins[target], doc)
-    return _finish(lengths, ranks, rank_tokens, bins, num_slots, workload)
+        add(target, doc)
+    work = [[workload.cost(t) for t in member] for member in terms]
+    return _finish(lengths, ranks, rank_tokens, bins, work, num_slots, workload)
 
 
-def _extra_work(workload: Workload, n: int) -> float:
-    """Work of an n-token document beyond the padding it replaces."""
-    return workload.document(n) - workload.token * n
+def _with_document(b: Bin, terms, n: int, rank_tokens: int, workload: Workload):
+    """The bin's member terms once an n-token document follows its documents (it takes the
+    front of the padding, which shrinks)."""
+    capacity = b.units * rank_tokens
+    after = [list(t) for t in terms]
+    _add_document(after, b.used, capacity, capacity, workload.topk, sign=-1.0)
+    _add_document(after, b.used, b.used + n, capacity, workload.topk)
+    _add_document(after, b.used + n, capacity, capacity, workload.topk)
+    return after
 
 
 def _width(b: Bin, ranks: int) -> int:
@@ -262,17 +376,17 @@ def _least_loaded_block(free, load, width):
     return best
 
 
-def _best_bin(bins, load, n, rank_tokens, ranks, workload):
-    """Index of the bin with room for ``n`` tokens after which its busiest rank is least
+def _best_bin(bins, terms, load, n, rank_tokens, workload):
+    """Index of the bin with room for ``n`` tokens after which its busiest member is least
     loaded; ties: the fullest bin (packs tightly), then the lowest index."""
     best, best_key = None, None
-    cost = _extra_work(workload, n)
     for i, b in enumerate(bins):
         if b.used + n > b.units * rank_tokens:
             continue
-        width = _width(b, ranks)
-        after = max(load[b.first:b.first + width]) + cost / width
-        key = (after, -b.used, i)
+        after = _with_document(b, terms[i], n, rank_tokens, workload)
+        busiest = max(load[b.first + m] + workload.cost(new) - workload.cost(old)
+                      for m, (old, new) in enumerate(zip(terms[i], after)))
+        key = (busiest, -b.used, i)
         if best_key is None or key < best_key:
             best, best_key = i, key
     return best
@@ -285,23 +399,23 @@ def _tightest_bin(bins, n, rank_tokens):
     return min(fits)[1] if fits else None
 
 
-def _finish(lengths, ranks, rank_tokens, bins, num_slots, workload) -> FlexiblePlan:
-    """Cells per slot, slots ordered by decreasing work of their busiest rank."""
+def _finish(lengths, ranks, rank_tokens, bins, bin_work, num_slots, workload) -> FlexiblePlan:
+    """Cells per slot, slots ordered by decreasing work of their busiest rank.
+    ``bin_work[i][m]``: the work of member m of bin i."""
     cells: list[list[Cell | None]] = [[None] * ranks for _ in range(num_slots)]
     work = [[0.0] * ranks for _ in range(num_slots)]
     for i, b in enumerate(bins):
-        width = _width(b, ranks)
-        share = workload.bin([lengths[d] for d in b.documents], b.units * rank_tokens) / width
-        for m in range(width):
+        for m, w in enumerate(bin_work[i]):
             cells[b.slot][b.first + m] = Cell(i, m)
-            work[b.slot][b.first + m] += share
+            work[b.slot][b.first + m] += w
     order = sorted(range(num_slots), key=lambda s: (-max(work[s]), s))
     renumber = {old: new for new, old in enumerate(order)}
     for b in bins:
         b.slot = renumber[b.slot]
     slots = tuple(tuple(cells[s]) for s in order)
     rank_work = tuple(sum(work[s][r] for s in range(num_slots)) for r in range(ranks))
-    return FlexiblePlan(ranks, rank_tokens, tuple(lengths), tuple(bins), slots, rank_work)
+    return FlexiblePlan(ranks, rank_tokens, tuple(lengths), tuple(bins), slots, rank_work,
+                        workload)
 
 
 class GroupPool:

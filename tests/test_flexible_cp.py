@@ -12,13 +12,23 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from glm5_train.chat_data import ChatSFTDataset, PackSource
 from glm5_train.flexible_batches import FlexibleBatches
 from glm5_train.job_config import compose_job
-from parallel.flexible_cp import PlanError, Workload, fit_workload, plan_batch, units_needed
+from parallel.flexible_cp import (
+    PlanError,
+    Workload,
+    fit_workload,
+    member_terms,
+    plan_batch,
+    units_needed,
+)
+from parallel.flexible_cp_refit import OnlineWorkloadFit, fit_cells
 from parallel.layout import LayoutError, validate_layout
 from tests.parity import FP32, compare, run_job
+from tests.spawn import run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(REPO, "tests", "data", "glm_tiny_tokenizer")
@@ -89,6 +99,70 @@ def test_workload_fit_recovers_the_coefficients_of_measured_times():
         assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=1e-5), name
 
 
+def test_cell_terms_are_each_members_zigzag_share():
+    """Pairs and selected keys per member equal a position-by-position count over its zigzag
+    chunks; the padding after the documents is one more document; gathered = the rest."""
+    lengths, capacity, width, topk = [300, 50, 7], 512, 4, 16
+    starts = [s for n, s0 in zip([*lengths, 512 - 357], [0, 300, 350, 357]) for s in [s0] * n]
+    chunk = capacity // (2 * width)
+    for m, (pairs, selected, tokens, gathered) in enumerate(
+            member_terms(lengths, capacity, width, topk)):
+        mine = [t for c in (m, 2 * width - 1 - m) for t in range(c * chunk, (c + 1) * chunk)]
+        assert pairs == sum(t - starts[t] + 1 for t in mine)
+        assert selected == sum(min(topk, t - starts[t] + 1) for t in mine)
+        assert (tokens, gathered) == (capacity / width, capacity - capacity / width)
+
+
+def _planted_cells(truth: Workload, seed: int, steps: int = 3) -> torch.Tensor:
+    """[cells, 5] rows of random plans' cells with seconds from ``truth`` (no noise)."""
+    rng, rows = random.Random(seed), []
+    for _ in range(steps):
+        lengths = [rng.randint(4, 1000) for _ in range(rng.randint(6, 20))]
+        plan = plan_batch(lengths, 4, 256, 4, WORK)
+        for slot in range(plan.num_microbatches):
+            for rank in range(4):
+                terms = plan.cell_terms(slot, rank)
+                rows.append([*terms, truth.cost(terms)])
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+PLANTED = Workload(pair=2e-8, selected=3e-7, token=1e-5, topk=32, gathered=4e-6)
+
+
+def test_online_fit_recovers_planted_coefficients_from_cell_times():
+    got = fit_cells(_planted_cells(PLANTED, 0), 32)
+    for name in ("pair", "selected", "token", "gathered"):
+        assert getattr(got, name) == pytest.approx(getattr(PLANTED, name), rel=1e-6), name
+    again = fit_cells(_planted_cells(PLANTED, 0), 32)  # deterministic: the same bits
+    assert again == got
+
+
+def _refit_on_rank(rank: int, world: int) -> list:
+    """Every rank runs its own cells of the same plans for 4 steps and measures its own
+    (noisy) seconds; its fit after each step."""
+    fit = OnlineWorkloadFit(WORK, window=3, group=dist.group.WORLD)
+    rng, models = random.Random(rank), []
+    for step in range(4):
+        lengths = [500, 400, 300, 200, 100, 50, 40, 30, 20, 10, 9, 8][step:]
+        plan = plan_batch(lengths, world, 256, 4, fit.current)
+        seconds = [PLANTED.cost(plan.cell_terms(s, rank)) * (1 + 1e-3 * rng.random())
+                   for s in range(plan.num_microbatches)]
+        fit.observe(plan, rank, seconds)
+        models.append((fit.fitted, fit.current))
+    return models
+
+
+def test_online_fit_agrees_on_every_rank_and_falls_back_until_two_steps():
+    """4 gloo ranks measure different times for their own cells: after each step all hold
+    the same model; the configured one until 2 steps are observed (the first is skipped)."""
+    results = run_ranks(4, _refit_on_rank, mcore=False)
+    for step in range(4):
+        assert len({repr(r[step]) for r in results}) == 1, step
+    assert [fitted for fitted, _ in results[0]] == [False, False, True, True]
+    assert results[0][1][1] == WORK and results[0][3][1] != WORK
+    assert results[0][3][1].pair == pytest.approx(PLANTED.pair, rel=0.05)
+
+
 def test_a_conversation_longer_than_the_largest_group_is_refused():
     with pytest.raises(PlanError, match="exceeds the largest CP group's 4 x 128"):
         plan_batch([600], 4, 128, 4, WORK)
@@ -102,6 +176,12 @@ def test_a_conversation_longer_than_the_largest_group_is_refused():
     (["train.seq_length=500"], 4, "not divisible by 2 x parallel.flexible_cp_max_size = 8"),
     (["parallel.cp_comm=head_parallel"], 4, "runs the all_gather exchange only"),
     (["parallel.flexible_cp_plan_ranks=4"], 4, "replays a plan on one process"),
+    (["parallel.flexible_cp_refit=true", "parallel.flexible_cp_refit_window=1"], 4,
+     "needs at least 2 observed steps"),
+    (["parallel.flexible_cp_refit=true", "parallel.flexible_cp_plan_ranks=4"], 1,
+     "a replay cannot reproduce plans made from another run's measured times"),
+    (["parallel.cp_groups=fixed", "parallel.flexible_cp_max_size=1",
+      "parallel.flexible_cp_refit=true"], 2, "refits the workload model of flexible CP"),
 ])
 def test_bad_flexible_layouts_are_refused(chat_prefix, overrides, world, message):
     job = compose_job(["model=glm5_tiny", *_data(chat_prefix), *overrides])
@@ -237,3 +317,27 @@ def test_flexible_groups_match_one_process_running_the_same_micro_batches(
                 assert [c > 0 for c in calls] == members, (size, calls, plan)
         assert len(record["step_cpu_ms"]) == 4
     assert seen == slots
+
+
+def test_online_refit_plans_later_steps_with_the_measured_model_and_the_same_losses(
+        tmp_path, chat_prefix):
+    """4 ranks, refit window 2: step 1 is not observed, steps 2-3 are, so steps 4-5 are
+    planned with the fitted model (the plan record's workload, no longer the configured one;
+    every refit step checks that all ranks ran the same plan). Against one process replaying
+    the configured model's plans: steps 1-3 (the same plans) match in losses and every
+    gradient; steps 4-5 in the LM loss, which does not depend on the bin a conversation runs
+    in. Their indexer gradients do (measured 0.2-1.4%): the indexer KL is normalised per
+    micro-batch, so a different packing weighs its tokens differently. The dense warm-up
+    stage: no top-k selection whose near-ties could flip over 5 steps (see above)."""
+    five = [*_data(chat_prefix), "train.train_iters=5", "dsa=dense_warmup"]
+    reference = run_job(1, [*five, "parallel.flexible_cp_plan_ranks=4"],
+                        str(tmp_path / "one")).records
+    result = run_job(4, [*five, "parallel.flexible_cp_refit=true",
+                         "parallel.flexible_cp_refit_window=2"], str(tmp_path / "refit"))
+    problems = compare(reference[:3], result.records[:3], FP32)
+    assert not problems, "\n".join(problems)
+    for ref, got in zip(reference[3:], result.records[3:]):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=FP32.loss), (ref, got)
+    models = [record["flexible_cp"]["workload"] for record in result.records]
+    assert models[:3] == [reference[0]["flexible_cp"]["workload"]] * 3
+    assert all(m != models[0] for m in models[3:]), models

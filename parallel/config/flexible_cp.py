@@ -26,6 +26,17 @@ class FlexibleCPOptions:
     flexible_cp_cost_pair: float = 1.03e-7
     flexible_cp_cost_selected: float = 0.0
     flexible_cp_cost_token: float = 3.30e-4
+    # Seconds per key token a rank receives from its CP group (the all-gathers): not measurable
+    # on one process, so 0 unless set (e.g. to what the online refit logged: metrics.jsonl's
+    # flexible_cp.workload).
+    flexible_cp_cost_gathered: float = 0.0
+    # Online refit (parallel/flexible_cp_refit.py): every rank times each of its micro-batches
+    # (process CPU seconds of its forward and backward), the ranks all-gather the times with
+    # their cells' terms and fit the coefficients above over the last flexible_cp_refit_window
+    # observed steps; the next plans use that fit (the configured model until 2 steps are
+    # observed, and again after a resume: the fit is not checkpointed).
+    flexible_cp_refit: bool = False
+    flexible_cp_refit_window: int = 8
     # Replay: plan each global batch as for this many data-parallel ranks and run every bin of
     # the plan whole on this one process (null: plan for the run's own ranks). Reproduces a
     # larger run's micro-batches in one process, e.g. to check its numerics.
@@ -40,6 +51,10 @@ def check_flexible_cp(par, dp: int, seq_length: int) -> None:
     if par.cp_groups not in CP_GROUPS:
         raise LayoutError(f"parallel.cp_groups={par.cp_groups!r}: use one of {list(CP_GROUPS)}")
     if par.cp_groups == "fixed":
+        if par.flexible_cp_refit:
+            raise LayoutError("parallel.flexible_cp_refit=true refits the workload model of "
+                              "flexible CP groups, but parallel.cp_groups='fixed': set "
+                              "parallel.cp_groups=flexible or parallel.flexible_cp_refit=false")
         if largest != 1:
             raise LayoutError(f"parallel.flexible_cp_max_size={largest} sizes flexible CP "
                               "groups, but parallel.cp_groups='fixed': set "
@@ -64,7 +79,9 @@ def check_flexible_cp(par, dp: int, seq_length: int) -> None:
                           f"hold the same tokens): lower it to <= {dp} or {fix}")
     _check_flexible_sequence(par, seq_length)
     _check_replay(par, dp * par.model_parallel_size)
-    for name in ("flexible_cp_cost_pair", "flexible_cp_cost_selected", "flexible_cp_cost_token"):
+    _check_refit(par)
+    for name in ("flexible_cp_cost_pair", "flexible_cp_cost_selected", "flexible_cp_cost_token",
+                 "flexible_cp_cost_gathered"):
         if getattr(par, name) < 0:
             raise LayoutError(f"parallel.{name}={getattr(par, name)} must be >= 0 (measure it "
                               "with tools/calibrate_cp_workload.py)")
@@ -88,6 +105,20 @@ def _check_replay(par, processes: int) -> None:
     if replay is not None and not is_power_of_two(replay):
         raise LayoutError(f"parallel.flexible_cp_plan_ranks={replay} must be a power of two "
                           "(the data-parallel size of the run whose plans it replays)")
+
+
+def _check_refit(par) -> None:
+    if not par.flexible_cp_refit:
+        return
+    window = par.flexible_cp_refit_window
+    if window < 2:
+        raise LayoutError(f"parallel.flexible_cp_refit_window={window}: the refit needs at "
+                          "least 2 observed steps in its window; set it to >= 2 (default 8)")
+    if par.flexible_cp_plan_ranks is not None:
+        raise LayoutError(f"parallel.flexible_cp_refit=true with parallel.flexible_cp_plan_"
+                          f"ranks={par.flexible_cp_plan_ranks}: a replay cannot reproduce "
+                          "plans made from another run's measured times; set "
+                          "parallel.flexible_cp_refit=false")
 
 
 def is_power_of_two(n: int) -> bool:
