@@ -447,9 +447,9 @@ def start_stage(job: JobConfig, rt: Runtime) -> None:
         group.update(own)
     rt.scheduler.step(increment=0)
     if dist.get_rank() == 0:
+        reason = f" ({why_not})" if why_not not in (None, "off") else ""
         optimizer = ("and its optimizer state" if why_not is None
-                     else "a fresh optimizer state" + (f" ({why_not})" if why_not != "off"
-                                                        else ""))
+                     else f"with a fresh optimizer state{reason}")
         print(f"checkpoint: starting from the weights of {ckpt.pretrained} {optimizer}, at "
               "step 0 with this stage's schedule", flush=True)
 

@@ -268,8 +268,8 @@ def test_a_new_stage_starts_from_pretrained_weights(parity_records, tmp_path):
     result = run_job(1, _rl_overrides(parity_records, "parallel=single", "train.train_iters=2",
                                       f"checkpoint.pretrained={lm}"), str(tmp_path / "rl"))
     # RL freezes the MTP layers the LM run trained: their Adam state is not this run's
-    assert (f"checkpoint: starting from the weights of {lm} a fresh optimizer state (it is "
-            "the state of other trained parameters" in result.log)
+    assert (f"checkpoint: starting from the weights of {lm} with a fresh optimizer state (it "
+            "is the state of other trained parameters" in result.log)
     assert [r["step"] for r in result.records] == [1, 2]
     with pytest.raises(RuntimeError) as err:
         run_job(1, _rl_overrides(parity_records, "parallel=single", "train.train_iters=3",
