@@ -183,9 +183,12 @@ def _ranks_in_header(name: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-# Full-scale GLM-5 presets need the 744B model: checked below and in tests/test_experiments.py.
+# Full-scale GLM-5 presets need the 744B model: checked below, in tests/test_experiments.py and
+# (the curriculum's stages) in tests/test_curriculum.py.
 FULL_SCALE_PRESETS = {"glm5_slime_256gpu.yaml", "glm5_200k_256gpu.yaml",
-                      "glm5_sft_202k_256gpu.yaml", "glm5_rl_256gpu.yaml"}
+                      "glm5_sft_202k_256gpu.yaml", "glm5_rl_256gpu.yaml",
+                      "glm5_sft_202k_128gpu.yaml", "glm5_4k_512gpu.yaml", "glm5_32k_512gpu.yaml",
+                      "glm5_128k_512gpu.yaml", "glm5_200k_512gpu.yaml"}
 
 
 @pytest.mark.parametrize("name", sorted(f[:-5] for f in os.listdir(f"{CONFIG_DIR}/parallel")
