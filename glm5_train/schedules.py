@@ -1,10 +1,10 @@
 """Learning-rate and batch-size schedules, and what a token budget comes to in steps.
 
-Both schedules are megatron-core's: the learning rate follows ``OptimizerParamScheduler``
-(``train.lr_decay_style``: constant, linear, cosine, inverse-square-root or WSD), counted in
-optimizer steps; the global batch ramps up by ``RampupBatchsizeNumMicroBatchesCalculator``
-(``train.rampup_batch_size=[start, increment, samples]``, Megatron-LM's ``--rampup-batch-size``),
-counted in consumed samples: the batch is ``start`` at first, grows by ``increment`` every
+The learning rate follows megatron-core's ``OptimizerParamScheduler`` (``train.lr_decay_style``:
+constant, linear, cosine, inverse-square-root or WSD), counted in optimizer steps; the global
+batch ramps up by Megatron-LM's ``--rampup-batch-size`` rule (``train.rampup_batch_size=[start,
+increment, samples]``; megatron-core 0.16's ``RampupBatchsizeNumMicroBatchesCalculator``, gone in
+0.19: ``BatchRamp.size_at``), counted in consumed samples: the batch is ``start`` at first, grows by ``increment`` every
 ``samples / ((global_batch_size - start) / increment)`` samples, and is ``global_batch_size``
 once ``samples`` samples have been consumed.
 
@@ -16,11 +16,9 @@ schedule ended at, where the next stage may start its own (``train.lr_from_pretr
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 
-from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 # megatron-core's names (OptimizerParamScheduler.get_lr), as Megatron-LM's --lr-decay-style.
@@ -45,16 +43,16 @@ class BatchRamp:
         start, increment, samples = (int(v) for v in rampup)
         return cls(start, increment, samples, global_batch_size)
 
-    def calculator(self, micro_batch_size: int, dp_size: int):
-        """megatron-core's calculator for this ramp (its own consistency check on)."""
-        quiet = logging.getLogger("megatron.core.num_microbatches_calculator")
-        level, quiet.level = quiet.level, logging.WARNING  # no "setting initial batch size"
-        try:
-            return RampupBatchsizeNumMicroBatchesCalculator(
-                self.target, micro_batch_size, dp_size, False, 0, self.start, self.increment,
-                self.samples)
-        finally:
-            quiet.setLevel(level)
+    def size_at(self, consumed_samples: int) -> int:
+        """The global batch after ``consumed_samples`` samples: Megatron-LM's
+        ``--rampup-batch-size`` rule (megatron-core 0.16's ``RampupBatchsizeNumMicroBatches
+        Calculator``, which 0.19 replaced by step schedules), written out so that every
+        release ramps alike (tests/test_schedules.py compares it with 0.16's class)."""
+        if consumed_samples > self.samples:
+            return self.target
+        increments = (self.target - self.start) // self.increment
+        per_increment = self.samples / increments
+        return self.start + int(consumed_samples / per_increment) * self.increment
 
     def sizes(self) -> list[int]:
         """Every global batch size the ramp passes through, ``target`` last."""
@@ -88,7 +86,8 @@ def check_rampup(rampup: list[int] | None, global_batch_size: int, micro_batch_s
 def check_rampup_layout(rampup: list[int] | None, global_batch_size: int, micro_batch_size: int,
                         dp_size: int) -> None:
     """Every batch size of the ramp splits into whole micro-batches on every data-parallel
-    rank (megatron-core's calculator asserts it at the step it is reached: refuse up front)."""
+    rank (megatron-core's own calculators assert it at the step it is reached: refuse up
+    front)."""
     ramp = BatchRamp.from_config(rampup, global_batch_size)
     if ramp is None:
         return
@@ -108,18 +107,15 @@ class BatchSchedule:
     def __init__(self, global_batch_size: int, micro_batch_size: int, dp_size: int,
                  rampup: list[int] | None = None) -> None:
         self.global_batch_size = global_batch_size
-        ramp = BatchRamp.from_config(rampup, global_batch_size)
-        self._calculator = ramp.calculator(micro_batch_size, dp_size) if ramp else None
+        self._ramp = BatchRamp.from_config(rampup, global_batch_size)
+        check_rampup_layout(rampup, global_batch_size, micro_batch_size, dp_size)
 
     @property
     def ramps(self) -> bool:
-        return self._calculator is not None
+        return self._ramp is not None
 
     def size_at(self, consumed_samples: int) -> int:
-        if self._calculator is None:
-            return self.global_batch_size
-        self._calculator.update(consumed_samples, consistency_check=True)
-        return self._calculator.get_current_global_batch_size()
+        return self._ramp.size_at(consumed_samples) if self._ramp else self.global_batch_size
 
     def consumed_after(self, steps: int) -> int:
         """Samples consumed by the first ``steps`` steps."""

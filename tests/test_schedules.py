@@ -9,11 +9,13 @@ import math
 
 import pytest
 import torch
+from megatron.core import num_microbatches_calculator
 
 from glm5_train.data import MicroBatchSampler
 from glm5_train.job_config import TrainConfig, compose_job
 from glm5_train.optim import build_scheduler
 from glm5_train.schedules import (
+    BatchRamp,
     BatchSchedule,
     check_rampup_layout,
     steps_for_tokens,
@@ -69,9 +71,18 @@ def test_bad_schedules_are_refused_in_one_line(overrides, message):
 
 
 def test_ramp_is_megatrons_and_every_batch_splits_over_the_data_parallel_ranks():
-    """Batch sizes from megatron-core's calculator (consumed samples in, batch out); a ramp
-    whose sizes do not split over the data-parallel ranks is refused before the run."""
+    """Batch sizes by Megatron-LM's ramp rule (consumed samples in, batch out), equal to
+    megatron-core 0.16's calculator where it exists; a ramp whose sizes do not split over the
+    data-parallel ranks is refused before the run."""
     ramp = BatchSchedule(16, 1, 2, [4, 4, 40])
+    calculator = getattr(num_microbatches_calculator,
+                         "RampupBatchsizeNumMicroBatchesCalculator", None)  # gone in 0.19
+    if calculator is not None:
+        theirs = calculator(3072 + 8 * 1536, 1, 32, False, 1, 3072, 1536, 114501953)
+        ours = BatchRamp.from_config([3072, 1536, 114501953], 3072 + 8 * 1536)
+        for consumed in range(0, 120_000_000, 99_991):
+            theirs.update(consumed, consistency_check=True)
+            assert ours.size_at(consumed) == theirs.get_current_global_batch_size()
     # 40 samples over 3 increments: 13.3 samples each
     assert [ramp.size_at(c) for c in (0, 13, 14, 26, 27, 39, 41)] == [4, 4, 8, 8, 12, 12, 16]
     assert ramp.consumed_after(3) == 12 and ramp.steps_at(12) == 3 and ramp.steps_at(5) is None
