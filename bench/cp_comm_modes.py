@@ -29,6 +29,7 @@ per rank per layer, sparse stage, at the longest sequence.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -42,6 +43,9 @@ from job import run_training
 from glm5_train.job_config import compose_job
 from glm5_train.model.head_parallel_cp import (
     AttentionShape,
+    AttentionWork,
+    Links,
+    choose_exchange,
     layer_transfers,
     meter_bytes,
 )
@@ -65,6 +69,10 @@ CHECK_RUNS = {  # name -> (overrides, cp_comm, node size)
     "head_parallel_2level": (["parallel.cp_comm=head_parallel",
                               f"parallel.cp_node_size={CHECK_NODE}"], "head_parallel",
                              CHECK_NODE),
+    # dsa=dense: query, key and value cross in one all-to-all, no latent gathered
+    "head_parallel_dense": (["parallel.cp_comm=head_parallel",
+                             f"parallel.cp_node_size={CHECK_NODE}", "dsa=dense"],
+                            "head_parallel", CHECK_NODE),
 }
 
 
@@ -78,13 +86,14 @@ def check_against_meter(tmp: str) -> None:
                      f"train.seq_length={CHECK_SEQ}", "checkpoint.save=null",
                      "checkpoint.load=null", *extra]
         record = run_training(CHECK_CP, overrides, os.path.join(tmp, name), name)[0]
-        model = compose_job(overrides).model
+        job = compose_job(overrides)
+        model = job.model
         transfers = layer_transfers(AttentionShape.of(model), CHECK_SEQ, CHECK_CP, comm,
-                                    act_bytes=4)
+                                    job.dsa.stage, act_bytes=4)
         times = (model.num_hidden_layers + model.mtp_num_steps) * CHECK_BATCH
         want = {k: v * times for k, v in meter_bytes(transfers, CHECK_CP, node).items()}
         # MTP's targets: token ids, loss mask, labels gathered once per micro-batch.
-        want[f"all_gather:{CHECK_CP}"] += ((CHECK_CP - 1) * (CHECK_SEQ // CHECK_CP) * (8 + 4 + 8)
+        want[f"all_gather:{CHECK_CP}"] = want.get(f"all_gather:{CHECK_CP}", 0) + ((CHECK_CP - 1) * (CHECK_SEQ // CHECK_CP) * (8 + 4 + 8)
                                            * CHECK_BATCH)
         for key, total in want.items():
             got = record["comm_by_op"].get(key, {}).get("bytes")
@@ -172,6 +181,34 @@ def breakdown(stage: str, seq: int, cp: int, node_size: int) -> None:
         print(f"  {t.what:36s} {t.op:15s} {mib(levels['intra'])} / {mib(levels['inter'])}")
 
 
+def auto_choices(seqs: list[int], node_size: int) -> None:
+    """What parallel.cp_comm=auto picks for a group (choose_exchange: bytes per level at H100
+    links, 450 GB/s in a node, 50 across), per TP (heads per rank), stage and CP size; the
+    head-parallel / all-gather time ratio of the closest case."""
+    links = Links(450e9, 50e9)
+    print(f"\nparallel.cp_comm=auto at GLM-5's shapes (nodes of {node_size}, lengths "
+          f"{', '.join(map(str, seqs))}):")
+    for tp in (1, 8):
+        shape = dataclasses.replace(GLM5, heads=GLM5.heads // tp)
+        for stage in ("sparse", "dense_warmup", "dense"):
+            work = AttentionWork(shape, stage, True, 2, documents=False)
+            picks, closest = {}, float("inf")
+            for cp in (2, 4, 8, 16, 32, 64):
+                if shape.heads % cp:
+                    picks[cp] = "all_gather (heads do not split)"
+                    continue
+                modes = set()
+                for seq in seqs:
+                    mode, costs = choose_exchange(work, seq, list(range(cp)), node_size, links)
+                    modes.add(mode)
+                    closest = min(closest, costs["head_parallel"].seconds
+                                  / costs["all_gather"].seconds)
+                picks[cp] = "/".join(sorted(modes))
+            shown = ", ".join(f"CP{cp} {mode}" for cp, mode in picks.items())
+            print(f"  TP{tp} ({shape.heads} heads) {stage:12s}: {shown}; head-parallel takes "
+                  f">= {closest:.2f}x all-gather's time")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--node-size", type=int, default=8)
@@ -183,10 +220,14 @@ def main() -> None:
             check_against_meter(tmp)
     sparse = table("sparse", args.seqs, args.node_size)
     warmup = table("dense_warmup", args.seqs, args.node_size)
+    dense = table("dense", args.seqs, args.node_size)
     breakdown("sparse", max(args.seqs), 32, args.node_size)
+    breakdown("dense", max(args.seqs), 32, args.node_size)
     print()
     winners(sparse, "sparse")
     winners(warmup, "dense_warmup")
+    winners(dense, "dense")
+    auto_choices(args.seqs, args.node_size)
     longest = max(args.seqs)
     at32 = {mode: sparse[(32, longest, mode)]["total"] for mode in MODES}
     best = min(at32, key=at32.get)

@@ -42,7 +42,12 @@ from glm5_train.data import (
     check_token_ids,
     ensure_builtin_corpus,
 )
-from glm5_train.flexible_batches import FlexibleBatches, online_refit
+from glm5_train.flexible_batches import (
+    FlexibleBatches,
+    block_exchanges,
+    exchanges_line,
+    online_refit,
+)
 from glm5_train.job_config import JobConfig
 from glm5_train.model.config import to_mcore_config
 from glm5_train.model.glm5 import (
@@ -50,6 +55,7 @@ from glm5_train.model.glm5 import (
     build_model_chunks,
     transformer_engine_available,
 )
+from glm5_train.model.head_parallel_cp import fixed_cp_comm
 from glm5_train.model.head_parallel_cp import install as install_head_parallel_cp
 from glm5_train.model.init_weights import initialize_weights
 from glm5_train.optim import attach_schedule_hooks, build_optimizer, build_scheduler, wrap_ddp
@@ -93,6 +99,8 @@ class Runtime:
     # parallel.cp_groups=flexible: the CP groups every global batch is planned over
     cp_pool: GroupPool | None = None
     last_plan: FlexiblePlan | None = None  # the plan of the latest step's global batch
+    # parallel.cp_comm != all_gather with flexible groups: each block's exchange
+    cp_exchanges: dict | None = None
     # parallel.defer_weight_grads: the queued weight-gradient GEMMs (parallel/deferred_wgrad.py)
     wgrad: WeightGradQueue | None = None
     # train.int4_qat: the fake-quantised routed experts (parallel/int4_qat.py)
@@ -159,12 +167,20 @@ def assemble(job: JobConfig, validated: bool = False) -> Runtime:
     norms = ParamGradNorms(chunks, optimizer, zero2) if job.train.log_param_grad_norms else None
     # After DDP: its buffers hold the parameters the meter must leave out.
     activations = build_activation_tracker(job, chunks, groups, num_microbatches(job, groups))
-    pool = (GroupPool(groups.dp, job.parallel.flexible_cp_max_size, groups.cp)
-            if job.parallel.cp_groups == "flexible" else None)  # collective: every rank
+    pool = cp_exchanges = None
+    if job.parallel.cp_groups == "flexible":  # collective: every rank
+        par = job.parallel
+        pool = GroupPool(groups.dp, par.flexible_cp_max_size, groups.cp, par.cp_node_size,
+                         exchanges=par.cp_comm != "all_gather")
+        if par.cp_comm != "all_gather":
+            cp_exchanges = block_exchanges(job, pool)
+            if torch.distributed.get_rank() == 0:
+                print(exchanges_line(cp_exchanges), flush=True)
     objective = (RLObjective(job.train.objective, job.rl) if job.train.objective != "lm"
                  else None)
     return Runtime(job, config, groups, chunks, optimizer, scheduler, dataset, zero2, norms,
-                   activations, pool, wgrad=wgrad, qat=qat, objective=objective)
+                   activations, pool, wgrad=wgrad, qat=qat, objective=objective,
+                   cp_exchanges=cp_exchanges)
 
 
 def routed_expert_linears(chunks: list) -> list:
@@ -293,8 +309,11 @@ def build_model(job: JobConfig, groups: ProcessGroupCollection,
                                 groups=groups,
                                 loss_chunk_tokens=job.activations.loss_chunk_tokens,
                                 recompute=recompute)
-    # parallel.cp_comm=head_parallel: its all-to-all groups, once, on every rank (collective).
-    install_head_parallel_cp(chunks, job.parallel.cp_comm, job.parallel.cp_node_size, groups.cp)
+    # parallel.cp_comm=head_parallel (or auto's choice): its all-to-all groups, once, on every
+    # rank (collective). Flexible groups bring theirs with each micro-batch.
+    if job.parallel.cp_groups == "fixed":
+        install_head_parallel_cp(chunks, fixed_cp_comm(job, groups.cp), job.parallel.cp_node_size,
+                                 groups.cp)
     if where.type != "cpu":
         for chunk in chunks:
             chunk.to(where)
@@ -357,7 +376,8 @@ def iterators(rt: Runtime, consumed_samples: int) -> list | FlexibleBatches:
                                len(rt.chunks), consumed_samples,
                                slot_multiple=par.pipeline_model_parallel_size if interleaved
                                else 1, plan_ranks=par.flexible_cp_plan_ranks,
-                               refit=online_refit(par, flexible_workload(rt.job)))
+                               refit=online_refit(par, flexible_workload(rt.job)),
+                               exchanges=rt.cp_exchanges)
     make = partial(build_train_iterator, rt.dataset, t.micro_batch_size, t.global_batch_size,
                    rt.dp_rank, rt.dp_size, consumed_samples, num_workers=rt.job.data.num_workers,
                    rampup=t.rampup_batch_size)

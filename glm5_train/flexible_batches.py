@@ -26,6 +26,14 @@ import torch
 import torch.distributed as dist
 
 from glm5_train.chat_data import ChatSFTDataset, batch_cu_seqlens, build_sample
+from glm5_train.model.head_parallel_cp import (
+    AttentionShape,
+    AttentionWork,
+    ExchangeCost,
+    HeadParallelCP,
+    Links,
+    choose_exchange,
+)
 from parallel.flexible_cp import FlexiblePlan, GroupPool, Workload, plan_batch
 from parallel.flexible_cp_refit import CellClock, OnlineWorkloadFit
 
@@ -58,7 +66,8 @@ class FlexibleBatches:
     def __init__(self, dataset: ChatSFTDataset, pool: GroupPool, global_batch: int,
                  max_units: int, workload: Workload, num_chunks: int, consumed: int,
                  slot_multiple: int = 1, plan_ranks: int | None = None,
-                 refit: OnlineWorkloadFit | None = None) -> None:
+                 refit: OnlineWorkloadFit | None = None,
+                 exchanges: dict[tuple[int, int], BlockExchange] | None = None) -> None:
         self.dataset, self.pool, self.global_batch = dataset, pool, global_batch
         self.max_units, self.workload, self.num_chunks = max_units, workload, num_chunks
         self.rank_tokens = dataset.seq_length // max_units
@@ -73,6 +82,8 @@ class FlexibleBatches:
                              "ranks: set it to null")
         self.refit = refit  # None: every batch planned with ``workload``
         self.clocks: list[CellClock] = []  # the latest step's planned micro-batches
+        # Each block's exchange (parallel.cp_comm; None: all-gather everywhere).
+        self.exchanges = exchanges or {}
 
     def next_step(self) -> FlexibleStep:
         conversations = self._conversations(self.consumed)
@@ -133,6 +144,9 @@ class FlexibleBatches:
         else:
             batch = self._padding_micro_batch(capacity)
         batch["cp_group"] = self.pool.group(b.first, width)
+        chosen = self.exchanges.get((b.first, width))
+        if chosen is not None and chosen.mode == "head_parallel":
+            batch["cp_exchange"] = HeadParallelCP(self.pool.exchange(b.first, width))
         return batch
 
     def _padding_micro_batch(self, capacity: int) -> dict:
@@ -160,13 +174,70 @@ def _collate(sample: dict, capacity: int) -> dict:
     return batch
 
 
-def plan_record(plan: FlexiblePlan) -> dict:
+def plan_record(plan: FlexiblePlan,
+                exchanges: dict[tuple[int, int], BlockExchange] | None = None) -> dict:
     """metrics.jsonl's account of a step's plan: micro-batches, the CP group of every cell
-    (slot by slot, sizes in data-parallel rank order), modelled work imbalance, padding."""
-    return {"micro_batches": plan.num_microbatches,
-            "group_sizes": [[plan.group_size(plan.bins[c.bin]) for c in slot]
-                            for slot in plan.slots],
-            "work_imbalance": plan.imbalance(),
-            "modelled_rank_work": list(plan.rank_work),
-            "padding_tokens": plan.padding_tokens(),
-            "workload": plan.workload.coefficients()}
+    (slot by slot, sizes in data-parallel rank order), modelled work imbalance, padding; with
+    ``exchanges``, each cell's exchange ("-": a rank alone) and every rank's CP bytes per
+    level (inside its node, across nodes) per DSA layer application, summed over its cells."""
+    record = {"micro_batches": plan.num_microbatches,
+              "group_sizes": [[plan.group_size(plan.bins[c.bin]) for c in slot]
+                              for slot in plan.slots],
+              "work_imbalance": plan.imbalance(),
+              "modelled_rank_work": list(plan.rank_work),
+              "padding_tokens": plan.padding_tokens(),
+              "workload": plan.workload.coefficients()}
+    if exchanges is None:
+        return record
+    cells = [[exchanges.get((plan.bins[c.bin].first, plan.group_size(plan.bins[c.bin])))
+              for c in slot] for slot in plan.slots]
+    record["exchanges"] = [[e.mode if e else "-" for e in slot] for slot in cells]
+    ranks = range(len(plan.slots[0])) if plan.slots else range(0)
+    record["cp_bytes_per_layer"] = {
+        level: [sum(getattr(slot[r].cost, level) for slot in cells if slot[r]) for r in ranks]
+        for level in ("intra", "inter")}
+    return record
+
+
+@dataclass(frozen=True)
+class BlockExchange:
+    """The exchange a flexible group runs (``parallel.cp_comm``) and its cost per DSA layer
+    application; ``costs``: every mode considered (auto)."""
+
+    mode: str
+    cost: ExchangeCost
+    costs: dict
+
+
+def block_exchanges(job, pool: GroupPool) -> dict[tuple[int, int], BlockExchange]:
+    """Every block of this rank's data-parallel group: its exchange, fixed for the run (a
+    block always holds ``size`` x L tokens): ``parallel.cp_comm`` all_gather / head_parallel,
+    or auto (``choose_exchange``: by bytes per link level at the configured rates)."""
+    par = job.parallel
+    work = AttentionWork(AttentionShape.of(job.model, par.tensor_model_parallel_size),
+                         job.dsa.stage, job.dsa.trains_indexer,
+                         torch.finfo(job.train.torch_dtype).bits // 8, documents=True)
+    links, rank_tokens = Links.of(par), job.train.seq_length // par.flexible_cp_max_size
+    out = {}
+    size = 2
+    while size <= min(par.flexible_cp_max_size, len(pool.ranks)):
+        for first in range(0, len(pool.ranks), size):
+            ranks = pool.ranks[first:first + size]
+            best, costs = choose_exchange(work, size * rank_tokens, ranks, par.cp_node_size,
+                                          links)
+            mode = best if par.cp_comm == "auto" else par.cp_comm
+            out[(first, size)] = BlockExchange(mode, costs[mode], costs)
+        size *= 2
+    return out
+
+
+def exchanges_line(exchanges: dict[tuple[int, int], BlockExchange]) -> str:
+    """The console's account of the groups' exchanges: per group size, the mode and the
+    modelled MB per layer application inside / across nodes of each mode."""
+    parts = []
+    for size in sorted({s for _, s in exchanges}):
+        chosen = next(e for (_, s), e in sorted(exchanges.items()) if s == size)
+        costs = ", ".join(f"{c.mode} {c.intra / 1e6:.3g}/{c.inter / 1e6:.3g} MB"
+                          for c in chosen.costs.values())
+        parts.append(f"groups of {size}: {chosen.mode} ({costs})")
+    return "flexible CP exchanges (per layer, inside/across nodes): " + "; ".join(parts)

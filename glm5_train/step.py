@@ -50,7 +50,8 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
     ``cp_group``: every rank of a context-parallel group reads the same whole sequences and
     keeps its zigzag share of them (``parallel.context_parallel``). A micro-batch that brings
     its own ``cp_group`` (flexible CP groups, ``glm5_train/flexible_batches.py``) runs on that
-    group: the model is pointed at it for this forward and again when its backward starts;
+    group, with its ``cp_exchange`` (head-parallel; absent: all-gather): the model is pointed
+    at them for this forward and again when its backward starts;
     its ``cpu_clock`` (the online refit of the plan's workload model) times both.
     ``labels``: while torch.profiler records, name the forward and backward ranges by chunk
     and micro-batch (``glm5_train/profiling.py``). ``objective``: an RL objective replaces the
@@ -64,8 +65,8 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
     batch.pop("cpu_clock", None)
     flexible = "cp_group" in batch
     if flexible:
-        cp_group = batch.pop("cp_group")
-        switch_context_group(model, cp_group)
+        cp_group, exchange = batch.pop("cp_group"), batch.pop("cp_exchange", None)
+        switch_context_group(model, cp_group, exchange)
     batch = context_parallel_share(batch, cp_group)
     with (labelled_forward(model, labels) as label,
           activations.forward(model) if activations else nullcontext(lambda out: out) as watch):
@@ -73,7 +74,7 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
                              labels=batch["labels"], loss_mask=batch["loss_mask"]))
     output = backward_range(output, labels, label)
     if flexible:
-        output = in_group_for_backward(output, model, cp_group)
+        output = in_group_for_backward(output, model, cp_group, exchange)
     if clock is not None:  # the backward is timed from its first gradient to its end
         clock.stop()
         output = clock.time_backward(output)

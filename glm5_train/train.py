@@ -322,7 +322,7 @@ def _log(rt: Runtime, logger: MetricsLogger, record: dict, meter: CommMeter,
     record["step_cpu_ms"] = [r[0] for r in ranks]
     record["sparse_kernel_launches"] = [r[1:] for r in ranks]
     if rt.last_plan is not None:
-        record["flexible_cp"] = plan_record(rt.last_plan)
+        record["flexible_cp"] = plan_record(rt.last_plan, rt.cp_exchanges)
     record.update(gather_fields(meter, buffer_bytes(rt.chunks, rt.optimizer, rt.zero2)))
     if rt.activations is not None:
         record.update(gather_saved_bytes(rt.activations.figures))

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.config.flexible_cp import is_power_of_two
+from parallel.hierarchical_all_to_all import Exchange, node_split
 
 
 def units_needed(length: int, rank_tokens: int) -> int:
@@ -422,40 +423,89 @@ class GroupPool:
     """Every aligned power-of-two block (sizes 2..``max_size``) of every data-parallel group,
     created once on every rank (``new_group`` is collective over the world); ``group(first,
     size)`` is this rank's group for block [first, first + size) of its data-parallel ranks.
-    Size 1 is ``single`` (a group of this rank alone, as the model's fixed CP group)."""
+    Size 1 is ``single`` (a group of this rank alone, as the model's fixed CP group).
 
-    def __init__(self, dp_group, max_size: int, single) -> None:
+    With ``exchanges``, each block also gets its head-parallel all-to-all (``exchange(first,
+    size)``): flat, or in two levels on nodes of ``node_size`` consecutive global ranks
+    (``parallel/hierarchical_all_to_all.py``). A level's group that is already a block (the
+    intra-node level of a block spanning two nodes of the size-2 blocks, say) is reused:
+    log2(R) x R extra groups at most."""
+
+    def __init__(self, dp_group, max_size: int, single, node_size: int | None = None,
+                 exchanges: bool = False) -> None:
         self.single = single
         self.ranks = dist.get_process_group_ranks(dp_group)
         self.index = self.ranks.index(dist.get_rank())
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, self.ranks)
         self._mine: dict[tuple[int, int], object] = {}
+        self._exchanges: dict[tuple[int, int], Exchange] = {}
+        made: dict[tuple[int, ...], object] = {}  # every group created, by its members
+
+        def new_group(members: list[int]):
+            key = tuple(members)
+            if key not in made:
+                made[key] = dist.new_group(members)
+            return made[key]
+
+        blocks = []  # (first, members) of every block of every data-parallel group
         for ranks in sorted({tuple(r) for r in everyone}):
             size = 2
             while size <= min(max_size, len(ranks)):
-                for first in range(0, len(ranks), size):
-                    members = list(ranks[first:first + size])
-                    made = dist.new_group(members)
-                    if dist.get_rank() in members:
-                        self._mine[(first, size)] = made
+                blocks += [(first, list(ranks[first:first + size]))
+                           for first in range(0, len(ranks), size)]
                 size *= 2
+        for first, members in blocks:
+            group = new_group(members)
+            if dist.get_rank() in members:
+                self._mine[(first, len(members))] = group
+        if exchanges:
+            for first, members in blocks:
+                exchange = self._exchange_of(members, node_size, new_group)
+                if dist.get_rank() in members:
+                    self._exchanges[(first, len(members))] = exchange
+
+    def _exchange_of(self, members: list[int], node_size: int | None, new_group) -> Exchange:
+        """The all-to-all over the block of global ``members``; its level groups are created
+        on every rank (collective), in the blocks' order."""
+        group = new_group(members)
+        intra, inter = node_split(members, node_size) if node_size else ([members], [])
+        if len(intra) == 1 or len(inter) == 1:  # on one node, or one rank per node
+            return Exchange(group, len(members), len(members), 1)
+        levels = [new_group(m) for m in intra + inter]
+        me = dist.get_rank()
+        node = next((i for i, m in enumerate(intra) if me in m), 0)
+        local = next((i for i, m in enumerate(inter) if me in m), 0)
+        return Exchange(group, len(members), len(intra[0]), len(intra), levels[node],
+                        levels[len(intra) + local])
 
     def group(self, first: int, size: int):
         if size == 1:
             return self.single
         return self._mine[(first, size)]
 
+    def exchange(self, first: int, size: int) -> Exchange:
+        """The head-parallel all-to-all of block [first, first + size) (built with
+        ``exchanges``)."""
+        return self._exchanges[(first, size)]
+
+    def block_ranks(self, first: int, size: int) -> list[int]:
+        """Global ranks of block [first, first + size) of this rank's data-parallel group."""
+        return self.ranks[first:first + size]
 
 
-def switch_context_group(module: torch.nn.Module, group) -> None:
+def switch_context_group(module: torch.nn.Module, group, exchange=None) -> None:
     """Point every submodule's context-parallel group (``cp_group`` attributes and the
-    ``pg_collection.cp`` of their process-group collections) at ``group``: a micro-batch's
-    forward, and its backward (where recomputation reruns forwards), see its own group."""
+    ``pg_collection.cp`` of their process-group collections) at ``group``, and their
+    ``cp_exchange`` attributes at ``exchange`` (the model's head-parallel path over the
+    group's all-to-all, opaque here; None: the all-gather exchange): a micro-batch's forward,
+    and its backward (where recomputation reruns forwards), see its own group."""
     collections = {}
     for sub in module.modules():
         if hasattr(sub, "cp_group"):
             sub.cp_group = group
+        if hasattr(sub, "cp_exchange"):
+            sub.cp_exchange = exchange
         pgc = getattr(sub, "pg_collection", None)
         if pgc is not None and hasattr(pgc, "cp"):
             collections[id(pgc)] = pgc
@@ -463,9 +513,12 @@ def switch_context_group(module: torch.nn.Module, group) -> None:
         pgc.cp = group
 
 
-def in_group_for_backward(output: torch.Tensor, module: torch.nn.Module, group) -> torch.Tensor:
-    """``output`` whose backward first switches ``module`` to ``group`` (the pipeline schedule
-    runs other micro-batches' forwards, with their groups, before this one's backward)."""
+def in_group_for_backward(output: torch.Tensor, module: torch.nn.Module, group,
+                          exchange=None) -> torch.Tensor:
+    """``output`` whose backward first switches ``module`` to ``group`` and ``exchange`` (the
+    pipeline schedule runs other micro-batches' forwards, with their groups, before this
+    one's backward)."""
     if output.requires_grad:
-        output.register_hook(lambda grad: (switch_context_group(module, group), grad)[1])
+        output.register_hook(
+            lambda grad: (switch_context_group(module, group, exchange), grad)[1])
     return output

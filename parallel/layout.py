@@ -158,8 +158,8 @@ def validate_layout(par: ParallelConfig, model: ModelShape, world_size: int,
     if par.cp_groups != "flexible":  # flexible: the plan sets the micro-batches per step
         _check_batch(global_batch_size, micro_batch_size, dp)
         check_interleaving(par, global_batch_size // max(1, micro_batch_size * dp))
-    check_context_comm(par, model.num_attention_heads, world_size)
     check_flexible_cp(par, dp, seq_length)
+    check_context_comm(par, model.num_attention_heads, world_size, dp)
     return dp
 
 

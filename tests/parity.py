@@ -338,6 +338,7 @@ class Layout:
     muon: str | None  # None (AdamW), "plain", "owners" or "naive" (distributed Muon)
     tied: bool
     mtp: bool = False  # the model runs MTP steps (their inputs roll across CP ranks)
+    cp_all_to_all: bool = False  # head-parallel CP's flat all-to-all over the CP group
 
     @property
     def expert_dp(self) -> int:
@@ -371,7 +372,8 @@ def layout_of(job, world: int) -> Layout:
                   par.sequence_parallel, par.use_distributed_optimizer, par.pipeline_zero2,
                   job_pipeline(job, dp), any(model.moe_layer_pattern),
                   model.topk_method == "noaux_tc", muon, model.tie_word_embeddings,
-                  bool(job.runs_mtp and model.mtp_num_steps))
+                  bool(job.runs_mtp and model.mtp_num_steps),
+                  par.cp_comm == "head_parallel" and par.cp_node_size is None)
 
 
 def assert_layout_ran(result: JobResult, nprocs: int, overrides: list[str]) -> None:
@@ -437,6 +439,8 @@ def expected_group_sizes(layout: Layout) -> dict[str, set[int]]:
     if layout.cp > 1:  # latent and indexer keys gathered, their gradients reduce-scattered
         ops["all_gather"].add(layout.cp)
         ops["reduce_scatter"].add(layout.cp)
+        if layout.cp_all_to_all:
+            ops["all_to_all"].add(layout.cp)
         if layout.mtp:  # MTP's inputs shifted across shard boundaries: megatron's roll
             ops["send"].add(layout.world)  # sends to global ranks on the default group
             ops["recv"].add(layout.world)

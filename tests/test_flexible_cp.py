@@ -174,7 +174,8 @@ def test_a_conversation_longer_than_the_largest_group_is_refused():
     (["parallel.pipeline_model_parallel_size=2", "parallel.flexible_cp_max_size=4"], 4,
      "under pipeline parallelism"),
     (["train.seq_length=500"], 4, "not divisible by 2 x parallel.flexible_cp_max_size = 8"),
-    (["parallel.cp_comm=head_parallel"], 4, "runs the all_gather exchange only"),
+    (["parallel.cp_comm=head_parallel", "parallel.flexible_cp_max_size=8"], 8,
+     "splits the 4 attention heads .* over parallel.flexible_cp_max_size=8 ranks"),
     (["parallel.flexible_cp_plan_ranks=4"], 4, "replays a plan on one process"),
     (["parallel.flexible_cp_refit=true", "parallel.flexible_cp_refit_window=1"], 4,
      "needs at least 2 observed steps"),
@@ -268,7 +269,8 @@ def test_every_rank_and_a_resumed_run_get_the_same_plan_and_micro_batches(chat_p
 
 # (name, largest group, extra overrides, the slots' group sizes the plan must form)
 LAYOUTS = [
-    ("dp4", 4, [], {(4, 4, 4, 4), (2, 2, 1, 1)}),
+    # parallel.cp_comm=auto: at the tiny model's shapes every group keeps the all-gather
+    ("dp4", 4, ["parallel.cp_comm=auto"], {(4, 4, 4, 4), (2, 2, 1, 1)}),
     ("dp4_dense_warmup", 4, ["dsa=dense_warmup"], {(4, 4, 4, 4), (2, 2, 1, 1)}),
     # PP2 x DP2 (MTP split placement): groups of 2 over the two pipelines, stage by stage
     ("pp2_dp2", 2, ["parallel.pipeline_model_parallel_size=2"], {(2, 2), (1, 1)}),
@@ -316,7 +318,13 @@ def test_flexible_groups_match_one_process_running_the_same_micro_batches(
             for calls in (gathers, scatters):
                 assert [c > 0 for c in calls] == members, (size, calls, plan)
         assert len(record["step_cpu_ms"]) == 4
+        if "parallel.cp_comm=auto" in extra:
+            assert {m for slot in plan["exchanges"] for m in slot} == {"all_gather", "-"}
+            assert "all_to_all:2" not in comm and "all_to_all:4" not in comm
     assert seen == slots
+    if "parallel.cp_comm=auto" in extra:
+        assert ("flexible CP exchanges (per layer, inside/across nodes): groups of 2: "
+                "all_gather (all_gather") in result.log
 
 
 def test_online_refit_plans_later_steps_with_the_measured_model_and_the_same_losses(
@@ -341,3 +349,53 @@ def test_online_refit_plans_later_steps_with_the_measured_model_and_the_same_los
     models = [record["flexible_cp"]["workload"] for record in result.records]
     assert models[:3] == [reference[0]["flexible_cp"]["workload"]] * 3
     assert all(m != models[0] for m in models[3:]), models
+
+
+# The head-parallel exchange in flexible groups, on nodes of 2 ranks: groups of 4 span both
+# nodes (two-level all-to-all: node, then local index), groups of 2 sit on one node (flat).
+HEAD_PARALLEL = ["parallel.cp_comm=head_parallel", "parallel.cp_node_size=2"]
+
+
+@pytest.mark.parametrize("stage", ["sparse", "dense"])
+def test_flexible_groups_run_the_head_parallel_exchange_and_match_one_process(
+        tmp_path, chat_prefix, stage):
+    """4 ranks, 3 steps, every group of 2 and 4 running head-parallel CP on packed
+    conversations (sparse: the selection and KL cross the group; dense: query, key and value
+    cross in one all-to-all) vs one process replaying the plans: losses and every gradient
+    within the fp32 tolerances. The metrics show each cell's exchange, every all-to-all ran
+    on exactly the ranks of a group of 2 or more, and each rank's all-to-all bytes equal the
+    formula (per layer application, level by level: two levels in a group of 4, one in a
+    group of 2), which is also what the record's bytes per level count."""
+    data = [*_data(chat_prefix), f"dsa={stage}"]
+    reference = run_job(1, [*data, "parallel.flexible_cp_plan_ranks=4"],
+                        str(tmp_path / "one")).records
+    result = run_job(4, [*data, *HEAD_PARALLEL], str(tmp_path / "hp"))
+    problems = compare(reference, result.records, FP32)
+    assert not problems, "\n".join(problems)
+    job = compose_job([*data, *HEAD_PARALLEL])
+    applications = job.model.num_hidden_layers + job.model.mtp_num_steps
+    for record in result.records:
+        plan = record["flexible_cp"]
+        sizes, modes = plan["group_sizes"], plan["exchanges"]
+        assert all(m == ("head_parallel" if n > 1 else "-")
+                   for slot_sizes, slot_modes in zip(sizes, modes)
+                   for n, m in zip(slot_sizes, slot_modes)), (sizes, modes)
+        want = [sum(_a2a_bytes(job, n) for slot in sizes for n in [slot[r]] if n > 1)
+                * applications for r in range(4)]
+        assert record["comm_by_op"]["all_to_all:2"]["bytes"] == want, (sizes, want)
+        spans_nodes = [any(slot[r] == 4 for slot in sizes) for r in range(4)]
+        assert [b > 0 for b in plan["cp_bytes_per_layer"]["inter"]] == spans_nodes
+    assert any(4 in slot for record in result.records
+               for slot in record["flexible_cp"]["group_sizes"])
+
+
+def _a2a_bytes(job, size: int) -> int:
+    """One rank's all-to-all bytes per layer application in a head-parallel group of
+    ``size`` ranks (of size x 128 tokens) on nodes of 2: both levels of the two-level form."""
+    from glm5_train.model.head_parallel_cp import AttentionShape, layer_transfers
+    from parallel.hierarchical_all_to_all import level_bytes
+
+    transfers = layer_transfers(AttentionShape.of(job.model), size * 128, size,
+                                "head_parallel", job.dsa.stage, act_bytes=4, documents=True)
+    return sum(sum(level_bytes("all_to_all", t.payload, size, 2, size > 2).values())
+               for t in transfers if t.op == "all_to_all")

@@ -25,12 +25,21 @@ two-level all-to-all under it (``parallel/hierarchical_all_to_all.py``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from glm5_train.job_config import compose_job
-from glm5_train.model.head_parallel_cp import AttentionShape, layer_transfers, meter_bytes
+from glm5_train.model.head_parallel_cp import (
+    AttentionShape,
+    AttentionWork,
+    Links,
+    choose_exchange,
+    layer_transfers,
+    meter_bytes,
+)
 from parallel.comm_meter import CommMeter
 from parallel.hierarchical_all_to_all import (
     AllToAll,
@@ -173,11 +182,24 @@ def _validate(*overrides: str, world: int) -> None:
     (["parallel.context_parallel_size=4", "parallel.cp_comm=head_parallel",
       "parallel.cp_node_size=3", "train.global_batch_size=12"], 12,
      "same number of them on every node"),
+    (["parallel.cp_comm=auto", "parallel.context_parallel_size=2",
+      "parallel.cp_inter_node_gbs=0"], 2, "parallel.cp_inter_node_gbs=0 must be > 0"),
 ], ids=["unknown_mode", "node_size_without_head_parallel", "heads", "node_size_divides_world",
-        "uneven_nodes"])
+        "uneven_nodes", "link_rate"])
 def test_bad_head_parallel_settings_are_refused(overrides, world, message):
     with pytest.raises(LayoutError, match=message):
         _validate(*overrides, world=world)
+
+
+def test_a_node_size_must_suit_the_flexible_groups():
+    """Flexible groups (the heads' split: tests/test_flexible_cp.py): a node size is checked
+    against the world, and every group, as fixed CP's."""
+    job = compose_job([*BASE_OVERRIDES, "parallel=single", "train.seq_length=64",
+                       "train.micro_batch_size=1"])
+    par = dataclasses.replace(job.parallel, cp_groups="flexible", flexible_cp_max_size=4,
+                              cp_comm="auto", cp_node_size=3)
+    with pytest.raises(LayoutError, match="must be a positive divisor of the world size 4"):
+        validate_layout(par, job.model, 4, job.train.global_batch_size, 1, 64)
 
 
 def test_good_head_parallel_settings_pass():
@@ -221,26 +243,37 @@ def test_head_parallel_context_parallel_matches_one_process(tmp_path, references
     assert not problems, "\n".join(problems)
     job = compose_job([*BASE_OVERRIDES, *overrides])
     layout = layout_of(job, nprocs)
-    levels = _a2a_group_sizes(nprocs, node_size)
     problems = pipeline_log_problems(result.log, layout)
     problems += memory_problems(result.records[-1], job)
     for record in result.records:
-        problems += _comm_problems(record, layout, levels)
+        problems += _comm_problems(record, layout, _cp_group_sizes(job, nprocs, node_size))
         problems += _byte_problems(record, job, nprocs, node_size)
     assert not problems, "\n".join(problems)
 
 
-def _a2a_group_sizes(cp: int, node_size: int | None) -> set[int]:
-    if node_size is None or node_size in (1, cp):
-        return {cp}
-    return {node_size, cp // node_size}
+CP_OPS = ("all_gather", "reduce_scatter", "all_to_all")  # the layouts here: TP, EP and DP 1
 
 
-def _comm_problems(record: dict, layout, a2a_sizes: set[int]) -> list[str]:
-    """``tests/parity.comm_problems`` with the mode's all-to-alls added: collectives ran on
-    exactly the group sizes the layout implies."""
-    want = expected_group_sizes(layout)
-    want["all_to_all"] = set(want.get("all_to_all", set())) | a2a_sizes
+def _cp_group_sizes(job, cp: int, node_size: int | None) -> dict[str, set[int]]:
+    """{op: group sizes} of the CP collectives the formula gives the job's stage (the MTP
+    targets' token ids are always gathered over the CP group)."""
+    transfers = layer_transfers(AttentionShape.of(job.model), job.train.seq_length, cp,
+                                "head_parallel", job.dsa.stage)
+    sizes: dict[str, set[int]] = {"all_gather": {cp}}
+    for key in meter_bytes(transfers, cp, node_size):
+        op, size = key.rsplit(":", 1)
+        sizes.setdefault(op, set()).add(int(size))
+    return sizes
+
+
+def _comm_problems(record: dict, layout, cp_sizes: dict[str, set[int]]) -> list[str]:
+    """``tests/parity.comm_problems`` with the CP collectives the mode runs: collectives ran
+    on exactly the group sizes the layout and the formula imply."""
+    want = {op: set(sizes) - ({layout.cp} if op in CP_OPS else set())
+            for op, sizes in expected_group_sizes(layout).items()}
+    for op, sizes in cp_sizes.items():
+        want[op] = want.get(op, set()) | sizes
+    want = {op: sizes for op, sizes in want.items() if sizes}
     seen: dict[str, set[int]] = {}
     for key, counts in record["comm_by_op"].items():
         op, size = key.rsplit(":", 1)
@@ -260,7 +293,7 @@ def _byte_problems(record: dict, job, cp: int, node_size: int | None) -> list[st
                                 job.dsa.stage, act_bytes=4)
     times = (model.num_hidden_layers + model.mtp_num_steps) * job.train.global_batch_size
     want = {key: value * times for key, value in meter_bytes(transfers, cp, node_size).items()}
-    want[f"all_gather:{cp}"] += (cp - 1) * (seq // cp) * (8 + 4 + 8) * job.train.global_batch_size
+    want[f"all_gather:{cp}"] = want.get(f"all_gather:{cp}", 0) + (cp - 1) * (seq // cp) * (8 + 4 + 8) * job.train.global_batch_size
     problems = []
     for key, total in want.items():
         got = record["comm_by_op"].get(key, {}).get("bytes")
@@ -268,3 +301,76 @@ def _byte_problems(record: dict, job, cp: int, node_size: int | None) -> list[st
             problems.append(f"step {record['step']} {key}: {got} bytes per rank, the formula "
                             f"gives {total}")
     return problems
+
+
+# ------------------------------------------------- parallel.cp_comm=auto: the group's choice
+
+GLM5_SHAPE = AttentionShape(heads=64, query=192 + 64, value=256, latent=512 + 64,
+                            index_key=128, topk=2048)
+H100 = Links(intra=450e9, inter=50e9)
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_auto_keeps_the_all_gather_at_glm5s_shapes(tp):
+    """MLA's latent (576 values a token, shared by every head) is cheaper to gather than the
+    per-head queries, keys, values and outputs are to exchange: at GLM-5's shapes no group
+    size, length, stage or TP makes head-parallel CP send fewer bytes per level, so auto
+    keeps the all-gather (head-parallel costs >= 1.6x its time: bench/cp_comm_modes.py)."""
+    shape = dataclasses.replace(GLM5_SHAPE, heads=64 // tp)
+    for stage in ("sparse", "dense_warmup", "dense"):
+        work = AttentionWork(shape, stage, True, 2, documents=True)
+        for cp in (2, 4, 8, 16, 32, 64):
+            for seq in (32768, 202752):
+                mode, costs = choose_exchange(work, seq, list(range(cp)), 8, H100)
+                assert mode == "all_gather", (tp, stage, cp, seq, costs)
+                if shape.heads % cp == 0:
+                    assert costs["head_parallel"].seconds > 1.5 * costs["all_gather"].seconds
+                else:  # heads that do not split: all-gather, head-parallel not priced
+                    assert set(costs) == {"all_gather"}
+
+
+def test_auto_picks_head_parallel_where_its_bytes_per_level_take_less_time():
+    """A planted attention whose shared key is wide (512) and whose heads are narrow (8 + 8):
+    in a group of 2 the gather sends less, in a group of 8 head-parallel does and auto takes
+    it; spanning nodes of 8, each level's bytes at its own rate decide: with a narrower key
+    (160), head-parallel sends fewer bytes in all but more across nodes, so H100's slow NIC
+    keeps the all-gather and a cross-node link as fast as NVLink takes head-parallel."""
+    shape = AttentionShape(heads=64, query=8, value=8, latent=512, index_key=128, topk=2048)
+    work = AttentionWork(shape, "dense", True, 2, documents=False)
+    assert choose_exchange(work, 65536, [0, 1], None, H100)[0] == "all_gather"
+    mode, costs = choose_exchange(work, 65536, list(range(8)), None, H100)
+    assert mode == "head_parallel" and costs["head_parallel"].inter == 0, costs
+    assert costs["head_parallel"].intra < costs["all_gather"].intra
+    narrow = AttentionWork(dataclasses.replace(shape, latent=160), "dense", True, 2, False)
+    mode_slow, c = choose_exchange(narrow, 65536, list(range(32)), 8, H100)
+    hp, ag = c["head_parallel"], c["all_gather"]
+    assert hp.intra + hp.inter < ag.intra + ag.inter and hp.inter > ag.inter, c
+    assert hp.seconds == pytest.approx(hp.intra / H100.intra + hp.inter / H100.inter)
+    mode_fast, _ = choose_exchange(narrow, 65536, list(range(32)), 8,
+                                   Links(intra=450e9, inter=450e9))
+    assert (mode_slow, mode_fast) == ("all_gather", "head_parallel")
+
+
+def _fixed_auto_rank(rank: int, world: int, overrides: list[str]) -> tuple[str, str]:
+    import contextlib
+    import io
+
+    from glm5_train.model.head_parallel_cp import fixed_cp_comm
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        mode = fixed_cp_comm(compose_job([*BASE_OVERRIDES, *overrides]), dist.group.WORLD)
+    return mode, printed.getvalue()
+
+
+def test_auto_on_the_fixed_cp_group_chooses_once_for_the_job():
+    """Fixed CP, parallel.cp_comm=auto: every rank resolves the same mode for its CP group
+    (the tiny model's latent is gathered more cheaply, as GLM-5's) and rank 0 says which,
+    with both modes' modelled bytes per level."""
+    overrides = ["parallel=single", "parallel.context_parallel_size=2", "parallel.cp_comm=auto",
+                 "dsa=dense"]
+    (mode0, out0), (mode1, out1) = run_ranks(2, _fixed_auto_rank, overrides)
+    assert mode0 == mode1 == "all_gather" and out1 == ""
+    assert out0.startswith("context parallel: parallel.cp_comm=auto chose all_gather for the "
+                           "CP group of 2 (per layer, inside/across nodes: all_gather "), out0
+    assert "head_parallel" in out0

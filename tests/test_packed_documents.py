@@ -223,12 +223,14 @@ def test_no_tensor_of_s_by_s_elements_in_a_packed_step_at_16k_tokens(tmp_path):
 def test_packed_documents_under_context_and_pipeline_parallelism_match_one_process(
         tmp_path, short_documents):
     """Sequences of several documents (data.reset_attention_mask: the samples' boundaries
-    turned into document starts), 5 steps: CP2 and PP2 equal one process; and the documents
-    changed the run (losses differ from the same data without document masks)."""
+    turned into document starts), 5 steps: CP2 (both exchanges: the head-parallel one gathers
+    every row's document starts) and PP2 equal one process; and the documents changed the run
+    (losses differ from the same data without document masks)."""
     data = ["checkpoint.load=null", f"data.paths=[{short_documents}]",
             "data.reset_attention_mask=true"]
     reference = run_job(1, ["parallel=single", *data], str(tmp_path / "one")).records
-    for name, layout in (("cp2", ["parallel=single", "parallel.context_parallel_size=2"]),
+    cp2 = ["parallel=single", "parallel.context_parallel_size=2"]
+    for name, layout in (("cp2", cp2), ("cp2_head_parallel", [*cp2, "parallel.cp_comm=head_parallel"]),
                          ("pp2", ["parallel=pp2"])):
         overrides = [*layout, *data]
         result = run_job(2, overrides, str(tmp_path / name))

@@ -498,6 +498,9 @@ class DSACoreAttention(MLACoreAttention):
     # megatron-core 0.19's MLA hands the core attention the hidden states and the query latent
     # (``x``, ``qr``) when it says so; 0.16's when the config's attention variant is "dsa".
     requires_dsa_inputs = True
+    # The head-parallel path of this attention's CP group (head_parallel_cp.HeadParallelCP,
+    # its all-to-all inside); None: the all-gather mode. Switched with the group (flexible).
+    cp_exchange = None
 
     def __init__(self, config: TransformerConfig, *args, dsa_n_heads: int, dsa_head_dim: int,
                  dsa_topk: int, rope_theta: float, dsa_training: DSATrainingConfig | None = None,
@@ -562,12 +565,12 @@ class DSACoreAttention(MLACoreAttention):
         cfg = self.training_cfg
         allowed_BSS = key_mask(attention_mask)  # bool [B, T, S], DocumentStarts or None
         shard = context_shard(self.cp_group, query.shape[0], query.device)
-        # --- head-parallel CP hook (parallel.cp_comm=head_parallel): set at start-up by
-        # glm5_train/model/head_parallel_cp.install; queries go to head shards by all-to-all.
-        head_parallel = getattr(self, "head_parallel", None)
-        if head_parallel is not None and shard.is_split:
-            return head_parallel.attend(self, query, key, value, attention_mask, x, qr,
-                                        with_loss, record_kl, shard)
+        # --- head-parallel CP hook (parallel.cp_comm=head_parallel or auto): the exchange is
+        # set at start-up by glm5_train/model/head_parallel_cp.install (fixed CP) or per
+        # micro-batch with its group (flexible CP); queries go to head shards by all-to-all.
+        if self.cp_exchange is not None and shard.is_split:
+            return self.cp_exchange.attend(self, query, key, value, attention_mask, x, qr,
+                                           with_loss, record_kl, shard)
         # --- end of the head-parallel CP hook
         if cfg.attends_densely or self.indexer.topk >= shard.seq:
             # Dense stage (no indexer at all), warm-up (dense attention, the indexer's KL

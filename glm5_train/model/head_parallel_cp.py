@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from glm5_train.model.dsa import DSACoreAttention, query_chunk, sparse_attention
 from glm5_train.model.dsa_loss import dense_indexer_kl, selected_indexer_kl
+from glm5_train.model.key_masks import DocumentStarts, key_mask
 from glm5_train.model.layers import MLACoreAttention
 from glm5_train.model.sparse_mla import absorbed_sparse_mla
 from glm5_train.model.triton_sparse_mla import picks_from
@@ -56,8 +57,10 @@ from parallel.context_parallel import (
 from parallel.hierarchical_all_to_all import (
     Exchange,
     build_exchange,
+    group_ranks,
     heads_to_sequence,
     level_bytes,
+    node_split,
     sequence_to_heads,
 )
 from parallel.config.context_parallel import CP_COMMS
@@ -72,12 +75,11 @@ def install(chunks: list, cp_comm: str, node_size: int | None, cp_group) -> Exch
     if cp_comm != "head_parallel" or group_size(cp_group) == 1:
         return None
     exchange = build_exchange(cp_group, node_size)
-    mode = HeadParallelCP(exchange)
     for chunk in chunks:
         for module in chunk.modules():
             if isinstance(module, DSACoreAttention):
-                module.head_parallel = mode
-    return mode.exchange
+                module.cp_exchange = HeadParallelCP(exchange)
+    return exchange
 
 
 @dataclass(frozen=True)
@@ -90,16 +92,30 @@ class HeadParallelCP:
                with_loss: bool, record_kl: bool, shard: ContextShard) -> torch.Tensor:
         """``DSACoreAttention._attend`` under head-parallel CP: ``query`` [T, B, N, Dn + R],
         ``key`` MLA's latent [T, B, 1, C + R] (value None), ``x`` / ``qr`` the indexer's inputs
-        of this rank's rows; returns [T, B, N x Dv]."""
+        of this rank's rows, ``attention_mask`` None or packed documents' starts [B, T];
+        returns [T, B, N x Dv]."""
         _check_inputs(module, value, attention_mask)
+        exchange = self.exchange
+        if exchange.size != shard.size:
+            raise RuntimeError(f"head-parallel exchange over {exchange.size} ranks, but the "
+                               f"attention's CP group has {shard.size}: switch both together "
+                               "(parallel.flexible_cp.switch_context_group)")
+        allowed = key_mask(attention_mask)  # this rank's rows: DocumentStarts or None
         step = _Step(module, shard, _RowOrder(shard, query.device),
-                     _my_heads(query.shape[2], shard), with_loss, record_kl)
-        q_hp = step.rows.natural(sequence_to_heads(query, self.exchange))  # [S, B, N/c, Dq]
+                     _my_heads(query.shape[2], shard), with_loss, record_kl,
+                     _all_rows_documents(allowed, shard))
+        cfg = module.training_cfg
+        if cfg.stage != "dense_warmup" and (cfg.attends_densely
+                                            or module.indexer.topk >= shard.seq):
+            # Dense attention, every parameter trained: queries, keys and values of this
+            # rank's rows go to head shards in one all-to-all (no latent crosses).
+            return self._back(step.dense_from_rows(query, key, exchange), step.rows)
+        q_hp = step.rows.natural(sequence_to_heads(query, exchange))  # [S, B, N/c, Dq]
         latent = gather_sequence(key, shard)  # [S, B, 1, C + R], natural order
-        if module.training_cfg.attends_densely or module.indexer.topk >= shard.seq:
-            out = self._back(step.dense(q_hp, latent), step.rows)
-            if module.training_cfg.stage == "dense_warmup" and with_loss:
-                out = step.warmup_kl(out, query, latent, x, qr)
+        if cfg.attends_densely or module.indexer.topk >= shard.seq:  # the dense warm-up
+            out = self._back(step.dense(q_hp, *up_project(latent, *step.weights())), step.rows)
+            if with_loss:
+                out = step.warmup_kl(out, query, latent, x, qr, allowed)
             return out
         # The indexer on this rank's rows, as in the all-gather mode (detached inputs).
         x_in, qr_in = module._indexer_inputs(x.detach(), qr.detach())
@@ -107,7 +123,7 @@ class HeadParallelCP:
             keys = module.indexer.sequence_keys(x_in, shard)
         with torch.no_grad():
             topk_BTK, picked_BTK = module.indexer.select_blockwise(
-                x_in, qr_in, None, shard=shard, keys=tuple(k.detach() for k in keys))
+                x_in, qr_in, allowed, shard=shard, keys=tuple(k.detach() for k in keys))
             picks_BTK = picks_from(topk_BTK, picked_BTK > float("-inf"))  # int32, -1: none
             del topk_BTK, picked_BTK
         # Every row's picks (natural order) for this rank's heads: one all-gather of int32.
@@ -139,17 +155,30 @@ class _Step:
     heads: slice  # this rank's heads among the N of its tensor-parallel rank
     with_loss: bool
     record_kl: bool
+    documents: DocumentStarts | None  # packed documents' starts of every row (natural order)
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [N / c, Dn, C] and W_UV [N / c, Dv, C] of this rank's heads (views)."""
         w_uk, w_uv = self.module.latent_up_weights()
         return w_uk[self.heads], w_uv[self.heads]
 
-    def dense(self, q_hp: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
-        """Causal attention of every row (natural order) for this rank's heads: the gathered
-        latent up-projected for them, then the one-process dense path."""
-        k_hp, v_hp = up_project(latent, *self.weights())
+    def dense(self, q_hp: torch.Tensor, k_hp: torch.Tensor, v_hp: torch.Tensor) -> torch.Tensor:
+        """Causal attention of every row (natural order) for this rank's heads (within each
+        packed document): the one-process dense path."""
+        if self.documents is not None:
+            return self.module._dense_by_document(q_hp, k_hp, v_hp, self.documents)
         return MLACoreAttention.forward(self.module, q_hp, k_hp, v_hp, None)
+
+    def dense_from_rows(self, query: torch.Tensor, latent: torch.Tensor,
+                        exchange: Exchange) -> torch.Tensor:
+        """Dense attention from this rank's rows: their latent up-projected for every head
+        (as one process does), then query, key and value [T, B, N, Dq + Dq + Dv] to head
+        shards in one all-to-all, [S, B, N / c, *] in natural order."""
+        key, value = up_project(latent, *self.module.latent_up_weights())
+        widths = [query.shape[-1], key.shape[-1], value.shape[-1]]
+        qkv = torch.cat([query, key, value], dim=-1)
+        q_hp, k_hp, v_hp = self.rows.natural(sequence_to_heads(qkv, exchange)).split(widths, -1)
+        return self.dense(q_hp, k_hp, v_hp)
 
     def sparse(self, q_hp: torch.Tensor, latent: torch.Tensor,
                picks_BSK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -167,7 +196,7 @@ class _Step:
                                 picks_BSK >= 0, scale, need_probs=self.with_loss)
 
     def warmup_kl(self, out: torch.Tensor, query: torch.Tensor, latent: torch.Tensor, x,
-                  qr) -> torch.Tensor:
+                  qr, allowed: DocumentStarts | None) -> torch.Tensor:
         """The dense warm-up's KL on this rank's rows (a row's target is every head's
         attention), every head's keys up-projected from the gathered latent (detached: the KL
         trains the indexer only), as ``DSACoreAttention._attend`` runs it."""
@@ -175,9 +204,9 @@ class _Step:
         w_uk, _ = module.latent_up_weights()
         key, _ = up_project(latent.detach(), w_uk.detach())
         if module.kl_backward_in_forward:
-            module._kl_backward_now(query, key, x, qr, None, self.shard)
+            module._kl_backward_now(query, key, x, qr, allowed, self.shard)
             return out
-        kl = dense_indexer_kl(module, query, key, x, qr, None, query_chunk, self.shard)
+        kl = dense_indexer_kl(module, query, key, x, qr, allowed, query_chunk, self.shard)
         return module._attach(out, self.record_kl, kl)
 
 
@@ -187,10 +216,19 @@ def _check_inputs(module: DSACoreAttention, value, attention_mask) -> None:
             "parallel.cp_comm=head_parallel needs MLA's latent key at the core attention "
             "(GLM5MLASelfAttention); up-projected keys and values run under "
             "parallel.cp_comm=all_gather")
-    if attention_mask is not None:
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
         raise NotImplementedError(
-            "packed documents (an attention mask) under parallel.cp_comm=head_parallel are not "
-            "supported yet: use parallel.cp_comm=all_gather with such data")
+            "a bool attention mask under parallel.cp_comm=head_parallel is not supported: "
+            "packed documents go as document starts (glm5_train.step.packed_documents), or "
+            "use parallel.cp_comm=all_gather")
+
+
+def _all_rows_documents(allowed, shard: ContextShard) -> DocumentStarts | None:
+    """Packed documents' starts of every row of the sequence (natural order), from each
+    rank's own rows: one all-gather of int64 [B, T] (None: one causal document)."""
+    if allowed is None:
+        return None
+    return DocumentStarts(gather_sequence_no_grad(allowed.start_BT, shard, dim=1))
 
 
 def _my_heads(heads: int, shard: ContextShard) -> slice:
@@ -279,7 +317,7 @@ class Transfer:
 
 def layer_transfers(shape: AttentionShape, seq: int, cp: int, mode: str,
                     stage: str = "sparse", trains_indexer: bool = True, act_bytes: int = 2,
-                    batch: int = 1) -> list[Transfer]:
+                    batch: int = 1, documents: bool = False) -> list[Transfer]:
     """The collectives on the CP group (c = ``cp`` ranks, T = seq / c rows each) of one DSA
     layer application in training, forward and backward, for ``batch`` sequences of ``seq``
     tokens: ``mode`` "all_gather" (``DSACoreAttention._attend``) or "head_parallel" (this
@@ -287,10 +325,13 @@ def layer_transfers(shape: AttentionShape, seq: int, cp: int, mode: str,
     "dense_warmup" (the model frozen but the indexer: nothing of the main attention has a
     backward) or "dense" (trained end to end, no indexer: as "sparse" with K >= seq).
     ``act_bytes``: bytes per activation value (bf16 2, fp32 4); the selection is int32 and the
-    pick probabilities fp32."""
+    pick probabilities fp32. ``documents``: packed documents, whose starts (int64) the
+    head-parallel mode gathers for every row."""
     rows = seq // cp * batch
     trained = stage != "dense_warmup"
     selects = stage == "sparse" and shape.topk < seq
+    if mode == "head_parallel" and trained and not selects:
+        return _dense_head_parallel(shape, rows, act_bytes, documents)
     latent = rows * shape.latent * act_bytes
     out = [Transfer("latent key", "all_gather", latent)]
     if trained:
@@ -303,6 +344,8 @@ def layer_transfers(shape: AttentionShape, seq: int, cp: int, mode: str,
         out.append(Transfer("indexer key gradient", "reduce_scatter", cp * index_key))
     if mode != "head_parallel":
         return out
+    if documents:
+        out.append(Transfer("document starts (int64)", "all_gather", rows * 8))
     query = rows * shape.heads * shape.query * act_bytes
     value = rows * shape.heads * shape.value * act_bytes
     out += [Transfer("query to head shards", "all_to_all", query),
@@ -316,6 +359,21 @@ def layer_transfers(shape: AttentionShape, seq: int, cp: int, mode: str,
             out.append(Transfer("pick probabilities (fp32)", "reduce_scatter",
                                 cp * rows * shape.topk * 4))
     return out
+
+
+def _dense_head_parallel(shape: AttentionShape, rows: int, act_bytes: int,
+                         documents: bool) -> list[Transfer]:
+    """Head-parallel dense attention, trained (``_Step.dense_from_rows``): each rank's rows'
+    query, key and value cross in one all-to-all and the output comes back; nothing is
+    gathered but the document starts."""
+    qkv = rows * shape.heads * (2 * shape.query + shape.value) * act_bytes
+    value = rows * shape.heads * shape.value * act_bytes
+    out = [Transfer("document starts (int64)", "all_gather", rows * 8)] if documents else []
+    return out + [Transfer("query, key and value to head shards", "all_to_all", qkv),
+                  Transfer("output to sequence shards", "all_to_all", value),
+                  Transfer("output gradient to head shards", "all_to_all", value),
+                  Transfer("query, key and value gradients to sequence shards", "all_to_all",
+                           qkv)]
 
 
 def meter_bytes(transfers: list[Transfer], cp: int, node_size: int | None) -> dict[str, int]:
@@ -339,3 +397,98 @@ def meter_bytes(transfers: list[Transfer], cp: int, node_size: int | None) -> di
         else:
             add(f"{t.op}:{cp}", levels["intra"] + levels["inter"])
     return counted
+
+
+# ------------------------------------------------ choosing the exchange of a group (auto)
+
+
+@dataclass(frozen=True)
+class Links:
+    """What one rank's links carry, in bytes per second: inside its node (NVLink) and to
+    other nodes (its NIC)."""
+
+    intra: float
+    inter: float
+
+    @classmethod
+    def of(cls, par) -> Links:
+        """From ``parallel.cp_intra_node_gbs`` / ``cp_inter_node_gbs`` (GB/s)."""
+        return cls(par.cp_intra_node_gbs * 1e9, par.cp_inter_node_gbs * 1e9)
+
+
+@dataclass(frozen=True)
+class ExchangeCost:
+    """One layer application's CP traffic of one rank in one mode: bytes sent per level and
+    the time they take at the links' rates (the levels one after the other: an upper
+    bound where they overlap)."""
+
+    mode: str
+    intra: int
+    inter: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class AttentionWork:
+    """What a group's exchange moves per token: the attention's shape and training."""
+
+    shape: AttentionShape
+    stage: str
+    trains_indexer: bool
+    act_bytes: int
+    documents: bool
+
+
+def exchange_cost(work: AttentionWork, mode: str, seq: int, ranks: list[int],
+                  node_size: int | None, links: Links) -> ExchangeCost:
+    """Bytes per level and seconds of one layer application of ``mode`` on the CP group of
+    global ``ranks`` (by group rank) holding a sequence of ``seq`` tokens, on nodes of
+    ``node_size`` consecutive ranks (None: one node); head-parallel's all-to-all runs in two
+    levels where the group spans several nodes with several ranks on each
+    (``build_exchange``)."""
+    cp = len(ranks)
+    per_node = len(node_split(ranks, node_size)[0][0]) if node_size else cp
+    transfers = layer_transfers(work.shape, seq, cp, mode, work.stage, work.trains_indexer,
+                                work.act_bytes, documents=work.documents)
+    intra = inter = 0.0
+    for t in transfers:
+        levels = level_bytes(t.op, t.payload, cp, per_node,
+                             t.op == "all_to_all" and per_node not in (1, cp))
+        intra, inter = intra + levels["intra"], inter + levels["inter"]
+    return ExchangeCost(mode, round(intra), round(inter), intra / links.intra + inter / links.inter)
+
+
+def choose_exchange(work: AttentionWork, seq: int, ranks: list[int], node_size: int | None,
+                    links: Links) -> tuple[str, dict[str, ExchangeCost]]:
+    """``parallel.cp_comm=auto`` for one group: the mode whose bytes per level take less time
+    at the links' rates (all-gather on a tie, and where the group cannot split the heads),
+    and both modes' costs."""
+    costs = {"all_gather": exchange_cost(work, "all_gather", seq, ranks, node_size, links)}
+    if work.shape.heads % len(ranks) == 0:
+        costs["head_parallel"] = exchange_cost(work, "head_parallel", seq, ranks, node_size,
+                                               links)
+    best = min(costs.values(), key=lambda c: (c.seconds, c.mode != "all_gather"))
+    return best.mode, costs
+
+
+def fixed_cp_comm(job, cp_group) -> str:
+    """The exchange of the job's fixed CP group: ``parallel.cp_comm``, or auto's choice for
+    this group (every CP group of the job has the same shape, so every rank chooses alike;
+    rank 0 prints it)."""
+    par = job.parallel
+    if par.cp_comm != "auto":
+        return par.cp_comm
+    if group_size(cp_group) == 1:
+        return "all_gather"
+    work = AttentionWork(AttentionShape.of(job.model, par.tensor_model_parallel_size),
+                         job.dsa.stage, job.dsa.trains_indexer,
+                         torch.finfo(job.train.torch_dtype).bits // 8,
+                         documents=job.data.format == "chat_sft" or job.data.reset_attention_mask)
+    mode, costs = choose_exchange(work, job.train.seq_length, group_ranks(cp_group),
+                                  par.cp_node_size, Links.of(par))
+    if dist.get_rank() == 0:
+        modes = ", ".join(f"{c.mode} {c.intra / 1e6:.3g}/{c.inter / 1e6:.3g} MB"
+                          for c in costs.values())
+        print(f"context parallel: parallel.cp_comm=auto chose {mode} for the CP group of "
+              f"{group_size(cp_group)} (per layer, inside/across nodes: {modes})", flush=True)
+    return mode

@@ -77,7 +77,7 @@ import math
 from dataclasses import dataclass
 
 from glm5_train.job_config import JobConfig
-from glm5_train.plan.inputs import inputs_from_job
+from glm5_train.plan.inputs import inputs_from_job, planned_cp_comm
 from glm5_train.plan.pipeline import job_pipeline, plan_report
 from glm5_train.plan.traffic import (
     frozen_parameters,
@@ -136,7 +136,7 @@ def compared_fields(job: JobConfig) -> tuple[str, ...]:
     par = job.parallel
     # The planner prices context parallelism's all-gather exchange; head-parallel CP's
     # all-to-all buffers saved for backward are not modelled (measured 7-9% off).
-    if par.context_parallel_size > 1 and par.cp_comm == "head_parallel":
+    if par.context_parallel_size > 1 and planned_cp_comm(job) == "head_parallel":
         return tuple(f for f in fields if f != "activations")
     return fields
 

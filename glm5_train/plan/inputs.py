@@ -16,6 +16,12 @@ import torch
 
 from glm5_train.job_config import JobConfig
 from glm5_train.model.config import GLM5Config
+from glm5_train.model.head_parallel_cp import (
+    AttentionShape,
+    AttentionWork,
+    Links,
+    choose_exchange,
+)
 from parallel.layout import LayoutError
 from parallel.recompute import Recompute
 
@@ -46,7 +52,8 @@ class MemoryInputs:
     cp: int = 1
     dp: int = 1
     # parallel.cp_comm: "all_gather" (modelled: queries local, latent and indexer keys
-    # gathered); "head_parallel" is planned as if it were all_gather, its traffic left out.
+    # gathered); "head_parallel" is planned as if it were all_gather, its traffic left out;
+    # "auto" is planned as the mode it chooses for the job's CP group (planned_cp_comm).
     cp_comm: str = "all_gather"
     sequence_parallel: bool = False
     seq_length: int = 4096
@@ -149,7 +156,7 @@ def inputs_from_job(job: JobConfig, dp: int | None = None, **changes) -> MemoryI
     inputs = MemoryInputs(
         tp=par.tensor_model_parallel_size, ep=par.expert_model_parallel_size,
         etp=par.expert_tensor_parallel_size, cp=par.context_parallel_size, dp=dp,
-        cp_comm=par.cp_comm, sequence_parallel=par.sequence_parallel,
+        cp_comm=planned_cp_comm(job), sequence_parallel=par.sequence_parallel,
         seq_length=train.seq_length, micro_batch_size=train.micro_batch_size,
         num_microbatches=train.global_batch_size // micro,
         microbatch_group=par.microbatch_group_size_per_vp_stage,
@@ -160,6 +167,21 @@ def inputs_from_job(job: JobConfig, dp: int | None = None, **changes) -> MemoryI
             f"expert x expert-tensor parallel = {inputs.ep} x {inputs.expert_tp} must divide "
             f"TP x CP x DP = {inputs.tp} x {inputs.cp} x {dp}: raise the data-parallel size")
     return inputs
+
+
+def planned_cp_comm(job: JobConfig) -> str:
+    """parallel.cp_comm, auto resolved as the job resolves it for its fixed CP group
+    (``head_parallel_cp.choose_exchange``: every CP group of a layout has the first one's
+    shape: ranks 0, TP, 2 TP, ...)."""
+    par = job.parallel
+    if par.cp_comm != "auto" or par.context_parallel_size == 1:
+        return "all_gather" if par.cp_comm == "auto" else par.cp_comm
+    tp, cp = par.tensor_model_parallel_size, par.context_parallel_size
+    work = AttentionWork(AttentionShape.of(job.model, tp), job.dsa.stage, job.dsa.trains_indexer,
+                         torch.finfo(job.train.torch_dtype).bits // 8,
+                         documents=job.data.format == "chat_sft" or job.data.reset_attention_mask)
+    return choose_exchange(work, job.train.seq_length, [tp * j for j in range(cp)],
+                           par.cp_node_size, Links.of(par))[0]
 
 
 def _precision_bytes(job: JobConfig) -> dict:

@@ -65,9 +65,6 @@ def check_flexible_cp(par, dp: int, seq_length: int) -> None:
         raise LayoutError(f"parallel.cp_groups=flexible with context_parallel_size="
                           f"{par.context_parallel_size}: flexible groups replace the fixed one; "
                           f"set context_parallel_size=1 and {fix}")
-    if par.cp_comm != "all_gather":
-        raise LayoutError(f"parallel.cp_groups=flexible runs the all_gather exchange only: set "
-                          f"parallel.cp_comm=all_gather (not {par.cp_comm!r})")
     for name, value in (("flexible_cp_max_size", largest), ("data-parallel size", dp)):
         if not is_power_of_two(value):
             raise LayoutError(f"parallel.cp_groups=flexible needs a power-of-two {name}, got "
