@@ -17,20 +17,31 @@ rows); the selection [T, B, K] is then all-gathered (int32, -1 marking a pick pa
 keys) because every rank now attends for all S rows. For the indexer KL, the attention
 probabilities of the picks, summed over this rank's heads for all S rows, are reduce-scattered
 back to the rows' owners (sum over all heads), where the KL runs as in the all-gather mode.
-Dense attention (dsa.stage=dense, the warm-up, or top-k covering the sequence) up-projects the
-gathered latent for this rank's heads only and runs plain causal attention over the rows in
-natural order (no indexer key crosses then but the warm-up's); the warm-up KL, which needs
-every head's attention of a row, runs on the sequence shard with the whole latent up-projected
-for every head (detached), as in the all-gather mode.
+Dense attention, trained (dsa.stage=dense, or top-k covering the sequence): nothing is
+gathered; each rank up-projects its own rows' latent for every head (as one process does)
+and query, key and value [T, B, N, 2 (Dn + R) + Dv] go to head shards in one all-to-all (the
+classic Ulysses exchange). The dense warm-up, whose KL needs every head's attention of a
+row, gathers the latent instead, up-projects it for this rank's heads, and runs the KL on
+the sequence shard with the whole latent up-projected for every head (detached), as in the
+all-gather mode. Packed documents (document starts [B, T]) work in every path: the starts of
+all S rows are gathered (int64) for the attention over the whole sequence; the indexer and
+the KL run on this rank's rows with its own starts.
 
 Bytes per layer and rank (``bench/cp_comm_modes.py`` checks these against the meter): the
 all-gather mode's (c - 1) x T x (C + R + Di) each way, plus the query and output all-to-alls
 ((c - 1) / c x T x N x (Dn + R) and x Dv, each way), the selection ((c - 1) x T x K int32) and
-the KL's probabilities ((c - 1) x T x K fp32).
+the KL's probabilities ((c - 1) x T x K fp32); dense: (c - 1) / c x T x N x (2 (Dn + R) + 2 Dv)
+each way. MLA's latent is shared by every head, so at GLM-5's shapes gathering it always
+sends fewer bytes than the per-head exchange (at least 1.6x fewer, in every level, for any
+group that can split the heads): ``parallel.cp_comm=auto`` (``choose_exchange``) prices both
+per group and keeps the all-gather there; head-parallel pays where a model's shared key is
+wide against its heads.
 
-``install`` (start-up, every rank) builds the exchange's process groups once and hands it to
-every ``DSACoreAttention`` of the model chunks; ``DSACoreAttention._attend`` calls
-``HeadParallelCP.attend`` when it is set and the sequence is split.
+``install`` (start-up, every rank) builds the exchange's process groups once and sets a
+``HeadParallelCP`` on every ``DSACoreAttention`` of the model chunks (``cp_exchange``);
+flexible CP groups bring theirs with each micro-batch (``glm5_train/flexible_batches.py``).
+``DSACoreAttention._attend`` calls ``HeadParallelCP.attend`` when it is set and the sequence is
+split.
 """
 
 from __future__ import annotations
