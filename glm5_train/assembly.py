@@ -70,6 +70,7 @@ from parallel import deferred_wgrad, int4_qat, mcore_compat, process_groups
 from parallel.activation_offload import ActivationTracker
 from parallel.config.pipeline import check_interleaving
 from parallel.deferred_wgrad import WeightGradQueue
+from glm5_train.phase_times import PhaseTimes
 from parallel.device import comm_device
 from parallel.distributed_muon import install_distributed_muon
 from parallel.embedding_tie import EmbeddingTie
@@ -101,6 +102,8 @@ class Runtime:
     last_plan: FlexiblePlan | None = None  # the plan of the latest step's global batch
     # parallel.cp_comm != all_gather with flexible groups: each block's exchange
     cp_exchanges: dict | None = None
+    # the step's wall time by phase on this rank (glm5_train/phase_times.py)
+    phases: PhaseTimes | None = None
     # parallel.defer_weight_grads: the queued weight-gradient GEMMs (parallel/deferred_wgrad.py)
     wgrad: WeightGradQueue | None = None
     # train.int4_qat: the fake-quantised routed experts (parallel/int4_qat.py)
@@ -164,6 +167,8 @@ def assemble(job: JobConfig, validated: bool = False) -> Runtime:
         install_muon(optimizer, chunks, job, config, groups)
     scheduler = build_scheduler(optimizer, job.train, job.train.train_iters)
     attach_schedule_hooks(chunks, config, optimizer, groups, embedding_tie, zero2, wgrad)
+    phases = PhaseTimes(comm_device())  # megatron-core's gradient sync: the grad_sync phase
+    config.finalize_model_grads_func = phases.timed(config.finalize_model_grads_func, "grad_sync")
     norms = ParamGradNorms(chunks, optimizer, zero2) if job.train.log_param_grad_norms else None
     # After DDP: its buffers hold the parameters the meter must leave out.
     activations = build_activation_tracker(job, chunks, groups, num_microbatches(job, groups))
@@ -180,7 +185,7 @@ def assemble(job: JobConfig, validated: bool = False) -> Runtime:
                  else None)
     return Runtime(job, config, groups, chunks, optimizer, scheduler, dataset, zero2, norms,
                    activations, pool, wgrad=wgrad, qat=qat, objective=objective,
-                   cp_exchanges=cp_exchanges)
+                   cp_exchanges=cp_exchanges, phases=phases)
 
 
 def routed_expert_linears(chunks: list) -> list:

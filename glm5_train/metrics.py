@@ -116,6 +116,7 @@ def tensorboard_installed() -> bool:
 # scalar per rank (``<name>/rank<i>``) under these names.
 TENSORBOARD_SCALARS = ("loss", "mtp_loss", "mtp_loss_1", "mtp_loss_2", "mtp_loss_3",
                        "indexer_kl", "grad_norm", "lr", "tokens_per_s", "consumed_tokens",
+                       "step_time_s",
                        # RL objectives (glm5_train/rl/objective.py global_rl_stats)
                        "reward_mean", "rl_masked_fraction", "rl_clipped_fraction",
                        "rl_logp_diff_mean", "rl_logp_diff_max", "rl_policy_drift", "rl_ratio_p05", "rl_ratio_p50",
@@ -124,7 +125,9 @@ TENSORBOARD_SCALARS = ("loss", "mtp_loss", "mtp_loss_1", "mtp_loss_2", "mtp_loss
                        # expert load over layers (glm5_train/expert_load.py load_fields)
                        "expert_load_worst_max_over_mean", "expert_load_worst_cv")
 TENSORBOARD_PER_RANK = ("mem_peak_bytes", "mem_rss_bytes", "comm_bytes", "saved_bytes_peak",
-                        "offloaded_bytes")
+                        "offloaded_bytes", "step_time_ms")
+# per-phase dicts of per-rank lists ({phase: [per rank]}, glm5_train/phase_times.py)
+TENSORBOARD_PER_PHASE = {"phase_ms": "phases"}
 # per-MoE-layer dicts ({layer: value}) written as one scalar per layer (``<tag>/<layer>``)
 TENSORBOARD_PER_LAYER = {"expert_load_max_over_mean": "expert_load/max_over_mean",
                          "expert_load_cv": "expert_load/cv"}
@@ -156,6 +159,10 @@ class TensorBoardScalars:
             for layer, value in (record.get(name) or {}).items():
                 if value is not None:  # None: the layer received no token
                     self._writer.add_scalar(f"{tag}/{layer}", value, step)
+        for name, tag in TENSORBOARD_PER_PHASE.items():
+            for phase, ranks in (record.get(name) or {}).items():
+                for rank, value in enumerate(ranks):
+                    self._writer.add_scalar(f"{tag}/{phase}_ms/rank{rank}", value, step)
         for layer, bias in (record.get("expert_bias") or {}).items():
             self._writer.add_scalar(f"expert_bias/range/{layer}", max(bias) - min(bias), step)
         self._writer.flush()

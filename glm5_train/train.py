@@ -53,6 +53,7 @@ from glm5_train.checkpoint import (
 from glm5_train.data import build_train_iterator
 from glm5_train.expert_load import ExpertLoad
 from glm5_train.flexible_batches import FlexibleBatches, plan_record
+from glm5_train.phase_times import PHASES, PhaseTimes
 from glm5_train.job_config import CONFIG_ERRORS, JobConfig, one_line
 from glm5_train.metrics import MetricsLogger, gather_memory, gather_per_rank, gather_saved_bytes
 from glm5_train.model import triton_sparse_mla
@@ -134,6 +135,8 @@ def train_step(rt: Runtime, iterators: list, meter: CommMeter | None = None,
     """One optimizer step over a global batch. ``meter``: counts the step's collectives (not
     the boundary's); ``boundary``: checks the step before its update (None: no checks)."""
     meter = meter or CommMeter()
+    phases = rt.phases or PhaseTimes(torch.device("cpu"))
+    phases.begin_step()
     if boundary is not None:
         boundary.before_step()
     if rt.objective is not None:  # the learner's policy version: the steps taken so far
@@ -142,7 +145,8 @@ def train_step(rt: Runtime, iterators: list, meter: CommMeter | None = None,
             with meter.measure():
                 record_old_policy(rt, step_index)
     with meter.measure():
-        reports = _forward_backward(rt, iterators)
+        with phases.measure("forward_backward"):
+            reports = _forward_backward(rt, iterators)
         stats = step_statistics(rt, reports)
     if rt.param_grad_norms is not None:  # the reduced gradients the step clips and applies
         rt.param_grad_norms.measure()
@@ -150,7 +154,7 @@ def train_step(rt: Runtime, iterators: list, meter: CommMeter | None = None,
                else StepOutcome(stats, math.nan))
     if outcome.nonfinite_report is not None:
         return outcome  # no update, no schedule step, the expert biases put back
-    with meter.measure():
+    with meter.measure(), phases.measure("optimizer"):
         ok, grad_norm, _ = rt.optimizer.step()
     if not ok:
         raise FloatingPointError("optimizer step skipped: non-finite gradients")
@@ -285,7 +289,7 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
             record = _record(rt, state, outcome.stats, outcome.grad_norm, batch_tokens / elapsed)
             stop_error = _judge(policy, outcome, record)
             if state.iteration % t.log_interval == 0 or state.iteration == 1 or stop_error:
-                _log(rt, logger, record, meter, cpu_ms, expert_load)
+                _log(rt, logger, record, meter, cpu_ms, expert_load, elapsed)
             records.append(record)
             if stop_error is not None:
                 raise stop_error
@@ -311,16 +315,22 @@ def start_publishing(job: JobConfig, rt: Runtime, iteration: int) -> WeightPubli
 
 
 def _log(rt: Runtime, logger: MetricsLogger, record: dict, meter: CommMeter,
-         cpu_ms: int, expert_load: ExpertLoad | None = None) -> None:
+         cpu_ms: int, expert_load: ExpertLoad | None = None, step_s: float = 0.0) -> None:
     """Add the per-rank figures (memory, communication, saved bytes, the step's CPU time: the
-    work each rank did, which on an oversubscribed machine wall time cannot show), the step's
-    expert load summed over the job, and log."""
+    work each rank did, which on an oversubscribed machine wall time cannot show; its wall
+    time by phase), the step's expert load summed over the job, and log."""
     record["mem_rss_bytes"], record["mem_peak_bytes"] = gather_memory()
-    # With the step's CPU time, each rank's Triton sparse-MLA launches so far (forward,
-    # backward): where they ran. One gather for both.
-    ranks = gather_per_rank([cpu_ms, *triton_sparse_mla.LAUNCHES.values()])
+    # With the step's CPU time and wall time (µs) and its phases' (µs), each rank's Triton
+    # sparse-MLA launches so far (forward, backward): where they ran. One gather for all.
+    phases = rt.phases.seconds if rt.phases is not None else dict.fromkeys(PHASES, 0.0)
+    launches = list(triton_sparse_mla.LAUNCHES.values())
+    ranks = gather_per_rank([cpu_ms, round(1e6 * step_s),
+                             *(round(1e6 * phases[p]) for p in PHASES), *launches])
     record["step_cpu_ms"] = [r[0] for r in ranks]
-    record["sparse_kernel_launches"] = [r[1:] for r in ranks]
+    record["step_time_s"] = round(step_s, 6)
+    record["step_time_ms"] = [r[1] / 1000 for r in ranks]
+    record["phase_ms"] = {p: [r[2 + i] / 1000 for r in ranks] for i, p in enumerate(PHASES)}
+    record["sparse_kernel_launches"] = [r[2 + len(PHASES):] for r in ranks]
     if rt.last_plan is not None:
         record["flexible_cp"] = plan_record(rt.last_plan, rt.cp_exchanges)
     record.update(gather_fields(meter, buffer_bytes(rt.chunks, rt.optimizer, rt.zero2)))

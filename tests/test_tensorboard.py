@@ -1,6 +1,6 @@
 """TensorBoard scalars (glm5_train/metrics.py): the run directory's event files, read back
 with TensorBoard's own reader, hold exactly metrics.jsonl's values per step, per-rank figures
-included; and writing them changes nothing in the run."""
+and the step's wall time by phase included; and writing them changes nothing in the run."""
 
 from __future__ import annotations
 
@@ -28,13 +28,30 @@ def test_tensorboard_events_equal_the_metrics_and_change_nothing(tmp_path, monke
     scalars = _scalars(os.path.join(tmp_path / "with", "tensorboard"))
     for record in result.records:
         step = record["step"]
-        for name in ("loss", "mtp_loss", "indexer_kl", "grad_norm", "lr", "tokens_per_s"):
+        for name in ("loss", "mtp_loss", "indexer_kl", "grad_norm", "lr", "tokens_per_s",
+                     "step_time_s"):
             assert scalars[f"train/{name}"][step] == pytest.approx(record[name], rel=1e-6)
         for rank in range(len(record["mem_peak_bytes"])):
-            for name in ("mem_peak_bytes", "comm_bytes"):
+            for name in ("mem_peak_bytes", "comm_bytes", "step_time_ms"):
                 got = scalars[f"ranks/{name}/rank{rank}"][step]
                 assert got == pytest.approx(record[name][rank], rel=1e-6)
+            for phase, ranks in record["phase_ms"].items():
+                got = scalars[f"phases/{phase}_ms/rank{rank}"][step]
+                assert got == pytest.approx(ranks[rank], rel=1e-6)
+        _check_phases(record)
     monkeypatch.setenv("GLM5_TENSORBOARD", "0")
     without = run_job(1, overrides, str(tmp_path / "without"))
     assert not os.path.exists(tmp_path / "without" / "tensorboard")
     assert [r["loss"] for r in without.records] == [r["loss"] for r in result.records]
+
+
+def _check_phases(record: dict) -> None:
+    """The step's wall time by phase (glm5_train/phase_times.py): every phase ran; the
+    gradient sync inside the schedule; the schedule and the optimizer step inside the step."""
+    phases = record["phase_ms"]
+    assert set(phases) == {"forward_backward", "grad_sync", "optimizer"}
+    for rank, step_ms in enumerate(record["step_time_ms"]):
+        fb, sync, opt = (phases[p][rank] for p in ("forward_backward", "grad_sync", "optimizer"))
+        assert 0 < sync < fb and opt > 0, phases
+        assert fb + opt <= step_ms, (phases, step_ms)
+    assert record["step_time_ms"][0] == pytest.approx(1000 * record["step_time_s"], abs=1e-3)

@@ -216,6 +216,7 @@ PARTS: tuple[Part, ...] = (
          ("process_groups NCCL + set_device", "comm_device / param_device",
           "step.to_device non_blocking", "optim pinned host buffers", "muon host AdamW",
           "profiling CUDA activity + NVTX", "metrics.rank_memory_bytes",
+          "phase_times CUDA synchronize",
           "mcore_compat: CPU redirects not installed on CUDA")),
     Part("dsa_vs_dense", part_dsa_vs_dense, 30, 70,
          ("dense attention: SDPA flash on CUDA", "sparse_mla dispatch (supports)")),

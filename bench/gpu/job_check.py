@@ -132,7 +132,8 @@ def train_run(name: str, ctx, root: str) -> dict:
            "losses": [r.get("loss") for r in records],
            "mem_peak_bytes": last.get("mem_peak_bytes"),
            "optimizer_state_bytes": last.get("optimizer_state_bytes"),
-           "optimizer_host_bytes": last.get("optimizer_host_bytes")}
+           "optimizer_host_bytes": last.get("optimizer_host_bytes"),
+           "phase_ms": last.get("phase_ms"), "step_time_ms": last.get("step_time_ms")}
     if any(o.startswith("train.profile_steps") for o in overrides):
         run["trace_event_counts"] = trace_counts(run_dir)
     if records:  # the planner's bytes against these (activations: fused attention on CUDA)
@@ -155,6 +156,7 @@ def check_train(name: str, run: dict, ctx, runs: dict) -> None:
     if name.startswith("adamw") and (run["optimizer_state_bytes"] or [1])[0]:
         problems.append(f"{name}: AdamW state left on the device: {run['optimizer_state_bytes']}")
     problems += [f"{name}: planner: {p}" for p in run.get("plan_problems", [])]
+    problems += [f"{name}: {p}" for p in phase_problems(run)]
     if "trace_event_counts" in run:
         counts = run["trace_event_counts"] or {"by_category": {}, "memory_by_device_type": {}}
         if not counts["by_category"].get("user_annotation"):
@@ -172,6 +174,20 @@ def check_train(name: str, run: dict, ctx, runs: dict) -> None:
         run["loss_max_rel_diff_vs_uninterrupted"] = worst
         if not worst <= RESUME_RTOL:
             problems.append(f"{name}: steps 3-4 differ from the uninterrupted run by {worst:.3e}")
+
+
+def phase_problems(run: dict) -> list[str]:
+    """The step's phases (glm5_train/phase_times.py, the device synchronised at each
+    boundary on CUDA): every phase took time, grad sync inside forward-backward, both phases
+    inside the step."""
+    phases, steps = run.get("phase_ms") or {}, run.get("step_time_ms") or []
+    if set(phases) != {"forward_backward", "grad_sync", "optimizer"} or not steps:
+        return [f"phase_ms {phases} / step_time_ms {steps}: missing"]
+    fb, sync, opt = (phases[p][0] for p in ("forward_backward", "grad_sync", "optimizer"))
+    if not (0 < sync < fb and opt > 0 and fb + opt <= steps[0]):
+        return [f"phases out of order: forward_backward {fb}, grad_sync {sync}, optimizer "
+                f"{opt}, step {steps[0]} ms"]
+    return []
 
 
 def resume_from_step_2(root: str, optimizer: str) -> None:
