@@ -17,6 +17,10 @@ order and solve the same non-negative least squares (``nonnegative_fit``), and t
 first rank broadcasts its coefficients so that no difference between machines' linear algebra
 can split the plans (a plan mismatch would hang the CP collectives).
 
+Prior. The fit is held towards the configured model by ``PRIOR_CELLS`` pseudo-cells per
+coefficient (``fit_cells``): what the measurement cannot tell apart (terms that move together
+in a window's cells) stays near the calibration instead of dropping to 0.
+
 Window. The rows of the last ``window`` observed steps count equally. The first step a
 process runs is not observed (first-use allocations and lazy set-up inflate it). Until two
 steps are observed the configured model plans. A resumed run starts again from the
@@ -36,6 +40,11 @@ from parallel.flexible_cp import FlexiblePlan, Workload, nonnegative_fit
 
 TERMS = ("pair", "selected", "token", "gathered")
 MIN_STEPS = 2  # observed steps before the fit replaces the configured model
+# How firmly the fit is held towards the configured (calibrated) model: as many cells' worth
+# per coefficient. A window's cells of CPU-timed micro-batches are noisy (2-core runs: +-7%
+# between the ranks of one CP group doing the same work) and few of them differ in their
+# pair terms, so an unheld fit set the pair coefficient to 0 in 2 of 3 bench runs.
+PRIOR_CELLS = 8.0
 
 
 class CellClock:
@@ -70,11 +79,12 @@ class OnlineWorkloadFit:
     """The workload model the next plan uses: ``configured`` until ``MIN_STEPS`` steps are
     observed, then the non-negative least-squares fit of the last ``window`` steps' cells."""
 
-    def __init__(self, configured: Workload, window: int, group) -> None:
+    def __init__(self, configured: Workload, window: int, group,
+                 prior_cells: float = PRIOR_CELLS) -> None:
         if window < MIN_STEPS:
             raise ValueError(f"the refit window of {window} steps is below the {MIN_STEPS} "
                              "observed steps a fit needs: use a window >= 2")
-        self.configured, self.group = configured, group
+        self.configured, self.group, self.prior_cells = configured, group, prior_cells
         self.steps: deque[torch.Tensor] = deque(maxlen=window)  # [ranks x cells, terms + 1]
         self.skipped_first = False
         self.current = configured
@@ -97,7 +107,8 @@ class OnlineWorkloadFit:
         self.steps.append(torch.cat(everyone))
         if len(self.steps) >= MIN_STEPS:
             self.current = self._agreed(fit_cells(torch.cat(list(self.steps)),
-                                                  self.configured.topk))
+                                                  self.configured.topk, self.configured,
+                                                  self.prior_cells))
             self.fitted = True
 
     def _agreed(self, workload: Workload) -> Workload:
@@ -123,8 +134,17 @@ def _check_same_plan(rows: list[torch.Tensor]) -> None:
                            "models differ; this is a bug, please report it")
 
 
-def fit_cells(rows: torch.Tensor, topk: int) -> Workload:
+def fit_cells(rows: torch.Tensor, topk: int, prior: Workload | None = None,
+              prior_cells: float = 0.0) -> Workload:
     """Non-negative least squares of cells' seconds (last column) over their terms
-    [pairs, selected, tokens, gathered] (float64 [cells, 5])."""
-    pair, selected, token, gathered = nonnegative_fit(rows[:, :4], rows[:, 4]).tolist()
+    [pairs, selected, tokens, gathered] (float64 [cells, 5]); with a ``prior``, each
+    coefficient is also held towards the prior's as firmly as ``prior_cells`` cells would
+    hold it (one pseudo-cell per term: that term alone, at its root-mean-square size over
+    the rows, costing what the prior says)."""
+    a, b = rows[:, :4], rows[:, 4]
+    if prior is not None and prior_cells > 0:
+        size = (a.square().mean(dim=0) * prior_cells).sqrt()
+        known = torch.tensor([getattr(prior, t) for t in TERMS], dtype=torch.float64)
+        a, b = torch.cat([a, torch.diag(size)]), torch.cat([b, size * known])
+    pair, selected, token, gathered = nonnegative_fit(a, b).tolist()
     return Workload(pair, selected, token, topk, gathered)
