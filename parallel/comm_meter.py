@@ -498,12 +498,16 @@ def _make_wrapper(name: str, original: Callable) -> Callable:
 
 
 def _profiler_range(name: str, records: list | None, args: tuple, kwargs: dict):
-    """While torch.profiler records (``train.profile_steps``): a range ``<function>:<group
-    size>`` around the call, so traces show which collective ran on which group."""
+    """While torch.profiler records (``train.profile_steps``): a range ``<group>.<function>:
+    <group size>`` around the call (``<function>:<size>`` where no active meter names the
+    group), so traces show which collective ran on which of megatron-core's groups."""
     if not torch.autograd.profiler._is_profiler_enabled:
         return contextlib.nullcontext()
     group = records[0][1] if records else kwargs.get("group")
-    return torch.profiler.record_function(f"{name}:{_size(group)}")
+    size = _size(group)
+    named = next((m._name_of(group, size) for m in list(_ACTIVE) if m.group_names), None)
+    return torch.profiler.record_function(f"{named}.{name}:{size}" if named else
+                                          f"{name}:{size}")
 
 
 def _apply_rule(rule: Callable, name: str, args: tuple, kwargs: dict) -> list:

@@ -37,8 +37,13 @@ def test_a_traced_step_has_every_forward_backward_and_collective(tmp_path):
             ranges = {n for n in names[rank] if n.startswith(f"{kind} chunk")}
             assert ranges == {f"{kind} chunk {c} micro-batch {m}" for c in (0, 1)
                               for m in range(4)}, (rank, kind, sorted(ranges))
-    # the pipeline's point-to-point messages (the world group at PP2), the loss all-reduce
-    assert {"isend:2", "irecv:2", "all_reduce:2"} <= set(names[0])
+    # ranges named by megatron-core's group: the pipeline's point-to-point messages and the
+    # token count broadcast from the last stage (pp), the loss all-reduce (mp: at PP2 on 2
+    # ranks the model-parallel group is the pipeline's two ranks), the DP x CP gradient
+    # reduction (dp_cp, 1 rank here)
+    collectives = {n for n in names[0] if re.match(r"([a-z_]+\.)?[a-z_]+:\d+$", n)}
+    assert {"pp.isend:2", "pp.irecv:2", "pp.broadcast:2", "mp.all_reduce:2",
+            "dp_cp.all_reduce:1"} <= collectives, sorted(collectives)
     out = subprocess.run([sys.executable, "tools/merge_traces.py", str(profile)], cwd=REPO,
                          capture_output=True, text=True, check=True).stdout
     assert "rank 0: 8 forward, 8 backward" in out and "merged 2 ranks" in out
