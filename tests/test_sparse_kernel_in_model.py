@@ -2,9 +2,10 @@
 CUDA run takes, emulated by Triton's interpreter (``dsa.sparse_kernel=triton`` with
 ``TRITON_INTERPRET=1``), against the torch path (``dsa.sparse_kernel=torch``) on one process.
 
-Layouts: one process; context parallelism with the all-gather exchange on CP2 and CP4 (each
-rank's query rows against the whole sequence's latent keys, T != S: the call that stopped a GPU
-run at its first sparse step) and head-parallel on CP2 and CP4; flexible CP groups sized per
+Layouts: one process; context parallelism with the all-gather exchange on CP2 (each rank's
+query rows against the whole sequence's latent keys, T != S: the call that stopped a GPU run at
+its first sparse step; CP4's rows are the same call at other zigzag positions, which the GPU
+check's kernel parity runs) and head-parallel on CP2 and CP4 (one head per rank); flexible CP groups sized per
 conversation ([4] and [2, 2] groups); PP2 x VPP2 with MTP split onto the stage before the loss,
 on CP2; the dense warm-up (torch path) then the sparse stage resumed from its checkpoint on
 CP2; packed documents (``data.reset_attention_mask``) on CP2. Each is compared with the
@@ -51,7 +52,7 @@ def _parity(nprocs: int, layout: list[str], reference: list[str], work: str) -> 
     (``reference`` overrides); the problems found (empty: parity, and the kernels ran)."""
     from tests.parity import FP32, assert_layout_ran, compare, run_job
 
-    ref = run_job(1, [*reference, TORCH], os.path.join(work, "reference"))
+    ref = _torch_reference(reference, work)
     got = run_job(nprocs, [*layout, KERNEL], os.path.join(work, "kernel"))
     problems = compare(ref.records, got.records, FP32)
     problems += _launch_problems(ref.records, got.records, nprocs)
@@ -60,6 +61,19 @@ def _parity(nprocs: int, layout: list[str], reference: list[str], work: str) -> 
     except AssertionError as error:
         problems.append(str(error))
     return problems
+
+
+_REFERENCES: dict[tuple[str, ...], object] = {}  # one torch run per reference, shared by cases
+
+
+def _torch_reference(reference: list[str], work: str):
+    """The torch path on one process with ``reference`` overrides (run once per child)."""
+    from tests.parity import run_job
+
+    key = tuple(reference)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_job(1, [*reference, TORCH], os.path.join(work, "reference"))
+    return _REFERENCES[key]
 
 
 def _launch_problems(reference: list[dict], records: list[dict], nprocs: int) -> list[str]:
@@ -87,11 +101,6 @@ def case_cp2_all_gather(work: str) -> list[str]:
                    ["parallel=single", *SMALL], work)
 
 
-def case_cp4_all_gather(work: str) -> list[str]:
-    return _parity(4, ["parallel=single", "parallel.context_parallel_size=4", *SMALL],
-                   ["parallel=single", *SMALL], work)
-
-
 def case_cp2_head_parallel(work: str) -> list[str]:
     return _head_parallel(2, work)
 
@@ -108,7 +117,7 @@ def _head_parallel(cp: int, work: str) -> list[str]:
 
     layout = ["parallel=single", f"parallel.context_parallel_size={cp}",
               "parallel.cp_comm=head_parallel", *SMALL]
-    ref = run_job(1, ["parallel=single", *SMALL, TORCH], os.path.join(work, "reference"))
+    ref = _torch_reference(["parallel=single", *SMALL], work)
     got = run_job(cp, [*layout, KERNEL], os.path.join(work, "kernel"))
     problems = compare(ref.records, got.records, FP32)
     problems += _launch_problems(ref.records, got.records, cp)
