@@ -59,7 +59,9 @@ from glm5_train.model.head_parallel_cp import fixed_cp_comm
 from glm5_train.model.head_parallel_cp import install as install_head_parallel_cp
 from glm5_train.model.init_weights import initialize_weights
 from glm5_train.optim import attach_schedule_hooks, build_optimizer, build_scheduler, wrap_ddp
+from glm5_train.phase_times import PhaseTimes
 from glm5_train.plan import build_activation_tracker, resolve_pipeline_layout
+from glm5_train.profiling import check_profile_ranks
 from glm5_train.rl.objective import RLObjective
 from glm5_train.rl.publisher import publication_problem
 from glm5_train.rl.rollout_data import build_rollout_dataset, freeze_mtp
@@ -70,7 +72,6 @@ from parallel import deferred_wgrad, int4_qat, mcore_compat, process_groups
 from parallel.activation_offload import ActivationTracker
 from parallel.config.pipeline import check_interleaving
 from parallel.deferred_wgrad import WeightGradQueue
-from glm5_train.phase_times import PhaseTimes
 from parallel.device import comm_device
 from parallel.distributed_muon import install_distributed_muon
 from parallel.embedding_tie import EmbeddingTie
@@ -216,6 +217,7 @@ def validate_job(job: JobConfig) -> int:
     dp = validate_layout(job.parallel, job.model, world, job.train.global_batch_size,
                          job.train.micro_batch_size, job.train.seq_length)
     _check_muon_offload(job)
+    check_profile_ranks(job.train.profile_ranks, world)
     if job.parallel.defer_weight_grads and transformer_engine_available():
         raise ValueError("parallel.defer_weight_grads=true with Transformer Engine installed: "
                          "the model is then built from Transformer Engine layers, whose weight "

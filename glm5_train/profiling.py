@@ -8,8 +8,11 @@ Annotated ranges (profiler ranges; NVTX ranges too on CUDA, for Nsight Systems):
 ``forward chunk <c> micro-batch <m>`` around each forward of a model chunk (virtual pipeline
 stage c), ``backward chunk <c> micro-batch <m>`` from the moment that forward's output receives
 its gradient to the moment the gradient reaches the chunk's input (the embedding's output on
-the first stage: the embedding's own small backward falls after it), and each collective the communication meter counts as
-``<function>:<group size>`` (``parallel/comm_meter.py``).
+the first stage: the embedding's own small backward falls after it), and each collective the
+communication meter counts as ``<group>.<function>:<group size>`` (``parallel/comm_meter.py``;
+``<group>``: megatron-core's name for it, e.g. ``pp``, ``dp_cp``, ``ep``, ``cp``).
+``train.profile_ranks`` picks the ranks that trace; ``train.profile_warmup`` runs that many
+steps under the profiler before the first traced one and discards them.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ class ProfileOptions:
     profile_steps: list[int] | None = None
     profile_shapes: bool = False
     profile_memory: bool = False
+    # The ranks that trace (global ranks; None: every rank), as Megatron-LM's --profile-ranks.
+    profile_ranks: list[int] | None = None
+    # Steps before the first traced one that run under the profiler and are discarded
+    # (torch.profiler's warm-up: its start-up cost stays out of the traced steps).
+    profile_warmup: int = 0
 
 
 def check_profile_options(opts: ProfileOptions, train_iters: int) -> None:
@@ -42,6 +50,23 @@ def check_profile_options(opts: ProfileOptions, train_iters: int) -> None:
         raise ValueError(f"train.profile_steps={steps}: give [first, last] step numbers with "
                          f"1 <= first <= last <= train.train_iters={train_iters}, e.g. "
                          "train.profile_steps=[2,3], or null for no trace")
+    warmup = opts.profile_warmup
+    if not isinstance(warmup, int) or not 0 <= warmup < steps[0]:
+        raise ValueError(f"train.profile_warmup={warmup}: the warm-up steps run before the "
+                         f"first traced step {steps[0]}, so it must lie in [0, {steps[0] - 1}]; "
+                         "lower it or trace later steps")
+    ranks = opts.profile_ranks
+    if ranks is not None and (not isinstance(ranks, list) or not ranks or not all(
+            isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)):
+        raise ValueError(f"train.profile_ranks={ranks}: give a list of global ranks, e.g. "
+                         "train.profile_ranks=[0,3], or null for every rank")
+
+
+def check_profile_ranks(ranks: list[int] | None, world_size: int) -> None:
+    """At start-up, once the world size is known."""
+    if ranks is not None and max(ranks) >= world_size:
+        raise ValueError(f"train.profile_ranks={ranks}: the job has {world_size} ranks "
+                         f"(0 .. {world_size - 1}); name ranks among them")
 
 
 def profiling_now() -> bool:
@@ -49,34 +74,51 @@ def profiling_now() -> bool:
 
 
 class StepProfiler:
-    """Starts torch.profiler before step ``first`` and writes the trace after step ``last``."""
+    """Starts torch.profiler before step ``first`` (``warmup`` steps earlier, whose events it
+    discards) and writes the trace after step ``last``, on the ``ranks`` named (None: all)."""
 
     def __init__(self, run_dir: str, steps: list[int] | None, shapes: bool = False,
-                 memory: bool = False) -> None:
-        self.first, self.last = (steps[0], steps[-1]) if steps else (None, None)
+                 memory: bool = False, ranks: list[int] | None = None,
+                 warmup: int = 0) -> None:
+        traces = steps is not None and (ranks is None or dist.get_rank() in ranks)
+        self.first, self.last = (steps[0], steps[-1]) if traces else (None, None)
+        self.warmup = warmup
         self.path = os.path.join(run_dir, "profile", f"rank{dist.get_rank():05d}.json")
         self.shapes, self.memory = shapes, memory
         self._profile = None
 
     def step_begins(self, step: int) -> None:
         """``step``: the 1-based number of the step about to run."""
-        if step != self.first:
+        if self.first is None or step != self.first - self.warmup:
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self._profile = torch.profiler.profile(activities=activities,
+        schedule = None
+        if self.warmup:  # discard the warm-up steps, record the rest, save once
+            schedule = torch.profiler.schedule(wait=0, warmup=self.warmup,
+                                               active=self.last - self.first + 1, repeat=1)
+        self._profile = torch.profiler.profile(activities=activities, schedule=schedule,
+                                               on_trace_ready=self._save if schedule else None,
                                                record_shapes=self.shapes,
                                                profile_memory=self.memory, with_stack=False)
         self._profile.__enter__()
 
     def step_ends(self, step: int) -> None:
-        if self._profile is None or step != self.last:
+        if self._profile is None:
+            return
+        if self.warmup:
+            self._profile.step()  # the schedule saves after the last active step
+        if step != self.last:
             return
         self._profile.__exit__(None, None, None)
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        self._profile.export_chrome_trace(self.path)
+        if not self.warmup:
+            self._save(self._profile)
         self._profile = None
+
+    def _save(self, profile) -> None:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        profile.export_chrome_trace(self.path)
 
 
 class ScheduleLabels:

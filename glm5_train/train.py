@@ -53,11 +53,11 @@ from glm5_train.checkpoint import (
 from glm5_train.data import build_train_iterator
 from glm5_train.expert_load import ExpertLoad
 from glm5_train.flexible_batches import FlexibleBatches, plan_record
-from glm5_train.phase_times import PHASES, PhaseTimes
 from glm5_train.job_config import CONFIG_ERRORS, JobConfig, one_line
 from glm5_train.metrics import MetricsLogger, gather_memory, gather_per_rank, gather_saved_bytes
 from glm5_train.model import triton_sparse_mla
 from glm5_train.model.glm5 import indexer_kl
+from glm5_train.phase_times import PHASES, PhaseTimes
 from glm5_train.preemption import StopRequest, forked_children_die_with_this_process, signal_name
 from glm5_train.profiling import StepProfiler
 from glm5_train.rl.objective import global_rl_stats
@@ -248,7 +248,8 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
     policy = NonFinitePolicy(t.nonfinite, t.nonfinite_max_consecutive, t.nonfinite_max_total)
     minutes = ckpt.save_interval_minutes if ckpt.save else None
     records = []
-    profiler = StepProfiler(run_dir, t.profile_steps, t.profile_shapes, t.profile_memory)
+    profiler = StepProfiler(run_dir, t.profile_steps, t.profile_shapes, t.profile_memory,
+                            t.profile_ranks, t.profile_warmup)
     stream = rt.dataset if isinstance(rt.dataset, StreamedRollouts) else None
     if stream is not None:  # the groups consumed; before the first version is published,
         stream.resume(state.iteration, group=None)  # which engines wait for

@@ -96,3 +96,27 @@ def test_merging_an_empty_directory_says_how_to_make_traces(tmp_path):
     proc = subprocess.run([sys.executable, "tools/merge_traces.py", str(tmp_path / "profile")],
                           cwd=REPO, capture_output=True, text=True, check=False)
     assert proc.returncode != 0 and "train.profile_steps=[first,last]" in proc.stderr
+
+
+def test_profile_ranks_and_warmup_trace_only_the_chosen_ranks_and_steps(tmp_path):
+    """train.profile_ranks=[1]: rank 1 alone writes a trace; train.profile_warmup=1: step 1
+    runs under the profiler and is discarded, so the trace holds step 2's micro-batches only
+    (PP2 x VPP2: 4 micro-batches of 2 chunks a step)."""
+    run_job(2, [*PP2_VPP2, "train.profile_steps=[2,2]", "train.profile_ranks=[1]",
+                "train.profile_warmup=1"], str(tmp_path))
+    profile = tmp_path / "profile"
+    assert sorted(os.listdir(profile)) == ["rank00001.json"]
+    with open(profile / "rank00001.json") as handle:
+        names = [e["name"] for e in json.load(handle)["traceEvents"] if e.get("ph") == "X"]
+    forwards = [n for n in names if n.startswith("forward chunk")]
+    assert sorted(forwards) == sorted(f"forward chunk {c} micro-batch {m}" for c in (0, 1)
+                                      for m in range(4)), forwards
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["train.profile_steps=[1,2]", "train.profile_warmup=1"], "must lie in \\[0, 0\\]"),
+    (["train.profile_steps=[2,2]", "train.profile_ranks=[]"], "give a list of global ranks"),
+])
+def test_bad_profile_options_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        compose_job(["train.train_iters=2", *overrides])

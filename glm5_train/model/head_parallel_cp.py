@@ -57,6 +57,7 @@ from glm5_train.model.key_masks import DocumentStarts, key_mask
 from glm5_train.model.layers import MLACoreAttention
 from glm5_train.model.sparse_mla import absorbed_sparse_mla
 from glm5_train.model.triton_sparse_mla import picks_from
+from parallel.config.context_parallel import CP_COMMS
 from parallel.context_parallel import (
     ContextShard,
     gather_sequence,
@@ -74,7 +75,6 @@ from parallel.hierarchical_all_to_all import (
     node_split,
     sequence_to_heads,
 )
-from parallel.config.context_parallel import CP_COMMS
 
 
 def install(chunks: list, cp_comm: str, node_size: int | None, cp_group) -> Exchange | None:
