@@ -45,6 +45,7 @@ from glm5_train.data import (
 from glm5_train.flexible_batches import (
     FlexibleBatches,
     block_exchanges,
+    exchange_chooser,
     exchanges_line,
     online_refit,
 )
@@ -176,8 +177,11 @@ def assemble(job: JobConfig, validated: bool = False) -> Runtime:
     pool = cp_exchanges = None
     if job.parallel.cp_groups == "flexible":  # collective: every rank
         par = job.parallel
+        choose = (exchange_chooser(job, groups.dp.size()) if par.cp_comm != "all_gather"
+                  else None)
         pool = GroupPool(groups.dp, par.flexible_cp_max_size, groups.cp, par.cp_node_size,
-                         exchanges=par.cp_comm != "all_gather")
+                         needs_exchange=None if choose is None else
+                         (lambda ranks: choose(ranks)[0] == "head_parallel"))
         if par.cp_comm != "all_gather":
             cp_exchanges = block_exchanges(job, pool)
             if torch.distributed.get_rank() == 0:

@@ -19,7 +19,7 @@ model plans the next batches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy
 import torch
@@ -27,12 +27,14 @@ import torch.distributed as dist
 
 from glm5_train.chat_data import ChatSFTDataset, batch_cu_seqlens, build_sample
 from glm5_train.model.head_parallel_cp import (
-    AttentionShape,
     AttentionWork,
     ExchangeCost,
     HeadParallelCP,
     Links,
+    attention_work,
     choose_exchange,
+    costs_text,
+    exchange_cost,
 )
 from parallel.flexible_cp import FlexiblePlan, GroupPool, Workload, plan_batch
 from parallel.flexible_cp_refit import CellClock, OnlineWorkloadFit
@@ -189,44 +191,78 @@ def plan_record(plan: FlexiblePlan,
               "workload": plan.workload.coefficients()}
     if exchanges is None:
         return record
-    cells = [[exchanges.get((plan.bins[c.bin].first, plan.group_size(plan.bins[c.bin])))
-              for c in slot] for slot in plan.slots]
-    record["exchanges"] = [[e.mode if e else "-" for e in slot] for slot in cells]
+    cells = [[_cell_cost(plan, c.bin, exchanges) for c in slot] for slot in plan.slots]
+    record["exchanges"] = [[cost.mode if cost else "-" for cost in slot] for slot in cells]
     ranks = range(len(plan.slots[0])) if plan.slots else range(0)
     record["cp_bytes_per_layer"] = {
-        level: [sum(getattr(slot[r].cost, level) for slot in cells if slot[r]) for r in ranks]
+        level: [sum(getattr(slot[r], level) for slot in cells if slot[r]) for r in ranks]
         for level in ("intra", "inter")}
     return record
 
 
-@dataclass(frozen=True)
+def _cell_cost(plan: FlexiblePlan, index: int, exchanges) -> ExchangeCost | None:
+    """The exchange cost per layer application of bin ``index`` (None: a rank alone)."""
+    b = plan.bins[index]
+    chosen = exchanges.get((b.first, plan.group_size(b)))
+    return chosen.cost_at(b.units * plan.rank_tokens) if chosen else None
+
+
+@dataclass
 class BlockExchange:
-    """The exchange a flexible group runs (``parallel.cp_comm``) and its cost per DSA layer
-    application; ``costs``: every mode considered (auto)."""
+    """The exchange a flexible group runs (``parallel.cp_comm``), fixed for the run, and what
+    it costs per DSA layer application at a bin's length (``cost_at``); ``costs``: every mode
+    considered at the block's longest bin (auto's choice)."""
 
     mode: str
-    cost: ExchangeCost
     costs: dict
+    work: AttentionWork
+    ranks: list[int]
+    node_size: int | None
+    links: Links
+    _at: dict = field(default_factory=dict, repr=False)
+
+    def cost_at(self, seq: int) -> ExchangeCost:
+        if seq not in self._at:
+            self._at[seq] = exchange_cost(self.work, self.mode, seq, self.ranks,
+                                          self.node_size, self.links)
+        return self._at[seq]
+
+
+def block_length(size: int, dp: int, max_units: int, rank_tokens: int) -> int:
+    """The longest bin a block of ``size`` data-parallel ranks runs: size x L, or, for the
+    whole data-parallel group when groups may be larger (flexible_cp_max_size > dp), bins of
+    up to max_units x L on it."""
+    return (max_units if size == dp and max_units > dp else size) * rank_tokens
+
+
+def exchange_chooser(job, dp: int):
+    """(global ranks of a block) -> (mode, costs at its longest bin): ``parallel.cp_comm``, or
+    auto's choice (``choose_exchange``: by bytes per link level at the configured rates). The
+    same on every rank for the same block: GroupPool builds the all-to-alls it needs alone."""
+    par = job.parallel
+    work, links = attention_work(job, documents=True), Links.of(par)
+    rank_tokens = job.train.seq_length // par.flexible_cp_max_size
+
+    def choose(ranks: list[int]) -> tuple[str, dict]:
+        seq = block_length(len(ranks), dp, par.flexible_cp_max_size, rank_tokens)
+        best, costs = choose_exchange(work, seq, ranks, par.cp_node_size, links)
+        return (best if par.cp_comm == "auto" else par.cp_comm), costs
+
+    return choose
 
 
 def block_exchanges(job, pool: GroupPool) -> dict[tuple[int, int], BlockExchange]:
-    """Every block of this rank's data-parallel group: its exchange, fixed for the run (a
-    block always holds ``size`` x L tokens): ``parallel.cp_comm`` all_gather / head_parallel,
-    or auto (``choose_exchange``: by bytes per link level at the configured rates)."""
-    par = job.parallel
-    work = AttentionWork(AttentionShape.of(job.model, par.tensor_model_parallel_size),
-                         job.dsa.stage, job.dsa.trains_indexer,
-                         torch.finfo(job.train.torch_dtype).bits // 8, documents=True)
-    links, rank_tokens = Links.of(par), job.train.seq_length // par.flexible_cp_max_size
+    """Every block of this rank's data-parallel group: its exchange (``exchange_chooser``)."""
+    par, dp = job.parallel, len(pool.ranks)
+    choose, work = exchange_chooser(job, dp), attention_work(job, documents=True)
     out = {}
     size = 2
-    while size <= min(par.flexible_cp_max_size, len(pool.ranks)):
-        for first in range(0, len(pool.ranks), size):
+    while size <= min(par.flexible_cp_max_size, dp):
+        for first in range(0, dp, size):
             ranks = pool.ranks[first:first + size]
-            best, costs = choose_exchange(work, size * rank_tokens, ranks, par.cp_node_size,
-                                          links)
-            mode = best if par.cp_comm == "auto" else par.cp_comm
-            out[(first, size)] = BlockExchange(mode, costs[mode], costs)
+            mode, costs = choose(ranks)
+            out[(first, size)] = BlockExchange(mode, costs, work, ranks, par.cp_node_size,
+                                               Links.of(par))
         size *= 2
     return out
 
@@ -237,7 +273,5 @@ def exchanges_line(exchanges: dict[tuple[int, int], BlockExchange]) -> str:
     parts = []
     for size in sorted({s for _, s in exchanges}):
         chosen = next(e for (_, s), e in sorted(exchanges.items()) if s == size)
-        costs = ", ".join(f"{c.mode} {c.intra / 1e6:.3g}/{c.inter / 1e6:.3g} MB"
-                          for c in chosen.costs.values())
-        parts.append(f"groups of {size}: {chosen.mode} ({costs})")
+        parts.append(f"groups of {size}: {chosen.mode} ({costs_text(chosen.costs)})")
     return "flexible CP exchanges (per layer, inside/across nodes): " + "; ".join(parts)

@@ -1,13 +1,14 @@
 """Where each training step's wall time goes, per rank: the phases Megatron-LM's timers name,
 in metrics.jsonl (``phase_ms``, one list per phase, a value per rank) and TensorBoard
-(``phases/<phase>/rank<i>``), beside the step's own wall time (``step_time_s``).
+(``phases/<phase>_ms/rank<i>``), beside the step's own wall time (``step_time_s``).
 
 Phases (wall seconds, milliseconds in the record):
 - ``forward_backward``: the pipeline schedule over the global batch (every micro-batch's
   forward and backward, pipeline sends and waits, and the gradient sync below, which
   megatron-core runs at its end: Megatron-LM's "forward-backward" timer);
 - ``grad_sync``: inside it, megatron-core's ``finalize_model_grads`` (the data-parallel
-  gradient reduction, the embedding copies' sum, the token count: "all-grads-sync");
+  gradient reduction, the embedding copies' sum, the token count: "all-grads-sync"; with
+  ``parallel.defer_weight_grads``, the queued weight-gradient GEMMs drained just before it);
 - ``optimizer``: the optimizer step (gradient clipping, the update, the distributed
   optimizer's parameter all-gather, Muon's orthogonalisation).
 

@@ -41,6 +41,11 @@ class ProfileOptions:
 
 
 def check_profile_options(opts: ProfileOptions, train_iters: int) -> None:
+    ranks = opts.profile_ranks
+    if ranks is not None and (not isinstance(ranks, list) or not ranks or not all(
+            isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)):
+        raise ValueError(f"train.profile_ranks={ranks}: give a list of global ranks, e.g. "
+                         "train.profile_ranks=[0,3], or null for every rank")
     steps = opts.profile_steps
     if steps is None:
         return
@@ -55,11 +60,6 @@ def check_profile_options(opts: ProfileOptions, train_iters: int) -> None:
         raise ValueError(f"train.profile_warmup={warmup}: the warm-up steps run before the "
                          f"first traced step {steps[0]}, so it must lie in [0, {steps[0] - 1}]; "
                          "lower it or trace later steps")
-    ranks = opts.profile_ranks
-    if ranks is not None and (not isinstance(ranks, list) or not ranks or not all(
-            isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)):
-        raise ValueError(f"train.profile_ranks={ranks}: give a list of global ranks, e.g. "
-                         "train.profile_ranks=[0,3], or null for every rank")
 
 
 def check_profile_ranks(ranks: list[int] | None, world_size: int) -> None:
@@ -88,9 +88,13 @@ class StepProfiler:
         self._profile = None
 
     def step_begins(self, step: int) -> None:
-        """``step``: the 1-based number of the step about to run."""
-        if self.first is None or step != self.first - self.warmup:
+        """``step``: the 1-based number of the step about to run. The profiler starts
+        ``warmup`` steps before the first traced one, or at the first step a resumed run
+        runs, if that falls inside the warm-up (a shorter one, then)."""
+        if (self.first is None or self._profile is not None
+                or not self.first - self.warmup <= step <= self.first):
             return
+        self.warmup = self.first - step
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)

@@ -499,8 +499,10 @@ def _make_wrapper(name: str, original: Callable) -> Callable:
 
 def _profiler_range(name: str, records: list | None, args: tuple, kwargs: dict):
     """While torch.profiler records (``train.profile_steps``): a range ``<group>.<function>:
-    <group size>`` around the call (``<function>:<size>`` where no active meter names the
-    group), so traces show which collective ran on which of megatron-core's groups."""
+    <group size>`` around the call, so traces show which collective ran on which of
+    megatron-core's groups (``<group>``: its name, ``world``, or ``size<n>`` for a group
+    megatron-core does not name, e.g. a flexible CP group; ``<function>:<size>`` alone when no
+    active meter has group names)."""
     if not torch.autograd.profiler._is_profiler_enabled:
         return contextlib.nullcontext()
     group = records[0][1] if records else kwargs.get("group")

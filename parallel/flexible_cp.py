@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -425,14 +426,15 @@ class GroupPool:
     size)`` is this rank's group for block [first, first + size) of its data-parallel ranks.
     Size 1 is ``single`` (a group of this rank alone, as the model's fixed CP group).
 
-    With ``exchanges``, each block also gets its head-parallel all-to-all (``exchange(first,
-    size)``): flat, or in two levels on nodes of ``node_size`` consecutive global ranks
+    Each block for which ``needs_exchange(its global ranks)`` holds (the same answer on every
+    rank) also gets its head-parallel all-to-all (``exchange(first, size)``): flat, or in two
+    levels on nodes of ``node_size`` consecutive global ranks
     (``parallel/hierarchical_all_to_all.py``). A level's group that is already a block (the
-    intra-node level of a block spanning two nodes of the size-2 blocks, say) is reused:
-    log2(R) x R extra groups at most."""
+    intra-node level of a block spanning two nodes of the size-2 blocks, say) is reused: at
+    most 2 x (log2(max_size) x world) groups in all."""
 
     def __init__(self, dp_group, max_size: int, single, node_size: int | None = None,
-                 exchanges: bool = False) -> None:
+                 needs_exchange: Callable[[list[int]], bool] | None = None) -> None:
         self.single = single
         self.ranks = dist.get_process_group_ranks(dp_group)
         self.index = self.ranks.index(dist.get_rank())
@@ -459,8 +461,8 @@ class GroupPool:
             group = new_group(members)
             if dist.get_rank() in members:
                 self._mine[(first, len(members))] = group
-        if exchanges:
-            for first, members in blocks:
+        for first, members in blocks:
+            if needs_exchange is not None and needs_exchange(members):
                 exchange = self._exchange_of(members, node_size, new_group)
                 if dist.get_rank() in members:
                     self._exchanges[(first, len(members))] = exchange
@@ -485,13 +487,9 @@ class GroupPool:
         return self._mine[(first, size)]
 
     def exchange(self, first: int, size: int) -> Exchange:
-        """The head-parallel all-to-all of block [first, first + size) (built with
-        ``exchanges``)."""
+        """The head-parallel all-to-all of block [first, first + size) (one that
+        ``needs_exchange``)."""
         return self._exchanges[(first, size)]
-
-    def block_ranks(self, first: int, size: int) -> list[int]:
-        """Global ranks of block [first, first + size) of this rank's data-parallel group."""
-        return self.ranks[first:first + size]
 
 
 def switch_context_group(module: torch.nn.Module, group, exchange=None) -> None:

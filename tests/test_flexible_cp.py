@@ -407,8 +407,27 @@ def test_flexible_groups_run_the_head_parallel_exchange_and_match_one_process(
         assert record["comm_by_op"]["all_to_all:2"]["bytes"] == want, (sizes, want)
         spans_nodes = [any(slot[r] == 4 for slot in sizes) for r in range(4)]
         assert [b > 0 for b in plan["cp_bytes_per_layer"]["inter"]] == spans_nodes
+        assert plan["cp_bytes_per_layer"] == _level_bytes(job, sizes)
     assert any(4 in slot for record in result.records
                for slot in record["flexible_cp"]["group_sizes"])
+
+
+def _level_bytes(job, sizes: list[list[int]]) -> dict[str, list[int]]:
+    """Every rank's head-parallel CP bytes per layer application and level, summed over its
+    cells (groups of n ranks: aligned blocks n x 128 tokens long, on nodes of 2)."""
+    from glm5_train.model.head_parallel_cp import Links, attention_work, exchange_cost
+
+    work, links = attention_work(job, documents=True), Links.of(job.parallel)
+    out = {"intra": [0] * 4, "inter": [0] * 4}
+    for slot in sizes:
+        for rank, n in enumerate(slot):
+            if n > 1:
+                first = rank // n * n
+                cost = exchange_cost(work, "head_parallel", n * 128,
+                                     list(range(first, first + n)), 2, links)
+                out["intra"][rank] += cost.intra
+                out["inter"][rank] += cost.inter
+    return out
 
 
 def _a2a_bytes(job, size: int) -> int:

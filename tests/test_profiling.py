@@ -41,7 +41,7 @@ def test_a_traced_step_has_every_forward_backward_and_collective(tmp_path):
     # token count broadcast from the last stage (pp), the loss all-reduce (mp: at PP2 on 2
     # ranks the model-parallel group is the pipeline's two ranks), the DP x CP gradient
     # reduction (dp_cp, 1 rank here)
-    collectives = {n for n in names[0] if re.match(r"([a-z_]+\.)?[a-z_]+:\d+$", n)}
+    collectives = {n for n in names[0] if re.match(r"([a-z0-9_]+\.)?[a-z_]+:\d+$", n)}
     assert {"pp.isend:2", "pp.irecv:2", "pp.broadcast:2", "mp.all_reduce:2",
             "dp_cp.all_reduce:1"} <= collectives, sorted(collectives)
     out = subprocess.run([sys.executable, "tools/merge_traces.py", str(profile)], cwd=REPO,

@@ -41,7 +41,7 @@ from parallel.pipeline_layout import (
 )
 
 SPAN = re.compile(r"(forward|backward) chunk (\d+) micro-batch (\d+)$")
-COMM = re.compile(r"([a-z_]+\.)?[a-z_]+:\d+$")
+COMM = re.compile(r"([a-z0-9_]+\.)?[a-z_]+:\d+$")
 
 
 # --help's epilog: what a first run types

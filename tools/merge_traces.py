@@ -67,7 +67,7 @@ def annotation_counts(trace: dict) -> dict[str, int]:
             counts["forward"] += 1
         elif name.startswith("backward chunk"):
             counts["backward"] += 1
-        elif re.match(r"([a-z_]+\.)?[a-z_]+:\d+$", name):
+        elif re.match(r"([a-z0-9_]+\.)?[a-z_]+:\d+$", name):
             counts["collective"] += 1
     return counts
 

@@ -69,7 +69,6 @@ from parallel.context_parallel import (
 from parallel.hierarchical_all_to_all import (
     Exchange,
     build_exchange,
-    group_ranks,
     heads_to_sequence,
     level_bytes,
     node_split,
@@ -113,8 +112,7 @@ class HeadParallelCP:
                                "(parallel.flexible_cp.switch_context_group)")
         allowed = key_mask(attention_mask)  # this rank's rows: DocumentStarts or None
         step = _Step(module, shard, _RowOrder(shard, query.device),
-                     _my_heads(query.shape[2], shard), with_loss, record_kl,
-                     _all_rows_documents(allowed, shard))
+                     _my_heads(query.shape[2], shard), with_loss, record_kl, allowed)
         cfg = module.training_cfg
         if cfg.stage != "dense_warmup" and (cfg.attends_densely
                                             or module.indexer.topk >= shard.seq):
@@ -166,7 +164,7 @@ class _Step:
     heads: slice  # this rank's heads among the N of its tensor-parallel rank
     with_loss: bool
     record_kl: bool
-    documents: DocumentStarts | None  # packed documents' starts of every row (natural order)
+    allowed: DocumentStarts | None  # packed documents' starts of this rank's rows
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [N / c, Dn, C] and W_UV [N / c, Dv, C] of this rank's heads (views)."""
@@ -175,9 +173,11 @@ class _Step:
 
     def dense(self, q_hp: torch.Tensor, k_hp: torch.Tensor, v_hp: torch.Tensor) -> torch.Tensor:
         """Causal attention of every row (natural order) for this rank's heads (within each
-        packed document): the one-process dense path."""
-        if self.documents is not None:
-            return self.module._dense_by_document(q_hp, k_hp, v_hp, self.documents)
+        packed document: every row's starts gathered here, the sparse path needs none, its
+        picks hold the documents): the one-process dense path."""
+        documents = _all_rows_documents(self.allowed, self.shard)
+        if documents is not None:
+            return self.module._dense_by_document(q_hp, k_hp, v_hp, documents)
         return MLACoreAttention.forward(self.module, q_hp, k_hp, v_hp, None)
 
     def dense_from_rows(self, query: torch.Tensor, latent: torch.Tensor,
@@ -337,7 +337,7 @@ def layer_transfers(shape: AttentionShape, seq: int, cp: int, mode: str,
     backward) or "dense" (trained end to end, no indexer: as "sparse" with K >= seq).
     ``act_bytes``: bytes per activation value (bf16 2, fp32 4); the selection is int32 and the
     pick probabilities fp32. ``documents``: packed documents, whose starts (int64) the
-    head-parallel mode gathers for every row."""
+    head-parallel mode's dense attention gathers for every row."""
     rows = seq // cp * batch
     trained = stage != "dense_warmup"
     selects = stage == "sparse" and shape.topk < seq
@@ -355,7 +355,7 @@ def layer_transfers(shape: AttentionShape, seq: int, cp: int, mode: str,
         out.append(Transfer("indexer key gradient", "reduce_scatter", cp * index_key))
     if mode != "head_parallel":
         return out
-    if documents:
+    if documents and not selects:  # the warm-up's dense attention over every row
         out.append(Transfer("document starts (int64)", "all_gather", rows * 8))
     query = rows * shape.heads * shape.query * act_bytes
     value = rows * shape.heads * shape.value * act_bytes
@@ -482,24 +482,44 @@ def choose_exchange(work: AttentionWork, seq: int, ranks: list[int], node_size: 
     return best.mode, costs
 
 
+def attention_work(job, documents: bool | None = None) -> AttentionWork:
+    """What the job's CP exchange moves per token (``documents`` None: packed documents when
+    the data packs them: chat SFT, or ``data.reset_attention_mask``)."""
+    if documents is None:
+        documents = job.data.format == "chat_sft" or job.data.reset_attention_mask
+    return AttentionWork(AttentionShape.of(job.model, job.parallel.tensor_model_parallel_size),
+                         job.dsa.stage, job.dsa.trains_indexer,
+                         torch.finfo(job.train.torch_dtype).bits // 8, documents)
+
+
+def costs_text(costs: dict[str, ExchangeCost]) -> str:
+    """Each mode's modelled MB per layer application, inside / across nodes."""
+    return ", ".join(f"{c.mode} {c.intra / 1e6:.3g}/{c.inter / 1e6:.3g} MB"
+                     for c in costs.values())
+
+
+def job_cp_choice(job) -> tuple[str, dict[str, ExchangeCost]]:
+    """``parallel.cp_comm=auto`` for the job's fixed CP groups: one choice for the whole job,
+    made on its first CP group (global ranks 0, TP, 2 TP, ...: megatron-core's order), so every
+    rank takes the same one (a per-group choice could split the ranks between the exchange's
+    collective set-up and none; the layout check makes every group fill its nodes alike)."""
+    par = job.parallel
+    tp, cp = par.tensor_model_parallel_size, par.context_parallel_size
+    return choose_exchange(attention_work(job), job.train.seq_length,
+                           [tp * j for j in range(cp)], par.cp_node_size, Links.of(par))
+
+
 def fixed_cp_comm(job, cp_group) -> str:
-    """The exchange of the job's fixed CP group: ``parallel.cp_comm``, or auto's choice for
-    this group (every CP group of the job has the same shape, so every rank chooses alike;
-    rank 0 prints it)."""
+    """The exchange of the job's fixed CP groups: ``parallel.cp_comm``, or auto's choice
+    (``job_cp_choice``; rank 0 prints it)."""
     par = job.parallel
     if par.cp_comm != "auto":
         return par.cp_comm
     if group_size(cp_group) == 1:
         return "all_gather"
-    work = AttentionWork(AttentionShape.of(job.model, par.tensor_model_parallel_size),
-                         job.dsa.stage, job.dsa.trains_indexer,
-                         torch.finfo(job.train.torch_dtype).bits // 8,
-                         documents=job.data.format == "chat_sft" or job.data.reset_attention_mask)
-    mode, costs = choose_exchange(work, job.train.seq_length, group_ranks(cp_group),
-                                  par.cp_node_size, Links.of(par))
+    mode, costs = job_cp_choice(job)
     if dist.get_rank() == 0:
-        modes = ", ".join(f"{c.mode} {c.intra / 1e6:.3g}/{c.inter / 1e6:.3g} MB"
-                          for c in costs.values())
         print(f"context parallel: parallel.cp_comm=auto chose {mode} for the CP group of "
-              f"{group_size(cp_group)} (per layer, inside/across nodes: {modes})", flush=True)
+              f"{group_size(cp_group)} (per layer, inside/across nodes: {costs_text(costs)})",
+              flush=True)
     return mode

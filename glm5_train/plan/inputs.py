@@ -16,12 +16,7 @@ import torch
 
 from glm5_train.job_config import JobConfig
 from glm5_train.model.config import GLM5Config
-from glm5_train.model.head_parallel_cp import (
-    AttentionShape,
-    AttentionWork,
-    Links,
-    choose_exchange,
-)
+from glm5_train.model.head_parallel_cp import job_cp_choice
 from parallel.layout import LayoutError
 from parallel.recompute import Recompute
 
@@ -170,18 +165,12 @@ def inputs_from_job(job: JobConfig, dp: int | None = None, **changes) -> MemoryI
 
 
 def planned_cp_comm(job: JobConfig) -> str:
-    """parallel.cp_comm, auto resolved as the job resolves it for its fixed CP group
-    (``head_parallel_cp.choose_exchange``: every CP group of a layout has the first one's
-    shape: ranks 0, TP, 2 TP, ...)."""
+    """parallel.cp_comm, auto resolved as the job resolves it for its fixed CP groups
+    (``head_parallel_cp.job_cp_choice``)."""
     par = job.parallel
-    if par.cp_comm != "auto" or par.context_parallel_size == 1:
-        return "all_gather" if par.cp_comm == "auto" else par.cp_comm
-    tp, cp = par.tensor_model_parallel_size, par.context_parallel_size
-    work = AttentionWork(AttentionShape.of(job.model, tp), job.dsa.stage, job.dsa.trains_indexer,
-                         torch.finfo(job.train.torch_dtype).bits // 8,
-                         documents=job.data.format == "chat_sft" or job.data.reset_attention_mask)
-    return choose_exchange(work, job.train.seq_length, [tp * j for j in range(cp)],
-                           par.cp_node_size, Links.of(par))[0]
+    if par.cp_comm != "auto":
+        return par.cp_comm
+    return job_cp_choice(job)[0] if par.context_parallel_size > 1 else "all_gather"
 
 
 def _precision_bytes(job: JobConfig) -> dict:
