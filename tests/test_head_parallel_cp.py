@@ -305,8 +305,7 @@ def _byte_problems(record: dict, job, cp: int, node_size: int | None) -> list[st
 
 # ------------------------------------------------- parallel.cp_comm=auto: the group's choice
 
-GLM5_SHAPE = AttentionShape(heads=64, query=192 + 64, value=256, latent=512 + 64,
-                            index_key=128, topk=2048)
+GLM5_SHAPE = AttentionShape.of(compose_job(["model=glm5_744b"]).model)  # TP1
 H100 = Links(intra=450e9, inter=50e9)
 
 

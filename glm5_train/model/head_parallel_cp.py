@@ -393,21 +393,26 @@ def meter_bytes(transfers: list[Transfer], cp: int, node_size: int | None) -> di
     or on the node (``node_size`` ranks of it per node) and local-index groups when the
     exchange has two levels (``parallel/hierarchical_all_to_all.build_exchange``)."""
     per_node = node_size or cp
-    two_level = per_node not in (1, cp)
     counted: dict[str, int] = {}
 
     def add(key: str, value: float) -> None:
         counted[key] = counted.get(key, 0) + round(value)
 
     for t in transfers:
-        two = two_level and t.op == "all_to_all"
-        levels = level_bytes(t.op, t.payload, cp, per_node, two)
+        two, levels = transfer_levels(t, cp, per_node)
         if two:
             add(f"all_to_all:{per_node}", levels["intra"])
             add(f"all_to_all:{cp // per_node}", levels["inter"])
         else:
             add(f"{t.op}:{cp}", levels["intra"] + levels["inter"])
     return counted
+
+
+def transfer_levels(t: Transfer, cp: int, per_node: int) -> tuple[bool, dict[str, float]]:
+    """Whether ``t`` runs in two levels (an all-to-all over a group spanning several nodes
+    with several of its ranks on each: ``build_exchange``) and its bytes per level."""
+    two = t.op == "all_to_all" and per_node not in (1, cp)
+    return two, level_bytes(t.op, t.payload, cp, per_node, two)
 
 
 # ------------------------------------------------ choosing the exchange of a group (auto)
@@ -463,8 +468,7 @@ def exchange_cost(work: AttentionWork, mode: str, seq: int, ranks: list[int],
                                 work.act_bytes, documents=work.documents)
     intra = inter = 0.0
     for t in transfers:
-        levels = level_bytes(t.op, t.payload, cp, per_node,
-                             t.op == "all_to_all" and per_node not in (1, cp))
+        levels = transfer_levels(t, cp, per_node)[1]
         intra, inter = intra + levels["intra"], inter + levels["inter"]
     return ExchangeCost(mode, round(intra), round(inter), intra / links.intra + inter / links.inter)
 
