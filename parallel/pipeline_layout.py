@@ -611,14 +611,18 @@ class TimedOp:
 
 
 def replay_times(schedule: PipelineSchedule, forward_seconds: list[float],
-                 backward_factor: float = 2.0) -> dict[int, list[TimedOp]]:
+                 backward_factor: float = 2.0,
+                 backward_seconds: list[float] | None = None) -> dict[int, list[TimedOp]]:
     """The schedule played out in time: every rank runs its ops in megatron-core's order
     (``PipelineSchedule.ops``), each as soon as the rank is free and its input exists (the
     forward of the same micro-batch on the stage before, the backward on the stage after;
     a backward also after its own forward). ``forward_seconds[s]``: one micro-batch's forward
     on global stage s (chunk c of rank r is stage c x PP + r); a backward takes
-    ``backward_factor`` times as long. Communication takes no time here. Returns each rank's
+    ``backward_seconds[s]``, or else ``backward_factor`` times the forward. What an op
+    sends is part of its seconds; the message itself arrives at once. Returns each rank's
     ops in its order, with times."""
+    if backward_seconds is None:
+        backward_seconds = [f * backward_factor for f in forward_seconds]
     pp, stages = schedule.pp, schedule.chunks * schedule.pp
     done: dict[tuple[str, int, int], float] = {}
     pending = {rank: schedule.ops(rank) for rank in range(pp)}
@@ -636,7 +640,7 @@ def replay_times(schedule: PipelineSchedule, forward_seconds: list[float],
                 if any(n not in done for n in needs):
                     break
                 start = max([free[rank], *(done[n] for n in needs)])
-                length = forward_seconds[stage] * (backward_factor if op == "B" else 1.0)
+                length = (backward_seconds if op == "B" else forward_seconds)[stage]
                 done[(op, stage, mb)] = free[rank] = start + length
                 timed[rank].append(TimedOp(op, chunk, mb, start, start + length))
                 pending[rank].pop(0)

@@ -52,6 +52,8 @@ LOCAL_IMPORT_REASONS: dict[tuple[str, str], str] = {
 TEST_IMPORTS_OF_TOOLS: dict[tuple[str, str], str] = {
     ("tests.test_pipeline_plan", "tools.plan_pipeline"):
         "calls the CLI's main() in-process to check its exit status and output cheaply",
+    ("tests.test_step_time", "tools.plan_step_time"):
+        "calls the CLI's main() in-process to check its output and one-line errors cheaply",
 }
 
 

@@ -109,7 +109,7 @@ def planned_traffic(job: JobConfig, inputs: MemoryInputs, layout: PipelineLayout
     gather = optimizers * sum((n - 1) * inputs.weight_bytes * count // n for n, count in groups)
     per_step = comm_sum(comm_times(comm_sum(*(s.costs.comm_bytes_per_microbatch for s in stages)),
                                    inputs.num_microbatches),
-                        _tensor_parallel_step_comm(job, inputs, layout, pipeline_rank))
+                        tensor_parallel_step_comm(job, inputs, layout, pipeline_rank))
     tensor = sum(comm_of(per_step, key) for key in tensor_parallel_comm.TP_KEYS)
     all_to_all = comm_of(per_step, tensor_parallel_comm.EP_ALL_TO_ALL)
     return {"grad_reduction": reduction, "param_gather": gather,
@@ -123,7 +123,7 @@ def planned_traffic(job: JobConfig, inputs: MemoryInputs, layout: PipelineLayout
                                           if inputs.ep > 1 else 0)}
 
 
-def _tensor_parallel_step_comm(job: JobConfig, inputs: MemoryInputs, layout: PipelineLayout,
+def tensor_parallel_step_comm(job: JobConfig, inputs: MemoryInputs, layout: PipelineLayout,
                                pipeline_rank: int):
     """What this pipeline rank sends on its TP groups once per step for the parameters it
     holds: finalize's all-reduce of the replicated gradients
@@ -184,23 +184,30 @@ def _pipeline_send_bytes(job: JobConfig, inputs: MemoryInputs, layout: PipelineL
                          pipeline_rank: int) -> int:
     """Bytes this pipeline rank sends per step: for each of its virtual stages and each
     micro-batch, the stage's output forward and its input's gradient backward."""
+    own_mtp_stage = layout.mtp_stage is not None and layout.mtp_stage != len(layout.stages) - 1
+    sends = 0
+    for stage in range(len(layout.stages)):
+        if layout.rank_of(stage) != pipeline_rank:
+            continue
+        per_micro = [sent for sent in stage_sends(job, inputs, layout, stage) if sent]
+        shapes = SHAPE_MESSAGE_BYTES * len(per_micro) if own_mtp_stage else 0
+        sends += inputs.num_microbatches * (sum(per_micro) + shapes)
+    return sends
+
+
+def stage_sends(job: JobConfig, inputs: MemoryInputs, layout: PipelineLayout,
+                stage: int) -> tuple[int, int]:
+    """Bytes one micro-batch of ``stage`` sends to the next stage after its forward and to
+    the previous one after its backward (0 where there is none). The MTP stage's output and
+    every stage's after it carry each MTP step too (MTP on a stage of its own)."""
     unit = inputs.activation_bytes * inputs.sp_tokens * job.model.hidden_size
     last, mtp = len(layout.stages) - 1, layout.mtp_stage
     own_mtp_stage = mtp is not None and mtp != last
     widen = 1 + (job.model.mtp_num_steps if own_mtp_stage else 0)
 
-    def out_units(stage: int) -> int:  # the MTP stage and after carry every MTP step too
-        return widen if own_mtp_stage and stage >= mtp else 1
+    def out_units(s: int) -> int:
+        return widen if own_mtp_stage and s >= mtp else 1
 
-    sends = 0
-    for stage in range(len(layout.stages)):
-        if layout.rank_of(stage) != pipeline_rank:
-            continue
-        per_micro = []
-        if stage < last:
-            per_micro.append(out_units(stage) * unit)
-        if stage > 0:
-            per_micro.append(out_units(stage - 1) * unit)
-        shapes = SHAPE_MESSAGE_BYTES * len(per_micro) if own_mtp_stage else 0
-        sends += inputs.num_microbatches * (sum(per_micro) + shapes)
-    return sends
+    forward = out_units(stage) * unit if stage < last else 0
+    backward = out_units(stage - 1) * unit if stage > 0 else 0
+    return forward, backward

@@ -1,0 +1,513 @@
+"""How long a training step takes and where the time goes, per rank, before a run: the
+planner's step-time model.
+
+What goes in:
+- the planner's FLOPs per stage and micro-batch (forward, backward, recompute);
+- its bytes per collective (context-, tensor-, expert-parallel per micro-batch; the pipeline's
+  sends; the data-parallel gradient reduction and parameter gather per step);
+- a ``ClusterSpec``: one compute rate, HBM bandwidth, GPUs per node, and the bandwidth and
+  latency of the links inside a node and between nodes (``configs/cluster/*.yaml``).
+
+How the parts combine:
+- Compute: FLOPs at the spec's rate.
+- A collective: its bytes at the rate of the links it crosses. The group's ranks are placed as
+  megatron-core places them (order tp-cp-ep-dp-pp; experts etp-ep-edp-pp), on nodes of
+  ``gpus_per_node`` consecutive ranks. Bytes inside a node go at the intra-node rate, bytes
+  between nodes at the inter-node rate (``parallel.hierarchical_all_to_all.level_bytes``'s
+  split), the two levels one after the other.
+- Each micro-batch's forward and backward take their compute plus their exposed collectives.
+  The pipeline schedule is replayed with those times (``parallel.pipeline_layout.replay_times``):
+  the bubble is what is left of the step on each rank.
+- Per step: finalize's gradient reduction (and TP all-reduce of replicated gradients), the
+  optimizer (HBM-bound element updates, Muon's Newton-Schulz FLOPs) and the distributed
+  optimizer's parameter all-gather.
+- ``Overlaps`` says which communication runs behind compute:
+  - ``grad_reduce``: megatron-core's bucketed reduction starts in each chunk's last backward.
+  - ``param_gather``: the next step's forward waits for each chunk's parameters.
+  - ``expert_all_to_all``: an ideal EP overlap (each all-to-all behind the compute of another
+    micro-batch).
+  - Pipeline ZeRO2's reduce-scatter is asynchronous: only its last flush is exposed.
+
+MFU counts the model's FLOPs (no recompute) against the spec's peak, as Megatron-LM reports
+its TFLOP/s per GPU.
+
+Not modelled: expert load imbalance (the router spreads tokens evenly), kernel launch and
+Python overhead, memory-bound activation work beyond the one compute rate, and congestion
+between collectives that run at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+
+from omegaconf import OmegaConf
+
+from glm5_train.job_config import JobConfig
+from glm5_train.model.config import GLM5Config
+from glm5_train.plan.inputs import MemoryInputs, inputs_from_job
+from glm5_train.plan.param_count import Term, layer_terms, mtp_layer_terms
+from glm5_train.plan.pipeline import job_pipeline, plan_report
+from glm5_train.plan.stage_model import ADAMW_MATRICES, TP_SPLIT
+from glm5_train.plan.traffic import (
+    routed_over_expert_ranks,
+    stage_sends,
+    tensor_parallel_step_comm,
+)
+from parallel.hierarchical_all_to_all import level_bytes
+from parallel.pipeline_layout import Comm, PipelineLayout, PipelineSchedule, replay_times
+from parallel.recompute import Recompute
+
+CLUSTER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "configs", "cluster")
+
+# Bytes an optimizer step reads and writes per element it updates (HBM-bound): AdamW with
+# bf16 weights reads the fp32 gradient, master, m and v and writes master, m, v and the bf16
+# weight; Muon reads the gradient and momentum, writes the momentum, and updates master and
+# weight the same way.
+ADAMW_STEP_BYTES = 4 * 4 + 3 * 4 + 2
+MUON_STEP_BYTES = 2 * 4 + 4 + 2 * 4 + 2
+NEWTON_SCHULZ_ITERATIONS = 5
+# megatron-core's DDP bucket: at least 40M parameters (bucket_size default).
+DDP_BUCKET_ELEMENTS = 40_000_000
+# The kinds of communication the breakdown reports, in its order.
+COMM_KINDS = ("tensor_parallel", "context_parallel", "expert_all_to_all", "pipeline",
+              "grad_reduction", "param_gather")
+# A planned collective's group (``parallel.pipeline_layout.Comm`` keys "<op>:<group>") -> kind.
+GROUP_KINDS = {"tp": "tensor_parallel", "expt_tp": "tensor_parallel",
+               "tp_ep": "tensor_parallel", "cp": "context_parallel",
+               "world": "context_parallel", "ep": "expert_all_to_all"}
+
+
+# ------------------------------------------------------------------------- cluster spec
+
+
+@dataclass(frozen=True)
+class Link:
+    """One level of the network as one rank sees it: bytes per second it sends (per
+    direction, what collectives reach) and the time one message takes to start."""
+
+    gbs: float
+    latency_us: float
+
+    def seconds(self, sent: float, messages: int = 0) -> float:
+        return sent / (self.gbs * 1e9) + messages * self.latency_us * 1e-6
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A cluster as the step-time model sees it (``configs/cluster/<name>.yaml``)."""
+
+    name: str
+    device: str
+    peak_tflops: float  # the device's dense peak at the training precision: MFU's denominator
+    compute_tflops: float  # the rate the model's FLOPs run at
+    memory_gbs: float  # device memory bandwidth: the optimizer's element updates
+    gpus_per_node: int
+    intra_node: Link
+    inter_node: Link
+    note: str = ""
+
+    def link(self, inter: bool) -> Link:
+        return self.inter_node if inter else self.intra_node
+
+
+def load_cluster(name: str) -> ClusterSpec:
+    """A spec by preset name (``configs/cluster/<name>.yaml``) or by path to a YAML file of
+    the same keys. ValueError naming the presets when there is neither."""
+    path = name if os.path.isfile(name) else os.path.join(CLUSTER_DIR, f"{name}.yaml")
+    if not os.path.isfile(path):
+        presets = sorted(f[:-5] for f in os.listdir(CLUSTER_DIR) if f.endswith(".yaml"))
+        raise ValueError(f"cluster {name!r}: no such preset or file; presets: "
+                         f"{', '.join(presets)} (configs/cluster/), or a path to a YAML spec")
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    try:
+        links = {key: Link(**raw.pop(key)) for key in ("intra_node", "inter_node")}
+        return ClusterSpec(**raw, **links)
+    except TypeError as err:
+        raise ValueError(f"cluster spec {path}: {err}; see configs/cluster/h100.yaml for the "
+                         "keys") from None
+
+
+# ------------------------------------------------------------------ where a group's ranks sit
+
+
+def group_geometry(group: str, inp: MemoryInputs, pp: int) -> tuple[int, int]:
+    """(size, stride in global ranks) of one of megatron-core's groups: decoder ranks in the
+    order tp-cp-dp-pp, expert ranks etp-ep-edp-pp (``parallel.process_groups``)."""
+    tp, cp, dp, etp, ep = inp.tp, inp.cp, inp.dp, inp.expert_tp, inp.ep
+    geometry = {"tp": (tp, 1), "cp": (cp, tp), "world": (cp, tp), "dp_cp": (dp * cp, tp),
+                "pp": (pp, tp * cp * dp), "expt_tp": (etp, 1), "ep": (ep, etp),
+                "tp_ep": (etp * ep, 1), "expert_dp": (inp.expert_dp, etp * ep)}
+    if group not in geometry:
+        raise ValueError(f"step-time model: no placement for group {group!r}")
+    return geometry[group]
+
+
+def per_node(size: int, stride: int, gpus_per_node: int) -> int:
+    """Members of a group (``size`` ranks ``stride`` apart, starting on a node boundary) that
+    share a node."""
+    if stride >= gpus_per_node:
+        return 1
+    return max(1, min(size, gpus_per_node // stride))
+
+
+def collective_seconds(op: str, sent: float, size: int, stride: int,
+                       cluster: ClusterSpec) -> float:
+    """Seconds one rank takes to send ``sent`` bytes in collectives ``op`` over a group: the
+    bytes split inside / across nodes as ``level_bytes`` splits them, each level at its rate,
+    one after the other."""
+    if size <= 1 or sent <= 0:
+        return 0.0
+    local = per_node(size, stride, cluster.gpus_per_node)
+    split_as = "all_gather" if op in ("all_reduce", "reduce_scatter", "send") else op
+    shares = level_bytes(split_as, size * (size - 1), size, local)
+    whole = shares["intra"] + shares["inter"]
+    inter = sent * shares["inter"] / whole
+    return (cluster.intra_node.seconds(sent - inter) + cluster.inter_node.seconds(inter))
+
+
+def comm_seconds(comm: Comm, inp: MemoryInputs, pp: int, cluster: ClusterSpec,
+                 skip: frozenset[str] = frozenset()) -> dict[str, float]:
+    """Seconds per kind (``GROUP_KINDS``) of a plan's bytes by "<op>:<group>"."""
+    out: dict[str, float] = {}
+    for key, sent in comm:
+        op, group = key.split(":")
+        kind = GROUP_KINDS[group]
+        if kind in skip:
+            continue
+        size, stride = group_geometry(group, inp, pp)
+        out[kind] = out.get(kind, 0.0) + collective_seconds(op, sent, size, stride, cluster)
+    return out
+
+
+def send_seconds(sent: int, sender: int, receiver: int, inp: MemoryInputs, pp: int,
+                 cluster: ClusterSpec) -> float:
+    """One pipeline message from pipeline rank ``sender`` to ``receiver`` (first replica)."""
+    if not sent:
+        return 0.0
+    stride = group_geometry("pp", inp, pp)[1]
+    nodes = {(rank * stride) // cluster.gpus_per_node for rank in (sender, receiver)}
+    return cluster.link(len(nodes) > 1).seconds(sent, messages=1)
+
+
+# -------------------------------------------------------------------------- the model
+
+
+@dataclass(frozen=True)
+class Overlaps:
+    """Which communication the model hides behind compute (see the module doc)."""
+
+    grad_reduce: bool = False
+    param_gather: bool = False
+    expert_all_to_all: bool = False
+
+    @classmethod
+    def of_job(cls, job: JobConfig) -> Overlaps:
+        """What the job runs with: this backend offers ``parallel.overlap_grad_reduce``
+        only; the other two are what-ifs for the planner."""
+        return cls(grad_reduce=job.parallel.overlap_grad_reduce)
+
+    def label(self) -> str:
+        on = [f.name for f in dataclasses.fields(self) if getattr(self, f.name)]
+        return "+".join(on) if on else "none"
+
+
+@dataclass(frozen=True)
+class RankTime:
+    """One pipeline rank's step, in seconds, by where it goes: the parts sum to the step."""
+
+    rank: int
+    compute: float
+    comm: dict[str, float]  # exposed, by kind (COMM_KINDS)
+    optimizer: float
+    bubble: float  # waiting: pipeline fill and drain, and for slower ranks
+    model_flops: float  # per step, without recompute
+
+    @property
+    def total(self) -> float:
+        return self.compute + sum(self.comm.values()) + self.optimizer + self.bubble
+
+
+@dataclass(frozen=True)
+class StepTime:
+    cluster: ClusterSpec
+    overlaps: Overlaps
+    step_seconds: float
+    ranks: tuple[RankTime, ...]
+    gpus: int
+    layout: PipelineLayout
+    hidden: dict[str, float] = field(default_factory=dict)  # seconds overlap hid, by kind
+
+    @property
+    def model_flops(self) -> float:
+        """The whole job's model FLOPs per step: each pipeline rank's x its replicas."""
+        replicas = self.gpus // len(self.ranks)
+        return sum(r.model_flops for r in self.ranks) * replicas
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.model_flops / self.step_seconds / self.gpus / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return self.tflops_per_gpu / self.cluster.peak_tflops
+
+    def busiest(self) -> RankTime:
+        """The rank that waits least: the step's critical path runs through it."""
+        return min(self.ranks, key=lambda r: r.bubble)
+
+
+@dataclass(frozen=True)
+class _StageTimes:
+    forward: float
+    backward: float
+    compute: float  # forward + backward compute per micro-batch
+    comm: dict[str, float]  # exposed per micro-batch, by kind
+    model_flops: float  # per micro-batch
+
+
+def predict_step_time(job: JobConfig, dp: int, cluster: ClusterSpec,
+                      overlaps: Overlaps | None = None, **changes) -> StepTime:
+    """The step time of ``job`` at data-parallel size ``dp`` on ``cluster``, per rank, under
+    ``overlaps`` (default: the job's own). ``changes``: to ``inputs_from_job`` (e.g.
+    fused_attention=True for a GPU plan)."""
+    overlaps = overlaps or Overlaps.of_job(job)
+    inputs = inputs_from_job(job, dp, **changes)
+    layout = job_pipeline(job, dp, **changes)
+    report = plan_report(job.model, layout, inputs, job.activations)
+    plain = plan_report(job.model, layout, dataclasses.replace(inputs, recompute=Recompute()))
+    pp, mb = layout.pp, inputs.num_microbatches
+    stages = [_stage_times(job, inputs, layout, s, report.stages[s].costs,
+                           plain.stages[s].costs, cluster, overlaps)
+              for s in range(len(layout.stages))]
+    schedule = PipelineSchedule(pp, layout.vpp, mb, inputs.microbatch_group)
+    timed = replay_times(schedule, [s.forward for s in stages], backward_seconds=[
+        s.backward for s in stages])
+    ends, tails, hidden = {}, {}, {}
+    for rank in range(pp):
+        mine = [s for s in range(len(layout.stages)) if layout.rank_of(s) == rank]
+        ends[rank] = max(op.end for op in timed[rank])
+        tails[rank] = _step_tail(job, inputs, layout, rank, mine, timed[rank], report, cluster,
+                                 overlaps, hidden)
+    pipeline_end = max(ends[r] + tails[r]["after_pipeline"] for r in range(pp))
+    optimizer = max(tails[r]["optimizer"] for r in range(pp))
+    gather = max(tails[r]["param_gather"] for r in range(pp))
+    step = pipeline_end + optimizer + gather
+    ranks = []
+    for rank in range(pp):
+        mine = [s for s in range(len(layout.stages)) if layout.rank_of(s) == rank]
+        comm = {kind: 0.0 for kind in COMM_KINDS}
+        compute = 0.0
+        for s in mine:
+            compute += mb * stages[s].compute
+            for kind, seconds in stages[s].comm.items():
+                comm[kind] += mb * seconds
+        comm["grad_reduction"] += tails[rank]["grad_reduction"]
+        comm["tensor_parallel"] += tails[rank]["tp_step"]
+        comm["param_gather"] += tails[rank]["param_gather"]
+        busy = compute + sum(comm.values()) + tails[rank]["optimizer"]
+        ranks.append(RankTime(rank, compute, comm, tails[rank]["optimizer"], step - busy,
+                              mb * sum(stages[s].model_flops for s in mine)))
+    gpus = job.parallel.world_size_needed(dp)
+    return StepTime(cluster, overlaps, step, tuple(ranks), gpus, layout, hidden)
+
+
+def _stage_times(job: JobConfig, inputs: MemoryInputs, layout: PipelineLayout, stage: int,
+                 costs, plain, cluster: ClusterSpec, overlaps: Overlaps) -> _StageTimes:
+    """One micro-batch's forward and backward on ``stage``: compute at the cluster's rate
+    (the forward a third of the model's FLOPs, the backward the rest, recompute included)
+    plus the exposed collectives (the forward sends half of what a step without recompute
+    sends, the backward the rest) and the pipeline message each one sends."""
+    pp, rate = layout.pp, cluster.compute_tflops * 1e12
+    forward_compute = plain.flops_per_microbatch / 3 / rate
+    compute = costs.flops_per_microbatch / rate
+    total = comm_seconds(costs.comm_bytes_per_microbatch, inputs, pp, cluster)
+    once = comm_seconds(plain.comm_bytes_per_microbatch, inputs, pp, cluster)
+    in_forward = {kind: once.get(kind, 0.0) / 2 / seconds for kind, seconds in total.items()
+                  if seconds}
+    if overlaps.expert_all_to_all and "expert_all_to_all" in total:
+        # behind the compute of another micro-batch, as far as that compute lasts
+        total["expert_all_to_all"] = max(0.0, total["expert_all_to_all"] - compute)
+    forward_comm = sum(in_forward[kind] * seconds for kind, seconds in total.items() if seconds)
+    to_next, to_previous = stage_sends(job, inputs, layout, stage)
+    rank = layout.rank_of(stage)
+    ahead = send_seconds(to_next, rank, (rank + 1) % pp, inputs, pp, cluster) if pp > 1 else 0
+    back = send_seconds(to_previous, rank, (rank - 1) % pp, inputs, pp, cluster) if pp > 1 else 0
+    comm = dict(total)
+    comm["pipeline"] = ahead + back
+    return _StageTimes(forward_compute + forward_comm + ahead,
+                       compute - forward_compute + sum(total.values()) - forward_comm + back,
+                       compute, comm, plain.flops_per_microbatch)
+
+
+def _step_tail(job: JobConfig, inputs: MemoryInputs, layout: PipelineLayout, rank: int,
+               mine: list[int], ops, report, cluster: ClusterSpec, overlaps: Overlaps,
+               hidden: dict[str, float]) -> dict[str, float]:
+    """The per-step parts of one rank: exposed gradient reduction, the TP all-reduce of
+    replicated gradients (and Muon's gathers), the optimizer, the exposed parameter gather."""
+    pp = layout.pp
+    costs = [report.stages[s].costs for s in mine]
+    dense = [c.dense_params for c in costs]
+    expert = [c.expert_params for c in costs]
+    reduce_chunks = [_dp_seconds(inputs, pp, cluster, d, e, inputs.grad_bytes,
+                                 "reduce_scatter" if inputs.distributed_optimizer else "all_reduce")
+                     for d, e in zip(dense, expert)]
+    optimizers = 2 if routed_over_expert_ranks(job) else 1
+    gather_chunks = [optimizers * _dp_seconds(inputs, pp, cluster, d, e, inputs.weight_bytes,
+                                              "all_gather")
+                     if inputs.distributed_optimizer else 0.0 for d, e in zip(dense, expert)]
+    if job.parallel.pipeline_zero2:
+        # Each flush reduce-scatters asynchronously behind the next micro-batches; the last
+        # one waits at the step's end.
+        groups = inputs.num_microbatches // (inputs.microbatch_group or pp)
+        exposed_reduce = sum(reduce_chunks) / max(1, groups if len(mine) > 1 else 1)
+    elif overlaps.grad_reduce:
+        exposed_reduce = _overlapped_reduction(ops, reduce_chunks, [d + e for d, e in
+                                                                    zip(dense, expert)])
+    else:
+        exposed_reduce = sum(reduce_chunks)
+    hidden["grad_reduction"] = hidden.get("grad_reduction", 0.0) + sum(reduce_chunks) - exposed_reduce
+    tp_step = comm_seconds(tensor_parallel_step_comm(job, inputs, layout, rank), inputs, pp,
+                           cluster).get("tensor_parallel", 0.0)
+    exposed_gather = (_overlapped_gather(ops, gather_chunks) if overlaps.param_gather
+                      else sum(gather_chunks))
+    hidden["param_gather"] = hidden.get("param_gather", 0.0) + sum(gather_chunks) - exposed_gather
+    return {"grad_reduction": exposed_reduce, "tp_step": tp_step,
+            "after_pipeline": exposed_reduce + tp_step,
+            "optimizer": optimizer_seconds(job.model, inputs, layout, rank, cluster),
+            "param_gather": exposed_gather}
+
+
+def _dp_seconds(inputs: MemoryInputs, pp: int, cluster: ClusterSpec, dense: int, expert: int,
+                value_bytes: int, op: str) -> float:
+    """One chunk's dense parameters over the dense data-parallel group (DP x CP) and its expert
+    parameters over the expert data-parallel group: a ring's bytes per rank, at the links' rates."""
+    seconds = 0.0
+    for group, count in (("dp_cp", dense), ("expert_dp", expert)):
+        size, stride = group_geometry(group, inputs, pp)
+        factor = 2 if op == "all_reduce" else 1
+        sent = factor * (size - 1) * value_bytes * count / size
+        seconds += collective_seconds(op, sent, size, stride, cluster)
+    return seconds
+
+
+def _overlapped_reduction(ops, chunk_seconds: list[float], chunk_params: list[int]) -> float:
+    """megatron-core's overlapped reduction on one rank: each chunk's buckets go out during its
+    last backward (one channel, in turn); the last bucket of each can leave only when the
+    backward ends. Returns the seconds past the rank's last op."""
+    end = max(op.end for op in ops)
+    last_backward = {}
+    for op in ops:
+        if op.op == "B":
+            last_backward[op.chunk] = op
+    channel = 0.0
+    for chunk in sorted(last_backward, key=lambda c: last_backward[c].start):
+        op, seconds = last_backward[chunk], chunk_seconds[chunk]
+        buckets = max(1, math.ceil(chunk_params[chunk] / DDP_BUCKET_ELEMENTS))
+        channel = max(max(channel, op.start) + seconds, op.end + seconds / buckets)
+    return max(0.0, channel - end)
+
+
+def _overlapped_gather(ops, chunk_seconds: list[float]) -> float:
+    """megatron-core's overlapped parameter gather: the chunks' gathers go out in the order
+    their first forward needs them, from the step's start; the step is late by the most a
+    first forward waits."""
+    first = {}
+    for op in ops:
+        if op.op == "F" and op.chunk not in first:
+            first[op.chunk] = op.start
+    channel, late = 0.0, 0.0
+    for chunk in sorted(first, key=first.get):
+        channel += chunk_seconds[chunk]
+        late = max(late, channel - first[chunk])
+    return late
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def optimizer_seconds(cfg: GLM5Config, inputs: MemoryInputs, layout: PipelineLayout, rank: int,
+                      cluster: ClusterSpec) -> float:
+    """One optimizer step on one rank: the elements it updates at HBM speed, and under Muon
+    the Newton-Schulz iterations of the matrices it owns at the compute rate."""
+    matrices, others, flops = _rank_parameters(cfg, inputs, layout, rank)
+    if inputs.muon is None:
+        moved = ADAMW_STEP_BYTES * (matrices + others)
+    else:
+        moved = MUON_STEP_BYTES * matrices + ADAMW_STEP_BYTES * others
+    on_device = 1.0 - inputs.optimizer_offload_fraction  # host state steps on the host
+    return (moved * on_device / (cluster.memory_gbs * 1e9)
+            + (flops / (cluster.compute_tflops * 1e12) if inputs.muon else 0.0))
+
+
+def _rank_parameters(cfg: GLM5Config, inputs: MemoryInputs, layout: PipelineLayout,
+                     rank: int) -> tuple[float, float, float]:
+    """(Muon matrix elements, other elements, Newton-Schulz FLOPs) one rank steps: its
+    stages' decoder layers and MTP layers; the distributed optimizer's share of them
+    (1 / (DP x CP) dense, 1 / expert-DP experts). Embedding and head are AdamW elements."""
+    dense_ranks = inputs.dp * inputs.cp if inputs.distributed_optimizer else 1
+    expert_ranks = inputs.expert_dp if inputs.distributed_optimizer else 1
+    layer, terms = 0, []
+    for stage, kinds in enumerate(layout.stages):
+        for kind in kinds:
+            mine = layout.rank_of(stage) == rank
+            if kind == "t":
+                if mine:
+                    terms += layer_terms(cfg, layer >= cfg.first_k_dense_replace)
+                layer += 1
+            elif kind == "m" and mine:
+                terms += mtp_layer_terms(cfg)
+            elif kind in "EL" and mine:
+                terms += [Term("embedding", "", ((cfg.vocab_size, cfg.hidden_size),))]
+    matrices = others = flops = 0.0
+    for term in terms:
+        experts = term.key == "routed_experts"
+        ranks = expert_ranks if experts else dense_ranks
+        split = (inputs.ep * inputs.expert_tp if experts
+                 else inputs.tp if term.key in TP_SPLIT else 1)
+        for shape in term.shapes:
+            elements = term.repeat * math.prod(shape) / split / ranks
+            if len(shape) == 2 and term.key not in ADAMW_MATRICES:
+                matrices += elements
+                # Newton-Schulz runs on the whole matrix (TP pieces gathered), by its owner.
+                copies = term.repeat / (inputs.ep * inputs.expert_tp if experts else 1)
+                flops += copies * newton_schulz_flops(*shape) / ranks
+            else:
+                others += elements
+    return matrices, others, flops
+
+
+def newton_schulz_flops(rows: int, cols: int) -> float:
+    """Muon's orthogonalisation of one [rows, cols] matrix: each iteration forms X X^T
+    (2 m^2 n), its square (2 m^3) and the update times X (2 m^2 n), m the smaller side."""
+    m, n = min(rows, cols), max(rows, cols)
+    return NEWTON_SCHULZ_ITERATIONS * (4 * m * m * n + 2 * m ** 3)
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def breakdown_lines(result: StepTime) -> list[str]:
+    """Per pipeline rank: compute, exposed communication by kind, optimizer, bubble (seconds
+    and share of the step), then the step, TFLOP/s per GPU and MFU."""
+    names = {"tensor_parallel": "TP", "context_parallel": "CP", "expert_all_to_all": "EP a2a",
+             "pipeline": "PP send", "grad_reduction": "DP grads", "param_gather": "DP params"}
+    head = (f"{'rank':>4} {'compute':>9} " + " ".join(f"{names[k]:>9}" for k in COMM_KINDS)
+            + f" {'optimizer':>9} {'bubble':>9}")
+    rows = [head, "-" * len(head)]
+    for r in result.ranks:
+        rows.append(f"{r.rank:>4} {r.compute:>9.2f} "
+                    + " ".join(f"{r.comm[k]:>9.2f}" for k in COMM_KINDS)
+                    + f" {r.optimizer:>9.2f} {r.bubble:>9.2f}")
+    busiest = result.busiest()
+    shares = ", ".join(f"{name} {seconds / result.step_seconds:.0%}" for name, seconds in [
+        ("compute", busiest.compute), *((names[k], busiest.comm[k]) for k in COMM_KINDS),
+        ("optimizer", busiest.optimizer), ("bubble", busiest.bubble)] if seconds > 0)
+    rows += ["", f"busiest rank {busiest.rank}: {shares}",
+             (f"predicted step {result.step_seconds:.2f} s on {result.gpus} x "
+              f"{result.cluster.device}, {result.tflops_per_gpu:.1f} TFLOP/s per GPU, "
+              f"MFU {result.mfu:.1%} (overlap: {result.overlaps.label()})")]
+    return rows

@@ -1,0 +1,160 @@
+"""The planner's step-time model (glm5_train/plan/step_time.py): each collective priced at the
+links it crosses, the parts of every rank's step adding up to the step, overlap hiding only
+what it can, MFU from the model's FLOPs, and tools/plan_step_time.py's output and errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from glm5_train.job_config import compose_job
+from glm5_train.plan import inputs_from_job, job_plan
+from glm5_train.plan import step_time
+from glm5_train.plan.step_time import (
+    ClusterSpec,
+    Link,
+    Overlaps,
+    collective_seconds,
+    load_cluster,
+    newton_schulz_flops,
+    predict_step_time,
+)
+from tools import plan_step_time
+
+# A cluster whose figures make hand arithmetic easy: 1 TFLOP/s, 100 GB/s inside a node,
+# 10 GB/s between nodes, no latency.
+EASY = ClusterSpec("easy", "test device", peak_tflops=2.0, compute_tflops=1.0, memory_gbs=1000.0,
+                   gpus_per_node=4, intra_node=Link(100.0, 0.0), inter_node=Link(10.0, 0.0))
+
+
+def test_a_collective_inside_one_node_runs_at_the_intra_node_rate():
+    assert collective_seconds("all_gather", 1e9, 4, 1, EASY) == pytest.approx(0.01)
+
+
+def test_a_group_with_one_rank_per_node_runs_at_the_inter_node_rate():
+    # stride 4 = gpus_per_node: every member on its own node
+    assert collective_seconds("reduce_scatter", 1e9, 4, 4, EASY) == pytest.approx(0.1)
+
+
+def test_an_all_to_all_over_two_nodes_sends_the_other_nodes_rows_across():
+    # 8 ranks, 4 per node: of the 7 rows a rank sends, 3 stay inside and 4 cross.
+    seconds = collective_seconds("all_to_all", 7e9, 8, 1, EASY)
+    assert seconds == pytest.approx(3e9 / 100e9 + 4e9 / 10e9)
+
+
+def test_a_ring_over_two_nodes_crosses_on_its_share_of_links():
+    # 8 ranks in a ring over 2 nodes: 2 of its 8 links cross (level_bytes' per-rank average).
+    seconds = collective_seconds("all_gather", 8e9, 8, 1, EASY)
+    assert seconds == pytest.approx(6e9 / 100e9 + 2e9 / 10e9)
+
+
+def test_newton_schulz_flops_follow_the_smaller_side():
+    assert newton_schulz_flops(2, 8) == newton_schulz_flops(8, 2) == 5 * (4 * 4 * 8 + 2 * 8)
+
+
+def _tiny(*overrides: str):
+    return compose_job(["model=glm5_tiny", "train=tiny", *overrides])
+
+
+def test_one_process_step_is_its_compute_comm_and_optimizer():
+    """One rank, no pipeline: no bubble, and compute is the planner's FLOPs at the rate."""
+    job = _tiny("parallel=single")
+    result = predict_step_time(job, 1, EASY)
+    (rank,) = result.ranks
+    assert rank.bubble == pytest.approx(0.0, abs=1e-12)
+    assert sum(rank.comm.values()) == 0.0
+    assert rank.total == pytest.approx(result.step_seconds)
+    inputs = inputs_from_job(job, 1)
+    from_plan = result.model_flops  # without recompute (tiny runs none): the executed FLOPs
+    assert rank.compute == pytest.approx(from_plan / 1e12)
+    assert result.tflops_per_gpu == pytest.approx(from_plan / result.step_seconds / 1e12)
+    assert result.mfu == pytest.approx(result.tflops_per_gpu / EASY.peak_tflops)
+    assert inputs.num_microbatches >= 1
+
+
+@pytest.mark.parametrize("parallel", ["pp2_vpp2", "tp2_pp2_vpp2_ep2_dp2"])
+def test_every_ranks_parts_add_up_to_the_step(parallel):
+    job = _tiny(f"parallel={parallel}")
+    dp = job.parallel.data_parallel_size or (2 if parallel.endswith("dp2") else 1)
+    result = predict_step_time(job, dp, EASY)
+    assert len(result.ranks) == 2
+    for rank in result.ranks:
+        assert rank.total == pytest.approx(result.step_seconds)
+        assert rank.bubble >= -1e-12
+        assert rank.compute > 0
+    busiest = result.busiest()
+    assert busiest.bubble == min(r.bubble for r in result.ranks)
+    if "tp2" in parallel:
+        assert busiest.comm["tensor_parallel"] > 0 and busiest.comm["expert_all_to_all"] > 0
+    assert busiest.comm["pipeline"] > 0
+
+
+def test_recompute_costs_compute_but_not_model_flops():
+    plain = predict_step_time(_tiny("parallel=single"), 1, EASY)
+    redone = predict_step_time(_tiny("parallel=single", "activations.recompute_granularity=full",
+                                     "activations.recompute_method=uniform",
+                                     "activations.recompute_num_layers=1"), 1, EASY)
+    assert redone.model_flops == pytest.approx(plain.model_flops)
+    assert redone.ranks[0].compute > plain.ranks[0].compute
+
+
+def test_overlapped_gradient_reduction_hides_behind_the_last_backward(monkeypatch):
+    """DP2 over two nodes with a slow link: the reduction is exposed whole without overlap.
+    With it, one bucket still waits for the backward's end (megatron-core sends a bucket
+    once all its gradients exist); with 4 buckets the first 3 leave during the backward."""
+    slow = dataclasses.replace(EASY, gpus_per_node=1, inter_node=Link(0.05, 0.0))
+    job = _tiny("parallel=single", "parallel.data_parallel_size=2")
+    off = predict_step_time(job, 2, slow, Overlaps())
+    exposed_off = off.ranks[0].comm["grad_reduction"]
+    one_bucket = predict_step_time(job, 2, slow, Overlaps(grad_reduce=True))
+    assert exposed_off > 0
+    assert one_bucket.ranks[0].comm["grad_reduction"] == pytest.approx(exposed_off)
+    params = sum(s.costs.dense_params for s in plan_stages(job))
+    monkeypatch.setattr(step_time, "DDP_BUCKET_ELEMENTS", -(-params // 4))
+    on = predict_step_time(job, 2, slow, Overlaps(grad_reduce=True))
+    exposed_on = on.ranks[0].comm["grad_reduction"]
+    assert exposed_off / 4 <= exposed_on < exposed_off
+    assert on.hidden["grad_reduction"] == pytest.approx(exposed_off - exposed_on)
+    assert on.step_seconds < off.step_seconds
+
+
+def plan_stages(job):
+    return job_plan(job, 2).stages
+
+
+def test_expert_overlap_hides_the_all_to_all_up_to_the_compute():
+    job = _tiny("parallel=ep2")
+    off = predict_step_time(job, 2, EASY, Overlaps())
+    on = predict_step_time(job, 2, EASY, Overlaps(expert_all_to_all=True))
+    assert off.ranks[0].comm["expert_all_to_all"] > 0
+    assert on.ranks[0].comm["expert_all_to_all"] == pytest.approx(max(
+        0.0, off.ranks[0].comm["expert_all_to_all"] - off.ranks[0].compute), abs=1e-12)
+
+
+def test_the_presets_load_and_a_bad_cluster_is_named():
+    h100 = load_cluster("h100")
+    assert (h100.gpus_per_node, h100.peak_tflops) == (8, 989.4)
+    assert load_cluster("h200").memory_gbs > h100.memory_gbs
+    with pytest.raises(ValueError, match="presets: .*h100"):
+        load_cluster("tpu9")
+
+
+def test_the_tool_prints_the_breakdown_and_its_last_line(capsys):
+    assert plan_step_time.main(["+experiment=glm5_sft_202k"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    fields = dict(item.split("=") for item in lines[-1].split())
+    assert set(fields) == {"step_s", "tflops_per_gpu", "mfu", "gpus", "overlap"}
+    assert fields["gpus"] == "256" and fields["overlap"] == "none"
+    assert float(fields["step_s"]) > 0 and 0 < float(fields["mfu"]) < 1
+    assert any(line.startswith("busiest rank") for line in lines)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--overlap", "grad_reduce,nccl_magic"], "nccl_magic: unknown; choose from"),
+    (["--cluster", "tpu9"], "cluster 'tpu9': no such preset"),
+])
+def test_the_tool_refuses_bad_input_in_one_line(capsys, argv, message):
+    assert plan_step_time.main(["+experiment=glm5_sft_202k", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
