@@ -75,7 +75,7 @@ from parallel.config.pipeline import check_interleaving
 from parallel.deferred_wgrad import WeightGradQueue
 from parallel.device import comm_device
 from parallel.distributed_muon import install_distributed_muon
-from parallel.embedding_tie import EmbeddingTie
+from parallel.embedding_tie import EmbeddingTie, check_tie_buckets
 from parallel.flexible_cp import FlexiblePlan, GroupPool, Workload
 from parallel.grad_norms import ParamGradNorms
 from parallel.int4_qat import Int4QAT
@@ -151,7 +151,10 @@ def assemble(job: JobConfig, validated: bool = False) -> Runtime:
         zero2 = PipelineZero2()
         pinned = embedding_tie.holders(chunks) if embedding_tie.needs_sync(chunks) else []
     chunks = wrap_ddp(chunks, config, job.parallel.use_distributed_optimizer,
-                      job.parallel.overlap_grad_reduce, zero2=zero2, pinned=pinned)
+                      job.parallel.overlap_grad_reduce, zero2=zero2, pinned=pinned,
+                      bucket_size=job.parallel.ddp_bucket_size)
+    if job.parallel.overlap_grad_reduce and job.parallel.use_distributed_optimizer:
+        check_tie_buckets(embedding_tie, chunks)
     # INT4 QAT first: deferred W GEMMs then multiply with its quantised weights too.
     qat = install_int4_qat(chunks, job.train.int4_group_size) if job.train.int4_qat else None
     wgrad = WeightGradQueue() if job.parallel.defer_weight_grads else None

@@ -25,16 +25,18 @@ if TYPE_CHECKING:
 
 def wrap_ddp(chunks: list[torch.nn.Module], config: TransformerConfig,
              use_distributed_optimizer: bool, overlap_grad_reduce: bool, zero2=None,
-             pinned: list | None = None) -> list:
+             pinned: list | None = None, bucket_size: int | None = None) -> list:
     """Wrap each chunk in megatron-core's DDP (contiguous fp32 grad buffers). With Pipeline
     ZeRO2 (``zero2``) each chunk's full buffer is handed over right after its wrapping, so at
-    most one exists at a time; ``pinned`` parameters keep a full gradient of their own."""
+    most one exists at a time; ``pinned`` parameters keep a full gradient of their own.
+    ``bucket_size``: parameters per bucket under overlap (None: megatron-core's default,
+    max(40M, 1M x DP))."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=use_distributed_optimizer,
         check_for_nan_in_grad=False,
-        bucket_size=None if not overlap_grad_reduce else 40_000_000,
+        bucket_size=bucket_size if overlap_grad_reduce else None,
     )
     wrapped = []
     for index, chunk in enumerate(chunks):
@@ -71,12 +73,23 @@ def attach_schedule_hooks(chunks: list, config: TransformerConfig, optimizer, gr
 def finalize_grads(model: list, num_tokens, pg_collection=None, force_all_reduce=False, *,
                    groups, embedding_tie):
     """megatron-core's ``finalize_model_grads``, with the word-embedding copies summed by our
-    ``EmbeddingTie`` first (megatron's own embedding group holds the first stage only, see
-    ``parallel.process_groups.first_stage_only``)."""
-    if embedding_tie is not None:
+    ``EmbeddingTie`` (megatron's own embedding group holds the first stage only, see
+    ``parallel.process_groups.first_stage_only``).
+
+    Without overlap the copies are summed first, on whole local gradients. With
+    ``overlap_grad_reduce`` a copy's bucket may already be reducing while the last backward
+    runs, so the sum waits until finalize has reduced and scaled every gradient: both steps
+    are linear and the same for every copy, so the order does not change the result. Under the
+    distributed optimizer only this rank's shard of each bucket is reduced then; each copy
+    sits alone in its bucket (``check_tie_buckets``), so the shards of all copies cover the same
+    elements and the sum is right where the optimizer reads it."""
+    tie_after = embedding_tie is not None and model[0].ddp_config.overlap_grad_reduce
+    if embedding_tie is not None and not tie_after:
         embedding_tie.sync(model)
     finalize_model_grads(model, num_tokens, pg_collection=pg_collection or groups,
                          force_all_reduce=force_all_reduce)
+    if tie_after:
+        embedding_tie.sync(model)
 
 
 def build_optimizer(chunks: list, cfg: "TrainConfig", use_distributed_optimizer: bool,

@@ -22,7 +22,8 @@ class EmbeddingTie:
 
     Runs before megatron-core's data-parallel reduction (``finalize``): the gradient buffers then
     hold whole local gradients, so the sum is right with the distributed optimizer too, whose
-    reduce-scatter leaves each buffer valid only on its own shard.
+    reduce-scatter leaves each buffer valid only on its own shard. Under overlapped reduction
+    it runs after it instead (``glm5_train.optim.finalize_grads``, ``check_tie_buckets``).
     """
 
     def __init__(self, config, tie_word_embeddings: bool, pp_group):
@@ -60,6 +61,31 @@ class EmbeddingTie:
             dist.all_reduce(total, group=self.group)
         for grad in grads:
             grad.copy_(total)
+
+
+def check_tie_buckets(tie: EmbeddingTie, chunks: list) -> None:
+    """Under the distributed optimizer with overlapped reduction the copies are summed after
+    the reduce-scatter (``glm5_train.optim.finalize_grads``), which is right only where each
+    copy's valid shard covers the same elements: every copy alone in a bucket of its own,
+    from the bucket's start (megatron-core gives parameters marked ``shared_embedding`` such a
+    bucket under the distributed optimizer). RuntimeError naming the copy otherwise."""
+    if not tie.needs_sync(chunks):
+        return
+    copies = {id(p): p for p in tie.holders(chunks)}
+    for chunk in chunks:
+        for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
+            for param in buffer.params:
+                if id(param) not in copies:
+                    continue
+                start, _, bucket_id = buffer.param_index_map[param]
+                bucket = buffer.buckets[bucket_id]
+                if len(bucket.params) != 1 or start != bucket.offset:
+                    raise RuntimeError(
+                        "parallel.overlap_grad_reduce=true with the distributed optimizer: a "
+                        f"word-embedding copy {tuple(param.shape)} shares its gradient bucket "
+                        f"({len(bucket.params)} parameters, starting at {bucket.offset}, the "
+                        f"copy at {start}), so summing the copies after the reduce-scatter "
+                        "would mix shards; set parallel.overlap_grad_reduce=false")
 
 
 def _grad_of(param: torch.nn.Parameter) -> torch.Tensor:

@@ -104,6 +104,9 @@ class DataParallelOptions:
 
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
+    # Parameters per gradient bucket under overlap_grad_reduce (Megatron-LM's --ddp-bucket-size);
+    # null: megatron-core's default, max(40M, 1M x DP). Smaller buckets start reducing earlier.
+    ddp_bucket_size: int | None = None
     backend: str | None = None  # None: nccl with CUDA, gloo without
     # Optional: the launcher starts TP x PP x CP x this many processes; when set, the job checks
     # the world size agrees. Null: derived from the world size.
@@ -194,7 +197,7 @@ def _check_positive(par: ParallelConfig) -> None:
         if getattr(par, name) < 1:
             raise LayoutError(f"parallel.{name}={getattr(par, name)} must be a positive integer")
     for name in ("expert_tensor_parallel_size", "data_parallel_size",
-                 "microbatch_group_size_per_vp_stage"):
+                 "microbatch_group_size_per_vp_stage", "ddp_bucket_size"):
         value = getattr(par, name)
         if value is not None and value < 1:
             raise LayoutError(f"parallel.{name}={value} must be a positive integer or null")
@@ -282,13 +285,6 @@ def _check_pipeline(par: ParallelConfig, model: ModelShape) -> None:
             f"parallel.virtual_pipeline_model_parallel_size={vpp} needs "
             f"pipeline_model_parallel_size > 1 (got {pp}) and a value >= 1: set it to null or "
             "raise PP")
-    embedding_copies = pp > 1 and (model.mtp_sets or model.tie_word_embeddings)
-    if embedding_copies and par.overlap_grad_reduce:
-        raise LayoutError(
-            "parallel.overlap_grad_reduce=true with pipeline_model_parallel_size > 1 and MTP "
-            "(or tied embeddings): the word embedding then has copies on two stages whose "
-            "gradients are summed before the data-parallel reduction, which overlapping would "
-            "race with; set parallel.overlap_grad_reduce=false (or model.mtp_num_steps=0)")
     if par.pipeline_model_parallel_layout or (model.mtp_sets and pp > 1):
         return  # the planner (glm5_train.plan) checks a given layout, or balances one
     stages = pp * (vpp or 1)

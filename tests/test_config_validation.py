@@ -65,12 +65,17 @@ def test_impossible_layouts_are_named(par, world, fragment):
 
 
 def test_with_mtp_an_uneven_pipeline_is_balanced_not_refused():
-    """With MTP the layout is balanced for the placement (glm5_train.plan), so 4
-    layers on 3 stages are fine; overlapped grad reduction would race with the embedding tie."""
+    """With MTP the layout is balanced for the placement (glm5_train.plan), so 4 layers on 3
+    stages are fine, with overlapped gradient reduction too (the embedding copies are summed
+    after it: tests/test_parity.py's pp2_vpp2_dp2_overlap cases)."""
     assert check(ParallelConfig(pipeline_model_parallel_size=3), 3, mtp_num_steps=3) == 1
-    with pytest.raises(LayoutError, match="overlap_grad_reduce=true with pipeline"):
-        check(ParallelConfig(pipeline_model_parallel_size=2, overlap_grad_reduce=True), 2,
-              mtp_num_steps=3)
+    assert check(ParallelConfig(pipeline_model_parallel_size=2, overlap_grad_reduce=True), 4,
+                 mtp_num_steps=3) == 2
+
+
+def test_a_bucket_size_below_one_is_refused():
+    with pytest.raises(LayoutError, match="parallel.ddp_bucket_size=0 must be a positive"):
+        check(ParallelConfig(overlap_grad_reduce=True, ddp_bucket_size=0), 2)
 
 
 def test_batch_must_split_over_data_parallel():

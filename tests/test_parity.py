@@ -34,6 +34,15 @@ LAYOUTS = {
     "ep2_overlap_distributed": (2, ["parallel=ep2", "parallel.overlap_grad_reduce=true",
                                     DISTRIBUTED]),
     "dp2": (2, ["parallel=single"]),
+    # Overlapped gradient reduction with the word embedding on two stages (MTP split: rank 0
+    # holds the embedding chunk and the MTP chunk): the copies are summed after the reduction.
+    # Buckets of 20K parameters, so reductions start inside the backward; plain DDP, and the
+    # distributed optimizer (each copy alone in its bucket: its shards line up).
+    "pp2_vpp2_dp2_overlap": (4, ["parallel=pp2_vpp2", "parallel.overlap_grad_reduce=true",
+                                 "parallel.ddp_bucket_size=20000"]),
+    "pp2_vpp2_dp2_overlap_distributed": (4, ["parallel=pp2_vpp2",
+                                             "parallel.overlap_grad_reduce=true",
+                                             "parallel.ddp_bucket_size=20000", DISTRIBUTED]),
     "tp2_pp2": (4, ["parallel=tp2_pp2"]),
     "pp2_ep2_dp2": (4, ["parallel=pp2_ep2_dp2"]),
     # TP2 (+SP) x PP2 x VPP2, EP2 across the TP ranks, with the distributed optimizer on (at

@@ -120,3 +120,34 @@ def test_profile_ranks_and_warmup_trace_only_the_chosen_ranks_and_steps(tmp_path
 def test_bad_profile_options_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         compose_job(["train.train_iters=2", *overrides])
+
+
+def _backward_and_dp_ranges(profile, rank: int) -> tuple[list[dict], list[dict]]:
+    """The traced step's backward ranges and its data-parallel collectives (megatron-core's
+    ``dp_cp`` group), in time order."""
+    with open(profile / f"rank{rank:05d}.json") as handle:
+        events = [e for e in json.load(handle)["traceEvents"] if e.get("ph") == "X"]
+    backward = sorted((e for e in events if e["name"].startswith("backward chunk")),
+                      key=lambda e: e["ts"])
+    reductions = r"dp_cp\.(all_reduce|reduce_scatter_tensor):2$"
+    dp = sorted((e for e in events if re.match(reductions, e["name"])), key=lambda e: e["ts"])
+    return backward, dp
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_overlapped_gradient_reduction_starts_inside_the_last_backward(tmp_path, distributed):
+    """parallel.overlap_grad_reduce with 20K-parameter buckets over DP2: the trace shows
+    gradient reductions issued while the step's last backward still runs (megatron-core starts
+    a bucket when autograd has filled it); without overlap every reduction starts after it."""
+    base = ["parallel=single", "train.train_iters=2", "train.profile_steps=[2,2]",
+            *(["parallel.use_distributed_optimizer=true"] if distributed else [])]
+    run_job(2, [*base, "parallel.overlap_grad_reduce=true", "parallel.ddp_bucket_size=20000"],
+            str(tmp_path / "overlap"))
+    run_job(2, base, str(tmp_path / "plain"))
+    backward, dp = _backward_and_dp_ranges(tmp_path / "overlap" / "profile", 0)
+    last = backward[-1]
+    inside = [e for e in dp if last["ts"] <= e["ts"] < last["ts"] + last["dur"]]
+    assert len(dp) > 1 and inside, (last, dp)
+    backward, dp = _backward_and_dp_ranges(tmp_path / "plain" / "profile", 0)
+    last = backward[-1]
+    assert dp and all(e["ts"] >= last["ts"] + last["dur"] for e in dp), (last, dp)

@@ -40,7 +40,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from parallel import mcore_compat
 from parallel.comm_meter import CommMeter
 from parallel.distributed_muon import all_gather_uneven, assign_owners, gather_plans, matrix_slots
-from parallel.embedding_tie import EmbeddingTie
+from parallel.embedding_tie import EmbeddingTie, check_tie_buckets
 from parallel.mla_down_projection import MLADownProjection
 from parallel.muon import MatrixLayout
 from parallel.pipeline_zero2 import PipelineZero2
@@ -49,6 +49,32 @@ from tests.spawn import model_parallel, run_ranks
 ATOL = 1e-6  # fp32; the compared sums differ only in reduction order
 
 # ------------------------------------------------------------------------------ EmbeddingTie
+
+
+def _buffer(*members: tuple[torch.nn.Parameter, int, int]) -> SimpleNamespace:
+    """A megatron-core grad buffer as ``check_tie_buckets`` reads it: (param, start, bucket)."""
+    buckets = {}
+    for param, start, bucket in members:
+        buckets.setdefault(bucket, SimpleNamespace(params=set(), offset=start)).params.add(param)
+        buckets[bucket].offset = min(buckets[bucket].offset, start)
+    return SimpleNamespace(params=[p for p, _, _ in members],
+                           param_index_map={p: (start, start + p.numel(), b)
+                                            for p, start, b in members},
+                           buckets=[buckets[b] for b in sorted(buckets)])
+
+
+def test_summing_copies_after_the_reduce_scatter_needs_each_copy_alone_in_its_bucket():
+    """Under overlap + the distributed optimizer the copies are summed after the
+    reduce-scatter: a copy sharing its bucket is refused at start-up, one alone passes."""
+    copy, other = torch.nn.Parameter(torch.zeros(3, 2)), torch.nn.Parameter(torch.zeros(4))
+    tie = SimpleNamespace(holders=lambda chunks: [copy], needs_sync=lambda chunks: True)
+    alone = SimpleNamespace(buffers=[_buffer((other, 0, 0), (copy, 64, 1))],
+                            expert_parallel_buffers=[])
+    check_tie_buckets(tie, [alone])
+    shared = SimpleNamespace(buffers=[_buffer((other, 0, 0), (copy, 64, 0))],
+                             expert_parallel_buffers=[])
+    with pytest.raises(RuntimeError, match=r"copy \(3, 2\) shares its gradient bucket"):
+        check_tie_buckets(tie, [shared])
 
 
 class _Holder(torch.nn.Module):

@@ -69,6 +69,24 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 warnings.filterwarnings("ignore", message="Apex is not installed")
 
 GB, GIB = 10**9, 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """A unit the tables print bytes in: the largest that keeps the largest figure >= 1, so
+    the tiny model's kilobytes read as such rather than 0.0 GB."""
+
+    name: str
+    size: int
+
+    @classmethod
+    def of(cls, largest: float, binary: bool) -> Unit:
+        base, names = (1024, ("B", "KiB", "MiB", "GiB")) if binary else (1000, ("B", "kB", "MB",
+                                                                               "GB"))
+        power = 3
+        while power and largest < base ** power:
+            power -= 1
+        return cls(names[power], base ** power)
 DEVICES = (("H100 80 GB", 80 * GB), ("H200 141 GB", 141 * GB))
 BRIDGE = ("Megatron-Bridge GLM-5.2 200K SFT: 608 H100 (TP1 PP19 CP32 EP32, full recompute), "
           "peak 81,005 MiB, 36.6 s per step, 39.6 TFLOP/s per GPU")
@@ -205,25 +223,39 @@ def rank_lines(fit: Fit) -> list[str]:
     expert-tensor-parallel exchanges, the expert all-to-alls (the router spreading tokens
     evenly); n/a where the planner does not model them (distributed Muon's
     data-parallel gradient traffic, frozen parameters,
-    ``tensor_parallel_unmodelled``)."""
-    head = (f"{'rank':>4} {'static GiB':>11} {'peak act GiB':>13} {'total GiB':>10} "
-            f"{'CP sent GB/step':>16} {'DP sent GB/step':>16} {'PP sent GB/step':>16} "
-            f"{'TP sent GB/step':>16} {'EP sent GB/step':>16}")
+    ``tensor_parallel_unmodelled``). Memory in the binary unit of the largest rank, traffic in
+    the decimal unit of the largest figure."""
+    mem = Unit.of(max(rank.total_bytes for rank in fit.report.ranks), binary=True)
+    sent_all = [context_parallel_sent(rank) for rank in fit.report.ranks]
+    sent_all += [v for sent in fit.traffic for v in sent.values()]
+    net = Unit.of(max(sent_all, default=0), binary=False)
+    head = (f"{'rank':>4} {'static ' + mem.name:>11} {'peak act ' + mem.name:>13} "
+            f"{'total ' + mem.name:>10} "
+            + " ".join(f"{kind + ' sent ' + net.name + '/step':>16}"
+                       for kind in ("CP", "DP", "PP", "TP", "EP")))
     rows = [head, "-" * len(head)]
     for rank, sent in zip(fit.report.ranks, fit.traffic):
-        rows.append(f"{rank.rank:>4} {rank.static_bytes / GIB:>11.2f} "
-                    f"{rank.peak_activation_bytes / GIB:>13.2f} {rank.total_bytes / GIB:>10.2f} "
-                    f"{context_parallel_sent(rank) / GB:>16.1f} "
-                    f"{_gb(sent, 'grad_reduction', 'param_gather'):>16} {_gb(sent, 'p2p'):>16} "
-                    f"{_gb(sent, 'tensor_parallel', 'expert_tensor_parallel'):>16} "
-                    f"{_gb(sent, 'expert_all_to_all'):>16}")
+        rows.append(f"{rank.rank:>4} {rank.static_bytes / mem.size:>11.2f} "
+                    f"{rank.peak_activation_bytes / mem.size:>13.2f} "
+                    f"{rank.total_bytes / mem.size:>10.2f} "
+                    f"{context_parallel_sent(rank) / net.size:>16.1f} "
+                    f"{_sent(sent, net, 'grad_reduction', 'param_gather'):>16} "
+                    f"{_sent(sent, net, 'p2p'):>16} "
+                    f"{_sent(sent, net, 'tensor_parallel', 'expert_tensor_parallel'):>16} "
+                    f"{_sent(sent, net, 'expert_all_to_all'):>16}")
     return rows
 
 
-def _gb(sent: dict[str, int], *kinds: str) -> str:
+def _sent(sent: dict[str, int], unit: Unit, *kinds: str) -> str:
     if not all(kind in sent for kind in kinds):
         return "n/a"
-    return f"{sum(sent[kind] for kind in kinds) / GB:.1f}"
+    return f"{sum(sent[kind] for kind in kinds) / unit.size:.1f}"
+
+
+def _in(nbytes: int, binary: bool) -> str:
+    """``nbytes`` in its own unit, e.g. '64.4 GiB', '29.9 MB'."""
+    unit = Unit.of(nbytes, binary)
+    return f"{nbytes / unit.size:.1f} {unit.name}"
 
 
 def device_lines(fit: Fit) -> list[str]:
@@ -239,23 +271,26 @@ def technique_lines(base: Fit, tried: list[tuple[Variant, Fit]]) -> list[str]:
     """Each variant's largest rank against the plan's, and each used technique's share of what
     the used techniques save together (each turned off alone)."""
     h100 = DEVICES[0][1]
-    head = f"{'technique':<72} {'largest rank + ws GB':>21} {'change GB':>10} {'H100':>5}"
-    plan = (f"{'the plan':<72} {base.peak_bytes / GB:>21.1f} {'':>10} "
+    u = Unit.of(base.peak_bytes, binary=False)
+    head = (f"{'technique':<72} {'largest rank + ws ' + u.name:>21} {'change ' + u.name:>10} "
+            f"{'H100':>5}")
+    plan = (f"{'the plan':<72} {base.peak_bytes / u.size:>21.1f} {'':>10} "
             f"{'fits' if base.peak_bytes <= h100 else 'no':>5}")
     rows = [head, "-" * len(head), plan]
     savings = {}
     for variant, fit in tried:
         change = fit.peak_bytes - base.peak_bytes
-        rows.append(f"{variant.label:<72} {fit.peak_bytes / GB:>21.1f} {change / GB:>+10.1f} "
+        rows.append(f"{variant.label:<72} {fit.peak_bytes / u.size:>21.1f} "
+                    f"{change / u.size:>+10.1f} "
                     f"{'fits' if fit.peak_bytes <= h100 else 'no':>5}")
         if variant.removes and change > 0:
             savings[variant.removes] = change
     total = sum(savings.values())
     if total:
-        shares = ", ".join(f"{name} {saved / GB:.1f} GB ({saved / total:.0%})"
+        shares = ", ".join(f"{name} {_in(saved, False)} ({saved / total:.0%})"
                            for name, saved in sorted(savings.items(), key=lambda kv: -kv[1]))
         rows.append(f"saved on the largest rank by each technique the plan uses (turned off "
-                    f"alone; sum {total / GB:.1f} GB): {shares}")
+                    f"alone; sum {_in(total, False)}): {shares}")
     return rows
 
 
@@ -305,9 +340,9 @@ def main(argv: list[str] | None = None) -> int:
          f"GPUs; {job.train.global_batch_size} x {job.train.seq_length} tokens per step "
          f"({inputs.seq} per CP rank), {inputs.num_microbatches} micro-batches per rank"),
         f"layout: {base.report.layout.to_string()}", "", *rank_lines(base), "",
-        (f"largest rank {base.max_rank_bytes / GIB:.1f} GiB + recompute working set "
-         f"{base.working_set_bytes / GIB:.1f} GiB = {base.peak_bytes / GB:.1f} GB; "
-         f"context-parallel traffic {base.cp_bytes / GB:.1f} GB sent per rank and step"),
+        (f"largest rank {_in(base.max_rank_bytes, True)} + recompute working set "
+         f"{_in(base.working_set_bytes, True)} = {_in(base.peak_bytes, False)}; "
+         f"context-parallel traffic {_in(base.cp_bytes, False)} sent per rank and step"),
         *device_lines(base), "",
         BRIDGE,
         (f"this plan: {base.gpus} GPUs, {BRIDGE_GPUS / base.gpus:.1f}x fewer"
