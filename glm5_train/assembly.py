@@ -152,7 +152,8 @@ def assemble(job: JobConfig, validated: bool = False) -> Runtime:
         pinned = embedding_tie.holders(chunks) if embedding_tie.needs_sync(chunks) else []
     chunks = wrap_ddp(chunks, config, job.parallel.use_distributed_optimizer,
                       job.parallel.overlap_grad_reduce, zero2=zero2, pinned=pinned,
-                      bucket_size=job.parallel.ddp_bucket_size)
+                      bucket_size=job.parallel.ddp_bucket_size,
+                      overlap_param_gather=job.parallel.overlap_param_gather)
     if job.parallel.overlap_grad_reduce and job.parallel.use_distributed_optimizer:
         check_tie_buckets(embedding_tie, chunks)
     # INT4 QAT first: deferred W GEMMs then multiply with its quantised weights too.
@@ -224,6 +225,11 @@ def validate_job(job: JobConfig) -> int:
     dp = validate_layout(job.parallel, job.model, world, job.train.global_batch_size,
                          job.train.micro_batch_size, job.train.seq_length)
     _check_muon_offload(job)
+    if job.parallel.overlap_param_gather and job.train.optimizer == "muon":
+        raise ValueError("parallel.overlap_param_gather=true with train.optimizer=muon: "
+                         "distributed Muon gathers each matrix from its owner after its own "
+                         "step, and overlapping that gather with the forward is not built; set "
+                         "parallel.overlap_param_gather=false")
     check_profile_ranks(job.train.profile_ranks, world)
     if job.parallel.defer_weight_grads and transformer_engine_available():
         raise ValueError("parallel.defer_weight_grads=true with Transformer Engine installed: "

@@ -31,6 +31,7 @@ from glm5_train.checkpoint_store import LATEST
 from glm5_train.model.config import TRAINING_FIELDS, GLM5Config
 from glm5_train.schedules import final_lr
 from parallel import distopt_checkpoint, mcore_compat
+from parallel.distopt_slices import parameters_gathered
 from parallel.muon import MuonAdamW
 
 AUTO = "auto"  # checkpoint.load: resume from checkpoint.save's newest complete checkpoint
@@ -155,9 +156,11 @@ def save_checkpoint(root: str, chunks, optimizer, scheduler, state: TrainState,
     if rank == 0:
         checkpoint_store.prepare_staging(root, state.iteration)
     dist.barrier()
-    sharded = _sharded_state(chunks, optimizer, scheduler, state, model_cfg, is_loading=False)
-    mcore_compat.in_process_checkpoint_results_queue()
-    dist_checkpointing.save(sharded, staging)
+    with parameters_gathered(chunks):  # the step's weights, not the gather it left pending
+        sharded = _sharded_state(chunks, optimizer, scheduler, state, model_cfg,
+                                 is_loading=False)
+        mcore_compat.in_process_checkpoint_results_queue()
+        dist_checkpointing.save(sharded, staging)
     # Each rank hashes and syncs what it wrote, while it is still in its page cache: on a
     # shared file system only the writer's client can flush its data, and nobody re-reads it.
     sealed = checkpoint_store.seal_files(staging, lambda name: _written_by(name, rank))

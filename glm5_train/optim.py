@@ -15,6 +15,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from glm5_train.schedules import build_lr_scheduler
 from parallel import mcore_compat
 from parallel.deferred_wgrad import drain_first
+from parallel.distopt_slices import drain_gathers, mark_gathers
 from parallel.host_optimizer import provide_init_state
 from parallel.pipeline_zero2 import finalize_zero2_grads
 
@@ -25,18 +26,23 @@ if TYPE_CHECKING:
 
 def wrap_ddp(chunks: list[torch.nn.Module], config: TransformerConfig,
              use_distributed_optimizer: bool, overlap_grad_reduce: bool, zero2=None,
-             pinned: list | None = None, bucket_size: int | None = None) -> list:
+             pinned: list | None = None, bucket_size: int | None = None,
+             overlap_param_gather: bool = False) -> list:
     """Wrap each chunk in megatron-core's DDP (contiguous fp32 grad buffers). With Pipeline
     ZeRO2 (``zero2``) each chunk's full buffer is handed over right after its wrapping, so at
     most one exists at a time; ``pinned`` parameters keep a full gradient of their own.
     ``bucket_size``: parameters per bucket under overlap (None: megatron-core's default,
-    max(40M, 1M x DP))."""
+    max(40M, 1M x DP)). ``overlap_param_gather``: the optimizer step leaves the parameter
+    all-gather to the next forward's hooks (each chunk's, in the schedule's order when there
+    are several: ``attach_schedule_hooks``)."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=use_distributed_optimizer,
         check_for_nan_in_grad=False,
         bucket_size=bucket_size if overlap_grad_reduce else None,
+        overlap_param_gather=overlap_param_gather,
+        align_param_gather=overlap_param_gather and len(chunks) > 1,
     )
     wrapped = []
     for index, chunk in enumerate(chunks):
@@ -46,6 +52,7 @@ def wrap_ddp(chunks: list[torch.nn.Module], config: TransformerConfig,
         if zero2 is not None:
             mine = {id(p) for p in chunk.parameters()}
             zero2.adopt(wrapped[-1], [p for p in pinned or [] if id(p) in mine])
+        mark_gathers(wrapped[-1])
     return wrapped
 
 
@@ -68,6 +75,8 @@ def attach_schedule_hooks(chunks: list, config: TransformerConfig, optimizer, gr
     if chunks[0].ddp_config.overlap_grad_reduce:
         config.grad_sync_func = ([c.start_grad_sync for c in chunks] if len(chunks) > 1
                                  else chunks[0].start_grad_sync)
+    if chunks[0].ddp_config.align_param_gather:  # the schedule starts each chunk's gather
+        config.param_sync_func = [c.start_param_sync for c in chunks]
 
 
 def finalize_grads(model: list, num_tokens, pg_collection=None, force_all_reduce=False, *,
@@ -83,6 +92,7 @@ def finalize_grads(model: list, num_tokens, pg_collection=None, force_all_reduce
     distributed optimizer only this rank's shard of each bucket is reduced then; each copy
     sits alone in its bucket (``check_tie_buckets``), so the shards of all copies cover the same
     elements and the sum is right where the optimizer reads it."""
+    drain_gathers(model)
     tie_after = embedding_tie is not None and model[0].ddp_config.overlap_grad_reduce
     if embedding_tie is not None and not tie_after:
         embedding_tie.sync(model)
@@ -113,6 +123,8 @@ def build_optimizer(chunks: list, cfg: "TrainConfig", use_distributed_optimizer:
         bf16=params_dtype == torch.bfloat16,
         params_dtype=params_dtype,
         use_distributed_optimizer=use_distributed_optimizer,
+        # megatron-core's step skips its own gather when the DDP config says so; the two agree
+        overlap_param_gather=chunks[0].ddp_config.overlap_param_gather,
         optimizer_cpu_offload=host,
         optimizer_offload_fraction=offload.optimizer_offload_fraction if host else 0.0,
         overlap_cpu_optimizer_d2h_h2d=host and offload.overlap_cpu_optimizer_d2h_h2d,

@@ -11,6 +11,8 @@ for fp32 ones). Pipeline ZeRO2 and distributed Muon both work on those pairs.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
 
 import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -59,3 +61,58 @@ def slice_range(sub: DistributedOptimizer, model_param: torch.nn.Parameter) -> r
     offsets in the buffer ("gbuf_world" in megatron-core's range map)."""
     world = sub._get_model_param_range_map(model_param)["gbuf_world"]
     return range(world.start, world.end)
+
+
+# ------------------------------------------------ the parameter gather left to the forward
+
+
+def mark_gathers(chunk) -> None:
+    """Under megatron-core's ``overlap_param_gather`` a module's forward pre-hook waits for the
+    all-gather of its own parameters. Code that reads another module's weight directly (the
+    chunked output head, the absorbed MLA's up projection) calls ``gathered`` on it; this
+    gives each of ``chunk``'s parameters what that call waits for (its bucket group's gather,
+    dispatched first where it is not yet)."""
+    if not chunk.ddp_config.overlap_param_gather:
+        return
+    skip_next = chunk.ddp_config.align_param_gather  # the schedule dispatches the next ones
+    for param, group in chunk.param_to_bucket_group.items():
+        param.wait_for_gather = partial(group.finish_param_sync,
+                                        skip_next_bucket_dispatch=skip_next)
+
+
+def gathered(param: torch.Tensor) -> torch.Tensor:
+    """``param``, its overlapped all-gather finished (``mark_gathers``; a no-op otherwise)."""
+    wait = getattr(param, "wait_for_gather", None)
+    if wait is not None:
+        wait()
+    return param
+
+
+def drain_gathers(chunks: list) -> None:
+    """Finish every parameter gather still in flight: a bucket whose modules did not run
+    this step (an expert that got no token) must not carry its gather into the next step,
+    where megatron-core would dispatch it again."""
+    for chunk in chunks:
+        if not chunk.ddp_config.overlap_param_gather:
+            continue
+        for group in [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]:
+            if group.param_gather_handle is not None:
+                group.param_gather_handle.wait()
+                group.param_gather_handle = None
+
+
+@contextmanager
+def parameters_gathered(chunks: list):
+    """Every parameter whole on this rank inside the block, for reading them outside a
+    forward (a checkpoint, a weight version). Under ``parallel.overlap_param_gather`` the
+    optimizer step leaves the gather to the next forward's hooks: here megatron-core's hooks
+    are taken off, which gathers every bucket now, and put back after."""
+    overlapped = [c for c in chunks if getattr(c, "ddp_config", None) is not None
+                  and c.ddp_config.overlap_param_gather]
+    for chunk in overlapped:
+        chunk.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        for chunk in overlapped:
+            chunk.enable_forward_pre_hook()

@@ -104,9 +104,15 @@ class DataParallelOptions:
 
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
-    # Parameters per gradient bucket under overlap_grad_reduce (Megatron-LM's --ddp-bucket-size);
-    # null: megatron-core's default, max(40M, 1M x DP). Smaller buckets start reducing earlier.
+    # Parameters per bucket under overlap_grad_reduce (Megatron-LM's --ddp-bucket-size); null:
+    # megatron-core's default, max(40M, 1M x DP). Smaller buckets start reducing (and, with
+    # overlap_param_gather, gathering) earlier.
     ddp_bucket_size: int | None = None
+    # The distributed optimizer's parameter all-gather left to the next forward: each bucket
+    # is gathered when its first module runs, behind the compute of the modules before it
+    # (megatron-core's overlap_param_gather; needs use_distributed_optimizer and
+    # overlap_grad_reduce, whose buckets it gathers).
+    overlap_param_gather: bool = False
     backend: str | None = None  # None: nccl with CUDA, gloo without
     # Optional: the launcher starts TP x PP x CP x this many processes; when set, the job checks
     # the world size agrees. Null: derived from the world size.
@@ -156,6 +162,7 @@ def validate_layout(par: ParallelConfig, model: ModelShape, world_size: int,
     check_deferred_wgrad(par)
     check_host_optimizer(par)
     _check_experts(par, model, dp)
+    _check_param_gather(par)
     _check_dispatcher(par)
     _check_sequence(par, model, seq_length)
     if par.cp_groups != "flexible":  # flexible: the plan sets the micro-batches per step
@@ -316,6 +323,29 @@ def _check_experts(par: ParallelConfig, model: ModelShape, dp: int) -> None:
             f"expert_model_parallel_size x expert_tensor_parallel_size = {ep} x {etp} must divide "
             f"tensor x context x data parallel = {expert_dp_world} (the ranks of one pipeline "
             "stage): lower EP or launch more data-parallel ranks")
+
+
+def _check_param_gather(par: ParallelConfig) -> None:
+    if not par.overlap_param_gather:
+        return
+    if not par.use_distributed_optimizer:  # param_and_grad_buffer.py:262
+        raise LayoutError(
+            "parallel.overlap_param_gather=true needs parallel.use_distributed_optimizer=true: "
+            "without it every rank updates whole parameters and nothing is gathered; set both")
+    if not par.overlap_grad_reduce:  # distributed_data_parallel.py:67: no buckets without it
+        raise LayoutError(
+            "parallel.overlap_param_gather=true needs parallel.overlap_grad_reduce=true: "
+            "megatron-core splits the parameters into buckets only then, and one bucket would "
+            "be gathered whole at the first forward, behind nothing; set both (as Megatron-LM "
+            "requires)")
+    for other, why in (("pipeline_zero2", "Pipeline ZeRO2 hands the gradient buffers over per "
+                        "micro-batch group"),
+                       ("optimizer_cpu_offload", "the host optimizer copies the parameters back "
+                        "itself")):
+        if getattr(par, other):
+            raise LayoutError(
+                f"parallel.overlap_param_gather=true with parallel.{other}=true: {why}, and the "
+                f"overlapped gather is not built for it; set one of them to false")
 
 
 DISPATCHERS = ("alltoall", "allgather", "flex")

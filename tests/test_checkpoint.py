@@ -95,3 +95,19 @@ def test_extending_a_run_continues_the_saved_schedule_and_says_so(tmp_path):
     assert "continuing the saved" not in said.log
     assert [r["step"] for r in said.records] == [3, 4]
     assert [r["loss"] for r in said.records] == [r["loss"] for r in silent.records]
+
+
+def test_a_checkpoint_under_overlapped_parameter_gather_holds_the_steps_weights(tmp_path):
+    """parallel.overlap_param_gather leaves each step's parameter all-gather to the next
+    forward; the checkpoint gathers them first (``parameters_gathered``), so resuming from
+    step 2 reproduces steps 3 and 4 bit for bit. Stale shards saved would change them."""
+    ckpt = tmp_path / "ckpt"
+    overlap = ["parallel=single", "parallel.use_distributed_optimizer=true",
+               "parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true",
+               "parallel.ddp_bucket_size=20000"]
+    full = run_job(2, [*overlap, *COMMON, f"checkpoint.save={ckpt}"], str(tmp_path / "full"))
+    (ckpt / "latest_iteration.txt").write_text("2\n")
+    resumed = run_job(2, [*overlap, "train.train_iters=4", f"checkpoint.load={ckpt}"],
+                      str(tmp_path / "resumed")).records
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full.records[2:]]

@@ -43,6 +43,16 @@ LAYOUTS = {
     "pp2_vpp2_dp2_overlap_distributed": (4, ["parallel=pp2_vpp2",
                                              "parallel.overlap_grad_reduce=true",
                                              "parallel.ddp_bucket_size=20000", DISTRIBUTED]),
+    # The distributed optimizer's parameter gather left to the next forward, bucket by bucket
+    # (with the reduction overlapped, whose buckets it gathers): DP2, and PP2 x VPP2 x DP2,
+    # where the interleaved schedule starts each chunk's gather.
+    "dp2_param_gather": (2, ["parallel=single", DISTRIBUTED, "parallel.overlap_grad_reduce=true",
+                             "parallel.overlap_param_gather=true",
+                             "parallel.ddp_bucket_size=20000"]),
+    "pp2_vpp2_dp2_param_gather": (4, ["parallel=pp2_vpp2", DISTRIBUTED,
+                                      "parallel.overlap_grad_reduce=true",
+                                      "parallel.overlap_param_gather=true",
+                                      "parallel.ddp_bucket_size=20000"]),
     "tp2_pp2": (4, ["parallel=tp2_pp2"]),
     "pp2_ep2_dp2": (4, ["parallel=pp2_ep2_dp2"]),
     # TP2 (+SP) x PP2 x VPP2, EP2 across the TP ranks, with the distributed optimizer on (at

@@ -151,3 +151,33 @@ def test_overlapped_gradient_reduction_starts_inside_the_last_backward(tmp_path,
     backward, dp = _backward_and_dp_ranges(tmp_path / "plain" / "profile", 0)
     last = backward[-1]
     assert dp and all(e["ts"] >= last["ts"] + last["dur"] for e in dp), (last, dp)
+
+
+def _forward_and_gather_ranges(profile, rank: int) -> tuple[list[dict], list[dict]]:
+    """The traced step's forward ranges and the distributed optimizer's parameter
+    all-gathers (``dp_cp`` group), in time order."""
+    with open(profile / f"rank{rank:05d}.json") as handle:
+        events = [e for e in json.load(handle)["traceEvents"] if e.get("ph") == "X"]
+    forward = sorted((e for e in events if e["name"].startswith("forward chunk")),
+                     key=lambda e: e["ts"])
+    gathers = sorted((e for e in events if e["name"] == "dp_cp.all_gather_into_tensor:2"),
+                     key=lambda e: e["ts"])
+    return forward, gathers
+
+
+def test_overlapped_parameter_gather_runs_inside_the_next_forward(tmp_path):
+    """parallel.overlap_param_gather (20K-parameter buckets, DP2): the step's parameter
+    all-gathers are issued inside its first forward, bucket after bucket as the modules that
+    need them run; without it every gather runs in the optimizer step, outside any forward."""
+    base = ["parallel=single", "train.train_iters=2", "train.profile_steps=[2,2]",
+            "parallel.use_distributed_optimizer=true", "parallel.overlap_grad_reduce=true",
+            "parallel.ddp_bucket_size=20000"]
+    run_job(2, [*base, "parallel.overlap_param_gather=true"], str(tmp_path / "overlap"))
+    run_job(2, base, str(tmp_path / "plain"))
+    forward, gathers = _forward_and_gather_ranges(tmp_path / "overlap" / "profile", 0)
+    first = forward[0]
+    inside = [e for e in gathers if first["ts"] <= e["ts"] < first["ts"] + first["dur"]]
+    assert len(inside) > 1, (first, gathers)
+    forward, gathers = _forward_and_gather_ranges(tmp_path / "plain" / "profile", 0)
+    assert len(gathers) > 1
+    assert not [e for e in gathers for f in forward if f["ts"] <= e["ts"] < f["ts"] + f["dur"]]

@@ -39,6 +39,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from parallel import mcore_compat
 from parallel.comm_meter import CommMeter
+from parallel.distopt_slices import drain_gathers, gathered, mark_gathers
 from parallel.distributed_muon import all_gather_uneven, assign_owners, gather_plans, matrix_slots
 from parallel.embedding_tie import EmbeddingTie, check_tie_buckets
 from parallel.mla_down_projection import MLADownProjection
@@ -61,6 +62,28 @@ def _buffer(*members: tuple[torch.nn.Parameter, int, int]) -> SimpleNamespace:
                            param_index_map={p: (start, start + p.numel(), b)
                                             for p, start, b in members},
                            buckets=[buckets[b] for b in sorted(buckets)])
+
+
+def test_a_weight_read_outside_its_module_waits_for_its_gather():
+    """Under overlap_param_gather, ``gathered`` finishes the weight's bucket-group gather
+    (what ``mark_gathers`` gave it: megatron-core's finish_param_sync) before the read; other
+    parameters pass through. ``drain_gathers`` finishes a gather no module waited for."""
+    calls = []
+    group = SimpleNamespace(finish_param_sync=lambda skip_next_bucket_dispatch: calls.append(
+        skip_next_bucket_dispatch), param_gather_handle=None)
+    weight, plain = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    chunk = SimpleNamespace(ddp_config=SimpleNamespace(overlap_param_gather=True,
+                                                       align_param_gather=False),
+                            param_to_bucket_group={weight: group}, bucket_groups=[group],
+                            expert_parallel_bucket_groups=[])
+    mark_gathers(chunk)
+    assert gathered(weight) is weight and calls == [False]
+    assert gathered(plain) is plain and calls == [False]
+    pending = SimpleNamespace(waited=False)
+    pending.wait = lambda: setattr(pending, "waited", True)
+    group.param_gather_handle = pending
+    drain_gathers([chunk])
+    assert pending.waited and group.param_gather_handle is None
 
 
 def test_summing_copies_after_the_reduce_scatter_needs_each_copy_alone_in_its_bucket():

@@ -13,9 +13,9 @@ communication, of the optimizer and of waiting (the bubble), which add up to the
 the busiest rank's shares, the predicted step, TFLOP/s per GPU (model FLOPs, no recompute) and
 MFU. ``--cluster`` picks the spec (``configs/cluster/<name>.yaml`` or a path): its rates are
 assumptions written in the file. ``--overlap`` (comma-separated, or ``none``) replaces the
-job's own overlap with what-ifs: ``grad_reduce`` (``parallel.overlap_grad_reduce``, offered),
-``param_gather`` and ``expert_all_to_all`` (not offered by this backend yet: the model shows
-what they would hide). Last line::
+job's own overlap with what-ifs: ``grad_reduce`` and ``param_gather``
+(``parallel.overlap_grad_reduce``, ``parallel.overlap_param_gather``) and ``expert_all_to_all``
+(not offered by this backend yet: the model shows what it would hide). Last line::
 
     step_s=<float> tflops_per_gpu=<float> mfu=<float> gpus=<int> overlap=<names>
 

@@ -41,6 +41,7 @@ from glm5_train.model.mtp import chunk_hosts_mtp, mtp_block_spec, shifted_target
 from glm5_train.model.sparse_mla import GLM5MLASelfAttention
 from parallel.chunked_cross_entropy import chunked_vocab_parallel_cross_entropy
 from parallel.context_parallel import context_shard, gather_sequence_no_grad
+from parallel.distopt_slices import gathered
 from parallel.mla_down_projection import MLADownProjection
 from parallel.recompute import (
     Recompute,
@@ -339,7 +340,7 @@ class GLM5Model(GPTModel):
                                   == torch.float64 else torch.float32, device=labels_SB.device)
                       if entropy else None)
         loss_SB = chunked_vocab_parallel_cross_entropy(
-            hidden_SBH, head.weight if output_weight is None else output_weight,
+            hidden_SBH, gathered(head.weight if output_weight is None else output_weight),
             labels_SB, self.loss_chunk_tokens, tp_group=head.tp_group,
             sequence_parallel=head.sequence_parallel, entropy_SB=entropy_SB)
         if entropy_SB is not None:

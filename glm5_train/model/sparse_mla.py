@@ -49,6 +49,7 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from glm5_train.model import triton_sparse_mla
 from glm5_train.model.picked_rows import RowTable, Scratch, compute_dtype, fp32_at_least
 from parallel.context_parallel import group_size, zigzag_positions
+from parallel.distopt_slices import gathered
 
 # Working-set budget (fp32 elements) of one query chunk's gathered latent keys [B, T, K, D]:
 # 16 MiB (T = 3 rows at GLM-5's K = 2048, D = 576). The gathered keys are read by three
@@ -391,7 +392,7 @@ class GLM5MLASelfAttention(MLASelfAttention):
         """W_UK [N, Dn, C] and W_UV [N, Dv, C]: views of ``linear_kv_up_proj.weight``
         ([N * (Dn + Dv), C] on this TP rank), so that gradients reach that parameter."""
         cfg = self.config
-        weight = self.linear_kv_up_proj.weight.view(
+        weight = gathered(self.linear_kv_up_proj.weight).view(
             self.num_attention_heads_per_partition, cfg.qk_head_dim + cfg.v_head_dim,
             cfg.kv_lora_rank)
         return weight[:, :cfg.qk_head_dim], weight[:, cfg.qk_head_dim:]

@@ -206,9 +206,11 @@ class Overlaps:
 
     @classmethod
     def of_job(cls, job: JobConfig) -> Overlaps:
-        """What the job runs with: this backend offers ``parallel.overlap_grad_reduce``
-        only; the other two are what-ifs for the planner."""
-        return cls(grad_reduce=job.parallel.overlap_grad_reduce)
+        """What the job runs with (``parallel.overlap_grad_reduce``,
+        ``parallel.overlap_param_gather``); the expert all-to-all's overlap is a what-if:
+        this backend does not offer it."""
+        return cls(grad_reduce=job.parallel.overlap_grad_reduce,
+                   param_gather=job.parallel.overlap_param_gather)
 
     def label(self) -> str:
         on = [f.name for f in dataclasses.fields(self) if getattr(self, f.name)]

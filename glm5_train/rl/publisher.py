@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from glm5_train.hf_checkpoint import HfFormat, open_up_modes, stream_hf, tokenizer_problem
 from glm5_train.hf_mapping import check_exportable
+from parallel.distopt_slices import parameters_gathered
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 LATEST = "latest"
@@ -271,8 +272,9 @@ class WeightPublisher:
         final = os.path.join(self.directory, f"v{version}")
         partial = final + PARTIAL
         removed = remove_leftovers(self.directory, version) if writer else []
-        report = stream_hf(self.job, self.chunks, partial, mtp=self.mtp, fmt=self.format,
-                           group=self.group)
+        with parameters_gathered(self.chunks):  # the step's weights (overlap_param_gather)
+            report = stream_hf(self.job, self.chunks, partial, mtp=self.mtp, fmt=self.format,
+                               group=self.group)
         outcome: dict[str, Any] = {}
         if writer:
             outcome = self._complete(version, partial, final)
