@@ -60,8 +60,9 @@ from glm5_train.model.head_parallel_cp import fixed_cp_comm
 from glm5_train.model.head_parallel_cp import install as install_head_parallel_cp
 from glm5_train.model.init_weights import initialize_weights
 from glm5_train.optim import attach_schedule_hooks, build_optimizer, build_scheduler, wrap_ddp
-from glm5_train.phase_times import PhaseTimes
+from glm5_train.phase_times import ModelRate, PhaseTimes
 from glm5_train.plan import build_activation_tracker, resolve_pipeline_layout
+from glm5_train.plan.step_time import device_peak_tflops, model_flops_per_step
 from glm5_train.profiling import check_profile_ranks
 from glm5_train.rl.objective import RLObjective
 from glm5_train.rl.publisher import publication_problem
@@ -112,6 +113,8 @@ class Runtime:
     qat: Int4QAT | None = None
     # train.objective=grpo|dis|distill: what each micro-batch's loss applies (glm5_train/rl)
     objective: RLObjective | None = None
+    # model FLOPs per global batch, devices and their peak: TFLOP/s per GPU and MFU per step
+    rate: ModelRate | None = None
     # The global batch of the step under way (train.rampup_batch_size); None: the config's
     global_batch_now: int | None = None
     batch_start: int | None = None  # the samples consumed before it
@@ -194,7 +197,16 @@ def assemble(job: JobConfig, validated: bool = False) -> Runtime:
                  else None)
     return Runtime(job, config, groups, chunks, optimizer, scheduler, dataset, zero2, norms,
                    activations, pool, wgrad=wgrad, qat=qat, objective=objective,
-                   cp_exchanges=cp_exchanges, phases=phases)
+                   cp_exchanges=cp_exchanges, phases=phases, rate=model_rate(job, groups))
+
+
+def model_rate(job: JobConfig, groups) -> ModelRate:
+    """The planner's model FLOPs per global batch of this job, its devices and their peak."""
+    dp = groups.dp.size()
+    peak = (device_peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available()
+            else None)
+    return ModelRate(model_flops_per_step(job, dp), job.train.global_batch_size,
+                     torch.distributed.get_world_size(), peak)
 
 
 def routed_expert_linears(chunks: list) -> list:

@@ -116,7 +116,7 @@ def tensorboard_installed() -> bool:
 # scalar per rank (``<name>/rank<i>``) under these names.
 TENSORBOARD_SCALARS = ("loss", "mtp_loss", "mtp_loss_1", "mtp_loss_2", "mtp_loss_3",
                        "indexer_kl", "grad_norm", "lr", "tokens_per_s", "consumed_tokens",
-                       "step_time_s",
+                       "step_time_s", "tflops_per_gpu", "mfu",
                        # RL objectives (glm5_train/rl/objective.py global_rl_stats)
                        "reward_mean", "rl_masked_fraction", "rl_clipped_fraction",
                        "rl_logp_diff_mean", "rl_logp_diff_max", "rl_policy_drift", "rl_ratio_p05", "rl_ratio_p50",

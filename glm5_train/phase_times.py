@@ -14,7 +14,11 @@ Phases (wall seconds, milliseconds in the record):
 
 On CUDA each phase boundary synchronises the device first, so a phase holds the kernels it
 launched (as Megatron-LM's timers with barrier off); on CPU there is nothing to wait for.
-Nothing here changes what a step computes."""
+
+Beside them, ``ModelRate`` turns the step time into Megatron-LM's throughput figures:
+``tflops_per_gpu`` (the planner's model FLOPs per global batch, no recompute, over the step's
+wall time and the devices) and, where the device's peak is known (H100, H200: the cluster
+presets of ``configs/cluster/``), ``mfu``. Nothing here changes what a step computes."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import functools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -65,3 +70,27 @@ class PhaseTimes:
 
 def _nothing() -> None:
     pass
+
+
+@dataclass(frozen=True)
+class ModelRate:
+    """The job's model FLOPs per global batch (``glm5_train.plan.step_time``), its devices,
+    and their dense peak (None on CPU or an unknown GPU: no MFU then)."""
+
+    flops_per_step: float
+    global_batch: int
+    devices: int
+    peak_tflops: float | None
+
+    def fields(self, step_s: float, global_batch_now: int | None = None) -> dict:
+        """``tflops_per_gpu`` and ``mfu`` of a step of ``step_s`` wall seconds over
+        ``global_batch_now`` sequences (a batch-size ramp's; None: the config's)."""
+        if step_s <= 0:
+            return {}
+        flops = self.flops_per_step * (global_batch_now or self.global_batch) / self.global_batch
+        tflops = flops / step_s / self.devices / 1e12
+        out = {"tflops_per_gpu": round(tflops, 6)}
+        if self.peak_tflops:
+            out["mfu"] = round(tflops / self.peak_tflops, 6)
+        return out
+

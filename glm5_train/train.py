@@ -329,6 +329,8 @@ def _log(rt: Runtime, logger: MetricsLogger, record: dict, meter: CommMeter,
                              *(round(1e6 * phases[p]) for p in PHASES), *launches])
     record["step_cpu_ms"] = [r[0] for r in ranks]
     record["step_time_s"] = round(step_s, 6)
+    if rt.rate is not None:
+        record.update(rt.rate.fields(step_s, rt.global_batch_now))
     record["step_time_ms"] = [r[1] / 1000 for r in ranks]
     record["phase_ms"] = {p: [r[2 + i] / 1000 for r in ranks] for i, p in enumerate(PHASES)}
     record["sparse_kernel_launches"] = [r[2 + len(PHASES):] for r in ranks]

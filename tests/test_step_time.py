@@ -16,10 +16,13 @@ from glm5_train.plan.step_time import (
     Link,
     Overlaps,
     collective_seconds,
+    device_peak_tflops,
     load_cluster,
+    model_flops_per_step,
     newton_schulz_flops,
     predict_step_time,
 )
+from glm5_train.phase_times import ModelRate
 from tools import plan_step_time
 
 # A cluster whose figures make hand arithmetic easy: 1 TFLOP/s, 100 GB/s inside a node,
@@ -158,3 +161,23 @@ def test_the_tool_refuses_bad_input_in_one_line(capsys, argv, message):
     assert plan_step_time.main(["+experiment=glm5_sft_202k", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_throughput_per_step_scales_with_the_ramp_and_gives_mfu_where_the_peak_is_known():
+    rate = ModelRate(flops_per_step=8e15, global_batch=8, devices=4, peak_tflops=1000.0)
+    assert rate.fields(2.0) == {"tflops_per_gpu": 1000.0, "mfu": 1.0}
+    assert rate.fields(2.0, global_batch_now=4) == {"tflops_per_gpu": 500.0, "mfu": 0.5}
+    assert ModelRate(8e15, 8, 4, None).fields(2.0) == {"tflops_per_gpu": 1000.0}
+    assert device_peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert device_peak_tflops("NVIDIA H200") == 989.4
+    assert device_peak_tflops("NVIDIA A10G") is None
+
+
+def test_model_flops_per_step_count_every_rank_without_recompute():
+    """The same global batch on one process and on TP2 x PP2: the same model FLOPs (the TP
+    split and the stages add up), and recompute adds none."""
+    one = model_flops_per_step(_tiny("parallel=single"), 1)
+    assert model_flops_per_step(_tiny("parallel=tp2_pp2"), 1) == pytest.approx(one, rel=1e-3)
+    redone = _tiny("parallel=single", "activations.recompute_granularity=full",
+                   "activations.recompute_method=uniform", "activations.recompute_num_layers=1")
+    assert model_flops_per_step(redone, 1) == one

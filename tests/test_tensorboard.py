@@ -8,7 +8,9 @@ import os
 
 import pytest
 
-from tests.parity import run_job
+from glm5_train.job_config import compose_job
+from glm5_train.plan.step_time import model_flops_per_step
+from tests.parity import BASE_OVERRIDES, run_job
 
 pytest.importorskip("tensorboard")
 
@@ -29,7 +31,7 @@ def test_tensorboard_events_equal_the_metrics_and_change_nothing(tmp_path, monke
     for record in result.records:
         step = record["step"]
         for name in ("loss", "mtp_loss", "indexer_kl", "grad_norm", "lr", "tokens_per_s",
-                     "step_time_s"):
+                     "step_time_s", "tflops_per_gpu"):
             assert scalars[f"train/{name}"][step] == pytest.approx(record[name], rel=1e-6)
         for rank in range(len(record["mem_peak_bytes"])):
             for name in ("mem_peak_bytes", "comm_bytes", "step_time_ms"):
@@ -39,6 +41,12 @@ def test_tensorboard_events_equal_the_metrics_and_change_nothing(tmp_path, monke
                 got = scalars[f"phases/{phase}_ms/rank{rank}"][step]
                 assert got == pytest.approx(ranks[rank], rel=1e-6)
         _check_phases(record)
+        # the planner's model FLOPs per global batch over the step's wall time, one device;
+        # no MFU on a CPU (no peak to divide by)
+        flops = model_flops_per_step(compose_job([*BASE_OVERRIDES, *overrides]), 1)
+        assert record["tflops_per_gpu"] == pytest.approx(flops / record["step_time_s"] / 1e12,
+                                                         rel=1e-4)
+        assert "mfu" not in record
     monkeypatch.setenv("GLM5_TENSORBOARD", "0")
     without = run_job(1, overrides, str(tmp_path / "without"))
     assert not os.path.exists(tmp_path / "without" / "tensorboard")

@@ -43,6 +43,7 @@ import torch
 
 from glm5_train.job_config import compose_job
 from glm5_train.plan import check as plan_check
+from glm5_train.plan.step_time import device_peak_tflops
 
 RESUME_RTOL = 1e-4  # fp32 losses of resumed steps (CUDA atomics reorder sums; a bad resume: 1e-2)
 TINY = ["model=glm5_tiny", "parallel=single"]
@@ -133,7 +134,8 @@ def train_run(name: str, ctx, root: str) -> dict:
            "mem_peak_bytes": last.get("mem_peak_bytes"),
            "optimizer_state_bytes": last.get("optimizer_state_bytes"),
            "optimizer_host_bytes": last.get("optimizer_host_bytes"),
-           "phase_ms": last.get("phase_ms"), "step_time_ms": last.get("step_time_ms")}
+           "phase_ms": last.get("phase_ms"), "step_time_ms": last.get("step_time_ms"),
+           "tflops_per_gpu": last.get("tflops_per_gpu"), "mfu": last.get("mfu")}
     if any(o.startswith("train.profile_steps") for o in overrides):
         run["trace_event_counts"] = trace_counts(run_dir)
     if records:  # the planner's bytes against these (activations: fused attention on CUDA)
@@ -157,6 +159,7 @@ def check_train(name: str, run: dict, ctx, runs: dict) -> None:
         problems.append(f"{name}: AdamW state left on the device: {run['optimizer_state_bytes']}")
     problems += [f"{name}: planner: {p}" for p in run.get("plan_problems", [])]
     problems += [f"{name}: {p}" for p in phase_problems(run)]
+    problems += [f"{name}: {p}" for p in rate_problems(run, ctx.device)]
     if "trace_event_counts" in run:
         counts = run["trace_event_counts"] or {"by_category": {}, "memory_by_device_type": {}}
         if not counts["by_category"].get("user_annotation"):
@@ -187,6 +190,21 @@ def phase_problems(run: dict) -> list[str]:
     if not (0 < sync < fb and opt > 0 and fb + opt <= steps[0]):
         return [f"phases out of order: forward_backward {fb}, grad_sync {sync}, optimizer "
                 f"{opt}, step {steps[0]} ms"]
+    return []
+
+
+def rate_problems(run: dict, device: torch.device) -> list[str]:
+    """The step's throughput (glm5_train/phase_times.py ModelRate): TFLOP/s per GPU on every
+    run; MFU in (0, 1) where the device's peak is known (an H100 or H200 by its CUDA name:
+    device_peak_tflops), and none elsewhere."""
+    tflops, mfu = run.get("tflops_per_gpu"), run.get("mfu")
+    if not (isinstance(tflops, float) and tflops > 0):
+        return [f"tflops_per_gpu {tflops}: missing or not positive"]
+    known = device.type == "cuda" and device_peak_tflops(torch.cuda.get_device_name()) is not None
+    if known and not (isinstance(mfu, float) and 0 < mfu < 1):
+        return [f"mfu {mfu} on {torch.cuda.get_device_name()}: want a share in (0, 1)"]
+    if not known and mfu is not None:
+        return [f"mfu {mfu} without a known device peak"]
     return []
 
 

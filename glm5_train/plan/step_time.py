@@ -47,7 +47,7 @@ from omegaconf import OmegaConf
 
 from glm5_train.job_config import JobConfig
 from glm5_train.model.config import GLM5Config
-from glm5_train.plan.inputs import MemoryInputs, inputs_from_job
+from glm5_train.plan.inputs import MemoryInputs, inputs_from_job, mtp_sets
 from glm5_train.plan.param_count import Term, layer_terms, mtp_layer_terms
 from glm5_train.plan.pipeline import job_pipeline, plan_report
 from glm5_train.plan.stage_model import ADAMW_MATRICES, TP_SPLIT
@@ -57,7 +57,13 @@ from glm5_train.plan.traffic import (
     tensor_parallel_step_comm,
 )
 from parallel.hierarchical_all_to_all import level_bytes
-from parallel.pipeline_layout import Comm, PipelineLayout, PipelineSchedule, replay_times
+from parallel.pipeline_layout import (
+    Comm,
+    PipelineLayout,
+    PipelineSchedule,
+    layout_from_counts,
+    replay_times,
+)
 from parallel.recompute import Recompute
 
 CLUSTER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
@@ -226,7 +232,6 @@ class RankTime:
     comm: dict[str, float]  # exposed, by kind (COMM_KINDS)
     optimizer: float
     bubble: float  # waiting: pipeline fill and drain, and for slower ranks
-    model_flops: float  # per step, without recompute
 
     @property
     def total(self) -> float:
@@ -241,13 +246,8 @@ class StepTime:
     ranks: tuple[RankTime, ...]
     gpus: int
     layout: PipelineLayout
+    model_flops: float  # the whole job's per step (``model_flops_per_step``)
     hidden: dict[str, float] = field(default_factory=dict)  # seconds overlap hid, by kind
-
-    @property
-    def model_flops(self) -> float:
-        """The whole job's model FLOPs per step: each pipeline rank's x its replicas."""
-        replicas = self.gpus // len(self.ranks)
-        return sum(r.model_flops for r in self.ranks) * replicas
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -268,7 +268,6 @@ class _StageTimes:
     backward: float
     compute: float  # forward + backward compute per micro-batch
     comm: dict[str, float]  # exposed per micro-batch, by kind
-    model_flops: float  # per micro-batch
 
 
 def predict_step_time(job: JobConfig, dp: int, cluster: ClusterSpec,
@@ -311,10 +310,10 @@ def predict_step_time(job: JobConfig, dp: int, cluster: ClusterSpec,
         comm["tensor_parallel"] += tails[rank]["tp_step"]
         comm["param_gather"] += tails[rank]["param_gather"]
         busy = compute + sum(comm.values()) + tails[rank]["optimizer"]
-        ranks.append(RankTime(rank, compute, comm, tails[rank]["optimizer"], step - busy,
-                              mb * sum(stages[s].model_flops for s in mine)))
+        ranks.append(RankTime(rank, compute, comm, tails[rank]["optimizer"], step - busy))
     gpus = job.parallel.world_size_needed(dp)
-    return StepTime(cluster, overlaps, step, tuple(ranks), gpus, layout, hidden)
+    return StepTime(cluster, overlaps, step, tuple(ranks), gpus, layout,
+                    model_flops_per_step(job, dp, **changes), hidden)
 
 
 def _stage_times(job: JobConfig, inputs: MemoryInputs, layout: PipelineLayout, stage: int,
@@ -342,7 +341,7 @@ def _stage_times(job: JobConfig, inputs: MemoryInputs, layout: PipelineLayout, s
     comm["pipeline"] = ahead + back
     return _StageTimes(forward_compute + forward_comm + ahead,
                        compute - forward_compute + sum(total.values()) - forward_comm + back,
-                       compute, comm, plain.flops_per_microbatch)
+                       compute, comm)
 
 
 def _step_tail(job: JobConfig, inputs: MemoryInputs, layout: PipelineLayout, rank: int,
@@ -487,6 +486,35 @@ def newton_schulz_flops(rows: int, cols: int) -> float:
     (2 m^2 n), its square (2 m^3) and the update times X (2 m^2 n), m the smaller side."""
     m, n = min(rows, cols), max(rows, cols)
     return NEWTON_SCHULZ_ITERATIONS * (4 * m * m * n + 2 * m ** 3)
+
+
+# ------------------------------------------------------------------- per-step throughput
+
+
+def model_flops_per_step(job: JobConfig, dp: int, **changes) -> float:
+    """The job's model FLOPs per global batch (forward + backward, no recompute), as the
+    planner counts them for the whole model on one device: the same for every layout of the
+    job (work a layout repeats, such as the DSA indexer on every TP rank, is not model work)."""
+    inputs = inputs_from_job(job, dp, **changes)
+    whole = dataclasses.replace(inputs, tp=1, cp=1, ep=1, etp=None, dp=1,
+                                sequence_parallel=False, recompute=Recompute())
+    sets = mtp_sets(job.model)
+    layout = layout_from_counts([job.model.num_hidden_layers], 1, None, 0 if sets else None,
+                                sets)
+    (stage,) = plan_report(job.model, layout, whole).stages
+    sequences = job.train.global_batch_size // job.train.micro_batch_size
+    return float(stage.costs.flops_per_microbatch * sequences)
+
+
+def device_peak_tflops(device_name: str) -> float | None:
+    """The dense peak of a device by its name (``torch.cuda.get_device_name``), from the cluster
+    presets whose device names it (e.g. 'NVIDIA H100 80GB HBM3' -> h100's); None if none does."""
+    for file in sorted(os.listdir(CLUSTER_DIR)):
+        if file.endswith(".yaml"):
+            spec = load_cluster(file[:-5])
+            if spec.device.split()[0].lower() in device_name.lower():
+                return spec.peak_tflops
+    return None
 
 
 # ------------------------------------------------------------------------------ report
