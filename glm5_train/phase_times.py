@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -45,10 +45,15 @@ class PhaseTimes:
 
     @contextmanager
     def measure(self, phase: str) -> Iterator[None]:
+        """Time ``phase``; under torch.profiler also a ``phase <name>`` range in the trace
+        (tools/draw_timeline.py draws the optimizer and the gradient sync from it)."""
         self._wait()
         started = time.perf_counter()
+        traced = (torch.profiler.record_function(f"phase {phase}")
+                  if torch.autograd.profiler._is_profiler_enabled else nullcontext())
         try:
-            yield
+            with traced:
+                yield
         finally:
             self._wait()
             self.seconds[phase] += time.perf_counter() - started

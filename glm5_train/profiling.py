@@ -73,6 +73,10 @@ def profiling_now() -> bool:
     return bool(torch.autograd.profiler._is_profiler_enabled)
 
 
+# Allocator events a CUDA memory snapshot keeps (torch's default is 100,000 too).
+SNAPSHOT_ENTRIES = 100_000
+
+
 class StepProfiler:
     """Starts torch.profiler before step ``first`` (``warmup`` steps earlier, whose events it
     discards) and writes the trace after step ``last``, on the ``ranks`` named (None: all)."""
@@ -106,6 +110,8 @@ class StepProfiler:
                                                on_trace_ready=self._save if schedule else None,
                                                record_shapes=self.shapes,
                                                profile_memory=self.memory, with_stack=False)
+        if self.memory and torch.cuda.is_available():  # the allocator's own history
+            torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES)
         self._profile.__enter__()
 
     def step_ends(self, step: int) -> None:
@@ -123,6 +129,16 @@ class StepProfiler:
     def _save(self, profile) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         profile.export_chrome_trace(self.path)
+        if self.memory and torch.cuda.is_available():
+            torch.cuda.memory._dump_snapshot(self.snapshot_path)
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    @property
+    def snapshot_path(self) -> str:
+        """With ``train.profile_memory`` on CUDA: the caching allocator's snapshot of the traced
+        steps (every allocation with its stack; drag it onto https://pytorch.org/memory_viz),
+        as torchtitan's memory snapshots."""
+        return self.path.replace(".json", "_memory_snapshot.pickle")
 
 
 class ScheduleLabels:

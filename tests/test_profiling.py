@@ -63,6 +63,7 @@ def test_a_traced_step_has_every_forward_backward_and_collective(tmp_path):
                           "--memory"], cwd=REPO, capture_output=True, text=True,
                          check=True).stdout
     assert re.search(r"bubbles: measured 0\.\d+, planned 0\.\d+", out), out
+    assert "drew 2 traced ranks on one time scale (2 with their optimizer step)" in out, out
     peaks = [float(p) for p in re.findall(r"peak ([\d.]+) MiB allocated during the step", out)]
     assert len(peaks) == 2 and all(p > 1 for p in peaks), out  # activations held, per rank
     for picture in ("timeline.png", "memory.png"):

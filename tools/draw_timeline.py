@@ -4,17 +4,21 @@
         train.profile_steps=[2,2] hydra.run.dir=outputs/pp2_vpp2_trace
     python tools/draw_timeline.py outputs/pp2_vpp2_trace [--output timeline.png]
 
-Top: per pipeline rank (the first data-parallel replica's), the measured forward (blue) and
+Top: every traced rank (``train.profile_ranks`` picks them; all by default), one row each,
+on one time scale (the ranks of one machine share its clock): the measured forward (blue) and
 backward (orange) of every (model chunk, micro-batch), labelled ``<chunk>.<micro-batch>``,
 from the run's ``profile/rank<N>.json`` (``train.profile_steps``, glm5_train/profiling.py);
-its point-to-point and collective calls as ticks below each row; idle time shaded (the
-bubbles). Bottom: megatron-core's order for the same layout replayed in time
-(``parallel.pipeline_layout.replay_times``) from the planner's FLOPs per stage, at the rate the
-measured forwards ran (their total time over their total planned FLOPs), backward = the
-measured backward / forward time ratio. Prints each picture's bubble share.
+the gradient sync (finalize) and the optimizer step as bands (``phase <name>`` ranges,
+glm5_train/phase_times.py); its collectives as ticks below each row, coloured by
+megatron-core group (pp, dp, tp, ep, cp, mp); idle time grey (the bubbles); a legend. Bottom, on
+the same time axis: megatron-core's order for the same layout replayed in time
+(``parallel.pipeline_layout.replay_times``) from the planner's FLOPs per stage, at the rate
+the measured forwards ran (their total time over their total planned FLOPs), backward = the
+measured backward / forward time ratio. Prints each picture's bubble share and how many ranks
+it drew.
 
 ``--memory`` (a run traced with ``train.profile_memory=true``) also draws ``memory.png``: per
-pipeline rank, the bytes allocated over the step (the profiler's allocator events: CPU tensors
+traced rank, the bytes allocated over the step (the profiler's allocator events: CPU tensors
 on CPU, the CUDA caching allocator's on GPUs; net of what was allocated when tracing began),
 with each forward and backward marked as a band. Needs matplotlib.
 """
@@ -26,6 +30,7 @@ import json
 import os
 import re
 import sys
+from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -70,69 +75,122 @@ def memory_curve(events: list[dict], origin: float) -> tuple[list[float], list[f
             [float(e["args"]["Total Allocated"]) for e in chosen])
 
 
-def measured(run_dir: str, rank: int) -> tuple[list[TimedOp], list[tuple[float, float]]]:
-    """(forward/backward spans, collective spans) of ``rank``'s trace, seconds from its first
-    forward."""
-    events = [e for e in trace_events(run_dir, rank) if e.get("ph") == "X"]
-    spans, comms = [], []
-    for e in events:
-        match = SPAN.match(str(e.get("name", "")))
-        start, end = e["ts"] / 1e6, (e["ts"] + e.get("dur", 0)) / 1e6
-        if match:
+PHASE = re.compile(r"phase (grad_sync|optimizer)$")
+# Collective ticks by megatron-core group (the trace range's prefix, parallel/comm_meter.py).
+GROUP_COLORS = {"pp": "#222222", "dp": "#2ca02c", "tp": "#9467bd", "ep": "#d62728",
+                "cp": "#17becf", "mp": "#8c564b", "other": "#8c8c8c"}
+OP_COLORS = {"F": "#4c72b0", "B": "#dd8452"}
+PHASE_COLORS = {"grad_sync": "#c5b0d5", "optimizer": "#98df8a"}
+
+
+@dataclass(frozen=True)
+class RankTrace:
+    """One rank's traced step, seconds from the step's first forward on any rank: its
+    forwards and backwards, its collectives (start, end, group kind) and its grad-sync and
+    optimizer phases (name, start, end)."""
+
+    rank: int
+    pipeline_rank: int
+    spans: list[TimedOp]
+    comms: list[tuple[float, float, str]]
+    phases: list[tuple[str, float, float]]
+
+
+def group_kind(name: str) -> str:
+    """A collective range's group as drawn: pp, dp (dp, dp_cp, expert dp), tp (tp, expt_tp,
+    tp_ep), ep, cp, mp (model-parallel: the loss, the gradient norm), or other (world,
+    unnamed groups)."""
+    group = name.split(".")[0] if "." in name else ""
+    if group == "pp":
+        return "pp"
+    if group.startswith(("dp", "expt_dp", "tp_dp")):
+        return "dp"
+    if group in ("tp", "expt_tp", "tp_ep"):
+        return "tp"
+    return group if group in ("ep", "cp", "mp") else "other"
+
+
+def first_forward(run_dir: str, rank: int) -> float:
+    """Seconds (the machine's clock) of ``rank``'s first traced forward."""
+    starts = [e["ts"] / 1e6 for e in trace_events(run_dir, rank) if e.get("ph") == "X"
+              and SPAN.match(str(e.get("name", "")))]
+    if not starts:
+        raise SystemExit(f"{run_dir}: rank {rank}'s trace has no forward/backward ranges")
+    return min(starts)
+
+
+def measured(run_dir: str, rank: int, pipeline_rank: int, origin: float) -> RankTrace:
+    """``rank``'s traced step, seconds from ``origin`` (the ranks of one machine share its
+    clock, so all ranks are drawn on one scale)."""
+    spans, comms, phases = [], [], []
+    for e in trace_events(run_dir, rank):
+        if e.get("ph") != "X":
+            continue
+        name = str(e.get("name", ""))
+        start, end = e["ts"] / 1e6 - origin, (e["ts"] + e.get("dur", 0)) / 1e6 - origin
+        if match := SPAN.match(name):
             spans.append(TimedOp("F" if match.group(1) == "forward" else "B",
                                  int(match.group(2)), int(match.group(3)), start, end))
-        elif COMM.match(str(e.get("name", ""))):
-            comms.append((start, end))
-    if not spans:
-        raise SystemExit(f"{run_dir}: rank {rank}'s trace has no forward/backward ranges")
-    origin = min(s.start for s in spans)
-    spans = sorted((TimedOp(s.op, s.chunk, s.micro_batch, s.start - origin, s.end - origin)
-                    for s in spans), key=lambda s: s.start)
-    return spans, [(a - origin, b - origin) for a, b in comms]
+        elif COMM.match(name):
+            comms.append((start, end, group_kind(name)))
+        elif match := PHASE.match(name):
+            phases.append((match.group(1), start, end))
+    return RankTrace(rank, pipeline_rank, sorted(spans, key=lambda s: s.start), comms, phases)
 
 
-def pipeline_ranks(world: int, pp: int) -> list[int]:
-    """The global rank of each pipeline stage's first data-parallel replica (megatron-core's
-    default order puts PP outermost: pipeline rank p holds ranks p x world/pp ...)."""
-    return [p * (world // pp) for p in range(pp)]
+def pipeline_rank_of(rank: int, world: int, pp: int) -> int:
+    """megatron-core's default order puts PP outermost: ranks p x world/pp ... hold stage p."""
+    return rank // (world // pp)
 
 
-def planned(job, dp: int, measured_ops: dict[int, list[TimedOp]]) -> dict[int, list[TimedOp]]:
-    """The planner's replay of this layout, at the measured forward rate."""
+def planned(job, dp: int, traces: list[RankTrace]) -> dict[int, list[TimedOp]]:
+    """The planner's replay of this layout, at the measured forward rate (every traced rank's
+    forwards over their planned FLOPs), backward = the measured backward / forward ratio."""
     par = job.parallel
     pp, vpp = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
     inputs = inputs_from_job(job, dp)
     report = plan_report(job.model, job_pipeline(job, dp), inputs)
     flops = [s.costs.flops_per_microbatch for s in report.stages]
-    fwd = [(op, p * 1 + op.chunk * pp) for p, ops in measured_ops.items() for op in ops
+    fwd = [(op, t.pipeline_rank + op.chunk * pp) for t in traces for op in t.spans
            if op.op == "F"]
     seconds_per_flop = (sum(o.end - o.start for o, _ in fwd)
                         / max(1, sum(flops[stage] for _, stage in fwd)))
-    ratio = (sum(o.end - o.start for ops in measured_ops.values() for o in ops if o.op == "B")
+    ratio = (sum(o.end - o.start for t in traces for o in t.spans if o.op == "B")
              / max(1e-12, sum(o.end - o.start for o, _ in fwd)))
     schedule = PipelineSchedule(pp, vpp, inputs.num_microbatches, inputs.microbatch_group)
     return replay_times(schedule, [f * seconds_per_flop for f in flops], ratio)
 
 
-def draw(axis, timed: dict[int, list[TimedOp]], comms: dict[int, list] | None, title: str):
-    colors = {"F": "#4c72b0", "B": "#dd8452"}
-    end = max(o.end for ops in timed.values() for o in ops)
-    for row, (rank, ops) in enumerate(sorted(timed.items())):
-        y = len(timed) - 1 - row
-        axis.broken_barh([(0, end)], (y - 0.4, 0.8), color="#e8e8e8")  # idle = the bubbles
+def draw_rows(axis, rows: list[tuple[str, list[TimedOp], list, list]], end: float,
+              title: str) -> None:
+    """One row per entry (label, forwards/backwards, collectives, phases), top to bottom, on
+    the time axis 0 .. ``end``; idle time grey (the bubbles)."""
+    for row, (_, ops, comms, phases) in enumerate(rows):
+        y = len(rows) - 1 - row
+        axis.broken_barh([(0, end)], (y - 0.4, 0.8), color="#e8e8e8")
+        for name, start, stop in phases:
+            axis.broken_barh([(start, stop - start)], (y - 0.4, 0.8), color=PHASE_COLORS[name])
         for o in ops:
-            axis.broken_barh([(o.start, o.end - o.start)], (y - 0.4, 0.8), color=colors[o.op],
+            axis.broken_barh([(o.start, o.end - o.start)], (y - 0.4, 0.8), color=OP_COLORS[o.op],
                              edgecolor="white", linewidth=0.5)
             axis.text((o.start + o.end) / 2, y, f"{o.chunk}.{o.micro_batch}", ha="center",
                       va="center", fontsize=6, color="white")
-        for start, stop in (comms or {}).get(rank, []):
-            axis.broken_barh([(start, max(stop - start, end / 2000))], (y - 0.5, 0.08),
-                             color="black")
-    axis.set_yticks(range(len(timed)))
-    axis.set_yticklabels([f"pipeline rank {p}" for p in reversed(range(len(timed)))])
+        for start, stop, kind in comms:
+            axis.broken_barh([(start, max(stop - start, end / 2000))], (y - 0.5, 0.1),
+                             color=GROUP_COLORS[kind])
+    axis.set_yticks(range(len(rows)))
+    axis.set_yticklabels([label for label, *_ in reversed(rows)], fontsize=7)
     axis.set_xlim(0, end * 1.01)
-    axis.set_xlabel("seconds from the step's first forward")
     axis.set_title(title, fontsize=9)
+
+
+def legend_handles(patch) -> list:
+    return ([patch(color=OP_COLORS["F"], label="forward (chunk.micro-batch)"),
+             patch(color=OP_COLORS["B"], label="backward"),
+             patch(color=PHASE_COLORS["grad_sync"], label="gradient sync (finalize)"),
+             patch(color=PHASE_COLORS["optimizer"], label="optimizer step"),
+             patch(color="#e8e8e8", label="idle (bubble)")]
+            + [patch(color=c, label=f"{kind} collective") for kind, c in GROUP_COLORS.items()])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,59 +207,87 @@ def main(argv: list[str] | None = None) -> int:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
     except ImportError:
         raise SystemExit("tools/draw_timeline.py needs matplotlib: pip install matplotlib") from None
     job = compose_job(run_overrides(args.run_dir))
-    world = len([f for f in os.listdir(os.path.join(args.run_dir, "profile"))
-                 if re.match(r"rank\d+\.json$", f)])
+    ranks = sorted(int(m.group(1)) for f in os.listdir(os.path.join(args.run_dir, "profile"))
+                   if (m := re.match(r"rank(\d+)\.json$", f)))
     par = job.parallel
     pp = par.pipeline_model_parallel_size
+    world = int(job_world(args.run_dir, ranks))
     dp = world // par.model_parallel_size
-    real, comms = {}, {}
-    for p, rank in enumerate(pipeline_ranks(world, pp)):
-        real[p], comms[p] = measured(args.run_dir, rank)
-    plan = planned(job, dp, real)
+    origin = min(first_forward(args.run_dir, r) for r in ranks)
+    traces = [measured(args.run_dir, r, pipeline_rank_of(r, world, pp), origin) for r in ranks]
+    traces.sort(key=lambda t: (t.pipeline_rank, t.rank))
+    plan = planned(job, dp, traces)
+    real = {t.rank: t.spans for t in traces}
     shares = bubble_fraction(real), bubble_fraction(plan)
-    figure, (top, bottom) = plt.subplots(2, 1, figsize=(12, 1.2 + 1.1 * pp * 2))
-    draw(top, real, comms, f"measured (traced step): bubbles {shares[0]:.1%} of rank time")
-    draw(bottom, plan, None, f"planner's replay of the same order at the measured rate: "
-                             f"bubbles {shares[1]:.1%}")
-    figure.tight_layout()
+    end = max([o.end for t in traces for o in t.spans] + [s for t in traces for _, _, s in t.phases]
+              + [o.end for ops in plan.values() for o in ops])
+    figure, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(12, 2.2 + 0.45 * (
+        len(traces) + pp)), gridspec_kw={"height_ratios": [max(1, len(traces)), max(1, pp)]})
+    draw_rows(top, [(f"rank {t.rank} (pipeline {t.pipeline_rank})", t.spans, t.comms, t.phases)
+                    for t in traces], end,
+              f"measured (traced step, every traced rank): bubbles {shares[0]:.1%} of rank time")
+    draw_rows(bottom, [(f"pipeline rank {p}", ops, [], []) for p, ops in sorted(plan.items())],
+              end, f"planner's replay of the same order at the measured rate, same time scale: "
+                   f"bubbles {shares[1]:.1%}")
+    bottom.set_xlabel("seconds from the step's first forward")
+    figure.legend(handles=legend_handles(Patch), loc="upper center", ncol=6, fontsize=7,
+                  frameon=False)
+    figure.tight_layout(rect=(0, 0, 1, 0.93))
     out = args.output or os.path.join(args.run_dir, "profile", "timeline.png")
     figure.savefig(out, dpi=110)
+    optimizer = sum(1 for t in traces if any(n == "optimizer" for n, _, _ in t.phases))
     print(f"bubbles: measured {shares[0]:.3f}, planned {shares[1]:.3f}")
+    print(f"drew {len(traces)} traced ranks on one time scale ({optimizer} with their optimizer "
+          f"step), the planner's {pp} pipeline ranks below")
     print(f"wrote {out}")
     if args.memory:
-        draw_memory(plt, args.run_dir, pipeline_ranks(world, pp), real,
+        draw_memory(plt, args.run_dir, [t.rank for t in traces],
+                    {t.rank: t.spans for t in traces}, origin,
                     os.path.join(os.path.dirname(out), "memory.png"))
     return 0
 
 
+def job_world(run_dir: str, traced: list[int]) -> int:
+    """The run's world size: from its metrics (one entry per rank), else the traced ranks."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as handle:
+            first = handle.readline()
+        if first.strip():
+            sizes = json.loads(first).get("mem_peak_bytes")
+            if isinstance(sizes, list) and sizes:
+                return len(sizes)
+    return max(traced) + 1
+
+
 def draw_memory(plt, run_dir: str, ranks: list[int], spans: dict[int, list[TimedOp]],
-                out: str) -> None:
-    """Bytes allocated over the step per pipeline rank, forwards and backwards as bands."""
+                origin: float, out: str) -> None:
+    """Bytes allocated over the step per traced rank, forwards and backwards as bands, on the
+    timeline's scale (seconds from ``origin``)."""
     figure, axes = plt.subplots(len(ranks), 1, figsize=(12, 2.4 * len(ranks)), squeeze=False)
-    colors = {"F": "#4c72b0", "B": "#dd8452"}
+    colors = OP_COLORS
     for p, rank in enumerate(ranks):
         events = trace_events(run_dir, rank)
-        starts = [e["ts"] / 1e6 for e in events if e.get("ph") == "X"
-                  and SPAN.match(str(e.get("name", "")))]
-        times, allocated = memory_curve(events, min(starts))
+        times, allocated = memory_curve(events, origin)
         if not times:
             raise SystemExit(f"{run_dir}: rank {rank}'s trace has no allocator events: trace "
                              "with train.profile_memory=true")
         axis = axes[p][0]
-        for o in spans[p]:
+        for o in spans[rank]:
             axis.axvspan(o.start, o.end, color=colors[o.op], alpha=0.18, linewidth=0)
             axis.text((o.start + o.end) / 2, 0.98, f"{o.op}{o.chunk}.{o.micro_batch}",
                       transform=axis.get_xaxis_transform(), ha="center", va="top", fontsize=5)
         axis.plot(times, [b / 2**20 for b in allocated], color="black", linewidth=0.8)
-        axis.set_ylabel(f"pipeline rank {p}\nMiB allocated")
-        axis.set_xlim(0, max(o.end for o in spans[p]) * 1.01)
+        axis.set_ylabel(f"rank {rank}\nMiB allocated")
+        axis.set_xlim(0, max(o.end for o in spans[rank]) * 1.01)
         peak = max(allocated) / 2**20
-        axis.set_title(f"pipeline rank {p}: peak {peak:.1f} MiB above the trace's start "
+        axis.set_title(f"rank {rank}: peak {peak:.1f} MiB above the trace's start "
                        "(blue: forward, orange: backward, chunk.micro-batch)", fontsize=9)
-        print(f"pipeline rank {p}: peak {peak:.1f} MiB allocated during the step")
+        print(f"rank {rank}: peak {peak:.1f} MiB allocated during the step")
     axes[-1][0].set_xlabel("seconds from the step's first forward")
     figure.tight_layout()
     figure.savefig(out, dpi=110)

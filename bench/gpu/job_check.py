@@ -138,6 +138,9 @@ def train_run(name: str, ctx, root: str) -> dict:
            "tflops_per_gpu": last.get("tflops_per_gpu"), "mfu": last.get("mfu")}
     if any(o.startswith("train.profile_steps") for o in overrides):
         run["trace_event_counts"] = trace_counts(run_dir)
+        snapshot = os.path.join(run_dir, "profile", "rank00000_memory_snapshot.pickle")
+        run["memory_snapshot_bytes"] = (os.path.getsize(snapshot) if os.path.exists(snapshot)
+                                        else 0)
     if records:  # the planner's bytes against these (activations: fused attention on CUDA)
         run["plan_problems"] = plan_check.problems(compose_job(overrides), last)
     if rc != 0 or not records:
@@ -170,6 +173,8 @@ def check_train(name: str, run: dict, ctx, runs: dict) -> None:
             problems.append(f"{name}: the profile recorded no CUDA allocator event")
         elif not counts["memory_by_device_type"]:
             problems.append(f"{name}: the profile recorded no allocator event")
+        elif ctx.device.type == "cuda" and not run.get("memory_snapshot_bytes"):
+            problems.append(f"{name}: no CUDA memory snapshot beside the trace")
     if name.endswith("_resume"):
         uninterrupted = runs.get(name.replace("_resume", "_host"), {}).get("losses", [])[2:]
         worst = max((abs(a - b) / abs(a) for a, b in zip(uninterrupted, run["losses"])),
