@@ -135,25 +135,6 @@ def _backward_and_dp_ranges(profile, rank: int) -> tuple[list[dict], list[dict]]
     return backward, dp
 
 
-@pytest.mark.parametrize("distributed", [False, True])
-def test_overlapped_gradient_reduction_starts_inside_the_last_backward(tmp_path, distributed):
-    """parallel.overlap_grad_reduce with 20K-parameter buckets over DP2: the trace shows
-    gradient reductions issued while the step's last backward still runs (megatron-core starts
-    a bucket when autograd has filled it); without overlap every reduction starts after it."""
-    base = ["parallel=single", "train.train_iters=2", "train.profile_steps=[2,2]",
-            *(["parallel.use_distributed_optimizer=true"] if distributed else [])]
-    run_job(2, [*base, "parallel.overlap_grad_reduce=true", "parallel.ddp_bucket_size=20000"],
-            str(tmp_path / "overlap"))
-    run_job(2, base, str(tmp_path / "plain"))
-    backward, dp = _backward_and_dp_ranges(tmp_path / "overlap" / "profile", 0)
-    last = backward[-1]
-    inside = [e for e in dp if last["ts"] <= e["ts"] < last["ts"] + last["dur"]]
-    assert len(dp) > 1 and inside, (last, dp)
-    backward, dp = _backward_and_dp_ranges(tmp_path / "plain" / "profile", 0)
-    last = backward[-1]
-    assert dp and all(e["ts"] >= last["ts"] + last["dur"] for e in dp), (last, dp)
-
-
 def _forward_and_gather_ranges(profile, rank: int) -> tuple[list[dict], list[dict]]:
     """The traced step's forward ranges and the distributed optimizer's parameter
     all-gathers (``dp_cp`` group), in time order."""
@@ -166,19 +147,28 @@ def _forward_and_gather_ranges(profile, rank: int) -> tuple[list[dict], list[dic
     return forward, gathers
 
 
-def test_overlapped_parameter_gather_runs_inside_the_next_forward(tmp_path):
-    """parallel.overlap_param_gather (20K-parameter buckets, DP2): the step's parameter
-    all-gathers are issued inside its first forward, bucket after bucket as the modules that
-    need them run; without it every gather runs in the optimizer step, outside any forward."""
+def test_overlapped_reduction_and_gather_run_inside_compute(tmp_path):
+    """The distributed optimizer over DP2 with 20K-parameter buckets, traced at step 2. With
+    parallel.overlap_grad_reduce, gradient reductions are issued while the step's last backward
+    still runs (megatron-core starts a bucket when autograd has filled it); with
+    parallel.overlap_param_gather, the parameter all-gathers are issued inside the step's first
+    forward, bucket after bucket as the modules needing them run. Without either, every
+    reduction starts after the last backward and no gather runs inside any forward (all in the
+    optimizer step)."""
     base = ["parallel=single", "train.train_iters=2", "train.profile_steps=[2,2]",
-            "parallel.use_distributed_optimizer=true", "parallel.overlap_grad_reduce=true",
-            "parallel.ddp_bucket_size=20000"]
-    run_job(2, [*base, "parallel.overlap_param_gather=true"], str(tmp_path / "overlap"))
+            "parallel.use_distributed_optimizer=true", "parallel.ddp_bucket_size=20000"]
+    run_job(2, [*base, "parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"],
+            str(tmp_path / "overlap"))
     run_job(2, base, str(tmp_path / "plain"))
+    backward, dp = _backward_and_dp_ranges(tmp_path / "overlap" / "profile", 0)
+    last = backward[-1]
+    assert len(dp) > 1 and [e for e in dp if last["ts"] <= e["ts"] < last["ts"] + last["dur"]]
     forward, gathers = _forward_and_gather_ranges(tmp_path / "overlap" / "profile", 0)
     first = forward[0]
-    inside = [e for e in gathers if first["ts"] <= e["ts"] < first["ts"] + first["dur"]]
-    assert len(inside) > 1, (first, gathers)
+    assert len([e for e in gathers if first["ts"] <= e["ts"] < first["ts"] + first["dur"]]) > 1
+    backward, dp = _backward_and_dp_ranges(tmp_path / "plain" / "profile", 0)
+    last = backward[-1]
+    assert dp and all(e["ts"] >= last["ts"] + last["dur"] for e in dp), (last, dp)
     forward, gathers = _forward_and_gather_ranges(tmp_path / "plain" / "profile", 0)
-    assert len(gathers) > 1
+    assert gathers  # one bucket without the overlapped reduction
     assert not [e for e in gathers for f in forward if f["ts"] <= e["ts"] < f["ts"] + f["dur"]]
