@@ -150,11 +150,18 @@ def unit(plans) -> tuple[int, str]:
     return (GIB, "GiB") if max(p.max_rank_bytes for p in plans) >= GIB else (MIB, "MiB")
 
 
+def flop_unit(plans) -> tuple[float, str]:
+    """TFLOP, or GFLOP for stages too small to read in TFLOP (the tiny model)."""
+    most = max(s.costs.flops_per_microbatch for p in plans for s in p.stages)
+    return (1e12, "TFLOP") if most >= 1e11 else (1e9, "GFLOP")
+
+
 def stage_table(plans) -> list[str]:
     size, name = unit(plans)
+    flops, flop_name = flop_unit(plans)
     head = f"{'stage':>5} {'rank':>4}" + "".join(
         f" | {p.layout.placement + ' layers':<17} {'params ' + name:>10} {'act ' + name:>9}"
-        f" {'TFLOP':>6}" for p in plans)
+        f" {flop_name:>6}" for p in plans)
     rows = [head, "-" * len(head)]
     for s, stage in enumerate(plans[0].stages):
         row = f"{s:>5} {stage.rank:>4}"
@@ -162,10 +169,10 @@ def stage_table(plans) -> list[str]:
             c = plan.stages[s].costs
             row += (f" | {compact(plan.stages[s].layers):<17} {c.param_bytes / size:>10.2f} "
                     f"{c.activation_bytes_per_microbatch / size:>9.2f} "
-                    f"{c.flops_per_microbatch / 1e12:>6.1f}")
+                    f"{c.flops_per_microbatch / flops:>6.1f}")
         rows.append(row)
-    return rows + [("(act: activations of one micro-batch; TFLOP: forward + backward of one "
-                    "micro-batch on one rank)")]
+    return rows + [(f"(act: activations of one micro-batch; {flop_name}: forward + backward of "
+                    "one micro-batch on one rank)")]
 
 
 def rank_table(plans) -> list[str]:
