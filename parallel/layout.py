@@ -113,6 +113,9 @@ class DataParallelOptions:
     # (megatron-core's overlap_param_gather; needs use_distributed_optimizer and
     # overlap_grad_reduce, whose buckets it gathers).
     overlap_param_gather: bool = False
+    # megatron-core's EP all-to-all overlap (Megatron-LM's --overlap-moe-expert-parallel-comm):
+    # refused with its reason (_check_expert_overlap); the planner prices what it would hide.
+    overlap_moe_expert_parallel_comm: bool = False
     backend: str | None = None  # None: nccl with CUDA, gloo without
     # Optional: the launcher starts TP x PP x CP x this many processes; when set, the job checks
     # the world size agrees. Null: derived from the world size.
@@ -163,6 +166,7 @@ def validate_layout(par: ParallelConfig, model: ModelShape, world_size: int,
     check_host_optimizer(par)
     _check_experts(par, model, dp)
     _check_param_gather(par)
+    _check_expert_overlap(par)
     _check_dispatcher(par)
     _check_sequence(par, model, seq_length)
     if par.cp_groups != "flexible":  # flexible: the plan sets the micro-batches per step
@@ -346,6 +350,19 @@ def _check_param_gather(par: ParallelConfig) -> None:
             raise LayoutError(
                 f"parallel.overlap_param_gather=true with parallel.{other}=true: {why}, and the "
                 f"overlapped gather is not built for it; set one of them to false")
+
+
+def _check_expert_overlap(par: ParallelConfig) -> None:
+    if par.overlap_moe_expert_parallel_comm:
+        raise LayoutError(
+            "parallel.overlap_moe_expert_parallel_comm=true: not offered. megatron-core's EP "
+            "overlap (combined 1F1B) runs each model chunk as its own per-layer plan (attention, "
+            "dispatch, MLP, combine; gpt_model.build_schedule_plan) in place of GLM-5's forward, "
+            "which would skip its shared MTP layer applied once per MTP step (the plan takes one "
+            "MTP layer), its chunked loss head and the DSA indexer's KL; it also needs CUDA side "
+            "streams, bf16 and no full recompute (the long-context presets recompute every "
+            "layer). What it would hide: python tools/plan_step_time.py --overlap "
+            "expert_all_to_all. Set it to false")
 
 
 DISPATCHERS = ("alltoall", "allgather", "flex")

@@ -65,6 +65,8 @@ def check(par: ParallelConfig, world: int, gbs: int = 8, mbs: int = 1, seq: int 
     (ParallelConfig(overlap_param_gather=True, use_distributed_optimizer=True,
                     overlap_grad_reduce=True, optimizer_cpu_offload=True), 2,
      "overlap_param_gather=true with parallel.optimizer_cpu_offload=true"),
+    (ParallelConfig(expert_model_parallel_size=2, overlap_moe_expert_parallel_comm=True), 2,
+     "overlap_moe_expert_parallel_comm=true: not offered"),
 ])
 def test_impossible_layouts_are_named(par, world, fragment):
     with pytest.raises(LayoutError) as err:
