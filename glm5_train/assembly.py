@@ -197,16 +197,24 @@ def assemble(job: JobConfig, validated: bool = False) -> Runtime:
                  else None)
     return Runtime(job, config, groups, chunks, optimizer, scheduler, dataset, zero2, norms,
                    activations, pool, wgrad=wgrad, qat=qat, objective=objective,
-                   cp_exchanges=cp_exchanges, phases=phases, rate=model_rate(job, groups))
+                   cp_exchanges=cp_exchanges, phases=phases, rate=model_rate(job))
 
 
-def model_rate(job: JobConfig, groups) -> ModelRate:
-    """The planner's model FLOPs per global batch of this job, its devices and their peak."""
-    dp = groups.dp.size()
-    peak = (device_peak_tflops(torch.cuda.get_device_name()) if torch.cuda.is_available()
-            else None)
-    return ModelRate(model_flops_per_step(job, dp), job.train.global_batch_size,
-                     torch.distributed.get_world_size(), peak)
+def model_rate(job: JobConfig) -> ModelRate | None:
+    """The planner's model FLOPs per global batch of this job, its devices and their peak;
+    None, with a notice on rank 0, for a job the planner cannot price (training goes on)."""
+    bf16 = job.train.params_dtype == "bf16"  # the presets' peak is the bf16 one
+    peak = (device_peak_tflops(torch.cuda.get_device_name())
+            if torch.cuda.is_available() and bf16 else None)
+    try:
+        flops = model_flops_per_step(job)
+    except ValueError as err:
+        if torch.distributed.get_rank() == 0:
+            print(f"glm5_train: no tflops_per_gpu / mfu in the metrics: the planner cannot "
+                  f"count this job's FLOPs ({err})", flush=True)
+        return None
+    return ModelRate(flops, job.train.global_batch_size, torch.distributed.get_world_size(),
+                     peak)
 
 
 def routed_expert_linears(chunks: list) -> list:

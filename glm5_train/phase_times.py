@@ -94,8 +94,13 @@ class ModelRate:
             return {}
         flops = self.flops_per_step * (global_batch_now or self.global_batch) / self.global_batch
         tflops = flops / step_s / self.devices / 1e12
-        out = {"tflops_per_gpu": round(tflops, 6)}
+        out = {"tflops_per_gpu": _figures(tflops)}
         if self.peak_tflops:
-            out["mfu"] = round(tflops / self.peak_tflops, 6)
+            out["mfu"] = _figures(tflops / self.peak_tflops)
         return out
+
+
+def _figures(value: float) -> float:
+    """``value`` to 6 significant figures (a CPU's 0.0037 TFLOP/s and an H100's 400 alike)."""
+    return float(f"{value:.6g}")
 

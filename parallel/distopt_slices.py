@@ -89,9 +89,12 @@ def gathered(param: torch.Tensor) -> torch.Tensor:
 
 
 def drain_gathers(chunks: list) -> None:
-    """Finish every parameter gather still in flight: a bucket whose modules did not run
-    this step (an expert that got no token) must not carry its gather into the next step,
-    where megatron-core would dispatch it again."""
+    """Finish every parameter gather still in flight before the gradients are finalised: a
+    gather dispatched (as the next in megatron-core's chain) but never waited for this step
+    must not reach the next step, where megatron-core would dispatch it again and fail. With
+    ``gathered`` at every direct weight read none is known to remain; this is the safeguard.
+    (Every rank dispatches the gathers in the same order: the chain follows module order,
+    and megatron-core's SequentialMLP runs every local expert, tokens or none.)"""
     for chunk in chunks:
         if not chunk.ddp_config.overlap_param_gather:
             continue
@@ -106,7 +109,8 @@ def parameters_gathered(chunks: list):
     """Every parameter whole on this rank inside the block, for reading them outside a
     forward (a checkpoint, a weight version). Under ``parallel.overlap_param_gather`` the
     optimizer step leaves the gather to the next forward's hooks: here megatron-core's hooks
-    are taken off, which gathers every bucket now, and put back after."""
+    are taken off, which gathers every bucket now, and put back after (they then run after
+    any forward pre-hook registered later; none of those reads weights)."""
     overlapped = [c for c in chunks if getattr(c, "ddp_config", None) is not None
                   and c.ddp_config.overlap_param_gather]
     for chunk in overlapped:

@@ -332,6 +332,11 @@ def _check_experts(par: ParallelConfig, model: ModelShape, dp: int) -> None:
 def _check_param_gather(par: ParallelConfig) -> None:
     if not par.overlap_param_gather:
         return
+    if par.defer_weight_grads:
+        raise LayoutError(
+            "parallel.overlap_param_gather=true with parallel.defer_weight_grads=true: the "
+            "overlapped gather needs overlap_grad_reduce, which deferred weight gradients "
+            "cannot run with (their gradients arrive outside autograd); set one of them to false")
     if not par.use_distributed_optimizer:  # param_and_grad_buffer.py:262
         raise LayoutError(
             "parallel.overlap_param_gather=true needs parallel.use_distributed_optimizer=true: "

@@ -67,6 +67,9 @@ def check(par: ParallelConfig, world: int, gbs: int = 8, mbs: int = 1, seq: int 
      "overlap_param_gather=true with parallel.optimizer_cpu_offload=true"),
     (ParallelConfig(expert_model_parallel_size=2, overlap_moe_expert_parallel_comm=True), 2,
      "overlap_moe_expert_parallel_comm=true: not offered"),
+    (ParallelConfig(pipeline_model_parallel_size=2, defer_weight_grads=True,
+                    overlap_param_gather=True, use_distributed_optimizer=True), 2,
+     "overlap_param_gather=true with parallel.defer_weight_grads=true"),
 ])
 def test_impossible_layouts_are_named(par, world, fragment):
     with pytest.raises(LayoutError) as err:

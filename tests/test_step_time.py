@@ -10,7 +10,6 @@ import pytest
 
 from glm5_train.job_config import compose_job
 from glm5_train.plan import inputs_from_job, job_plan
-from glm5_train.plan import step_time
 from glm5_train.plan.step_time import (
     ClusterSpec,
     Link,
@@ -102,10 +101,11 @@ def test_recompute_costs_compute_but_not_model_flops():
     assert redone.ranks[0].compute > plain.ranks[0].compute
 
 
-def test_overlapped_gradient_reduction_hides_behind_the_last_backward(monkeypatch):
+def test_overlapped_gradient_reduction_hides_behind_the_last_backward():
     """DP2 over two nodes with a slow link: the reduction is exposed whole without overlap.
     With it, one bucket still waits for the backward's end (megatron-core sends a bucket
-    once all its gradients exist); with 4 buckets the first 3 leave during the backward."""
+    once all its gradients exist); with 4 buckets (parallel.ddp_bucket_size) the first 3
+    leave during the backward."""
     slow = dataclasses.replace(EASY, gpus_per_node=1, inter_node=Link(0.05, 0.0))
     job = _tiny("parallel=single", "parallel.data_parallel_size=2")
     off = predict_step_time(job, 2, slow, Overlaps())
@@ -114,12 +114,30 @@ def test_overlapped_gradient_reduction_hides_behind_the_last_backward(monkeypatc
     assert exposed_off > 0
     assert one_bucket.ranks[0].comm["grad_reduction"] == pytest.approx(exposed_off)
     params = sum(s.costs.dense_params for s in plan_stages(job))
-    monkeypatch.setattr(step_time, "DDP_BUCKET_ELEMENTS", -(-params // 4))
+    job = _tiny("parallel=single", "parallel.data_parallel_size=2",
+                f"parallel.ddp_bucket_size={-(-params // 4)}")
     on = predict_step_time(job, 2, slow, Overlaps(grad_reduce=True))
     exposed_on = on.ranks[0].comm["grad_reduction"]
     assert exposed_off / 4 <= exposed_on < exposed_off
     assert on.hidden["grad_reduction"] == pytest.approx(exposed_off - exposed_on)
     assert on.step_seconds < off.step_seconds
+
+
+def test_overlapped_parameter_gather_exposes_the_first_bucket_only_when_compute_covers_the_rest():
+    """The distributed optimizer over DP2 on a slow link, 4 buckets: without overlap the whole
+    gather follows the optimizer; with it, the first forward waits for the first bucket, and
+    for the rest as far as its compute does not cover them."""
+    slow = dataclasses.replace(EASY, gpus_per_node=1, inter_node=Link(0.05, 0.0))
+    base = ["parallel=single", "parallel.data_parallel_size=2",
+            "parallel.use_distributed_optimizer=true"]
+    params = sum(s.costs.dense_params for s in plan_stages(_tiny(*base)))
+    job = _tiny(*base, f"parallel.ddp_bucket_size={-(-params // 4)}")
+    off = predict_step_time(job, 2, slow, Overlaps())
+    on = predict_step_time(job, 2, slow, Overlaps(grad_reduce=True, param_gather=True))
+    whole = off.ranks[0].comm["param_gather"]
+    exposed = on.ranks[0].comm["param_gather"]
+    assert whole > 0 and whole / 4 <= exposed < whole
+    assert on.hidden["param_gather"] == pytest.approx(whole - exposed)
 
 
 def plan_stages(job):
@@ -170,14 +188,15 @@ def test_throughput_per_step_scales_with_the_ramp_and_gives_mfu_where_the_peak_i
     assert ModelRate(8e15, 8, 4, None).fields(2.0) == {"tflops_per_gpu": 1000.0}
     assert device_peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
     assert device_peak_tflops("NVIDIA H200") == 989.4
+    assert device_peak_tflops("NVIDIA H100 PCIe") is None  # a lower peak: no MFU, not a wrong one
     assert device_peak_tflops("NVIDIA A10G") is None
 
 
 def test_model_flops_per_step_count_every_rank_without_recompute():
     """The same global batch on one process and on TP2 x PP2: the same model FLOPs (the TP
     split and the stages add up), and recompute adds none."""
-    one = model_flops_per_step(_tiny("parallel=single"), 1)
-    assert model_flops_per_step(_tiny("parallel=tp2_pp2"), 1) == pytest.approx(one, rel=1e-3)
+    one = model_flops_per_step(_tiny("parallel=single"))
+    assert model_flops_per_step(_tiny("parallel=tp2_pp2")) == pytest.approx(one, rel=1e-3)
     redone = _tiny("parallel=single", "activations.recompute_granularity=full",
                    "activations.recompute_method=uniform", "activations.recompute_num_layers=1")
-    assert model_flops_per_step(redone, 1) == one
+    assert model_flops_per_step(redone) == one

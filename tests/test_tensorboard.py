@@ -43,7 +43,7 @@ def test_tensorboard_events_equal_the_metrics_and_change_nothing(tmp_path, monke
         _check_phases(record)
         # the planner's model FLOPs per global batch over the step's wall time, one device;
         # no MFU on a CPU (no peak to divide by)
-        flops = model_flops_per_step(compose_job([*BASE_OVERRIDES, *overrides]), 1)
+        flops = model_flops_per_step(compose_job([*BASE_OVERRIDES, *overrides]))
         assert record["tflops_per_gpu"] == pytest.approx(flops / record["step_time_s"] / 1e12,
                                                          rel=1e-4)
         assert "mfu" not in record

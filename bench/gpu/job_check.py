@@ -135,7 +135,8 @@ def train_run(name: str, ctx, root: str) -> dict:
            "optimizer_state_bytes": last.get("optimizer_state_bytes"),
            "optimizer_host_bytes": last.get("optimizer_host_bytes"),
            "phase_ms": last.get("phase_ms"), "step_time_ms": last.get("step_time_ms"),
-           "tflops_per_gpu": last.get("tflops_per_gpu"), "mfu": last.get("mfu")}
+           "tflops_per_gpu": last.get("tflops_per_gpu"), "mfu": last.get("mfu"),
+           "params_dtype": compose_job(overrides).train.params_dtype}
     if any(o.startswith("train.profile_steps") for o in overrides):
         run["trace_event_counts"] = trace_counts(run_dir)
         snapshot = os.path.join(run_dir, "profile", "rank00000_memory_snapshot.pickle")
@@ -200,12 +201,13 @@ def phase_problems(run: dict) -> list[str]:
 
 def rate_problems(run: dict, device: torch.device) -> list[str]:
     """The step's throughput (glm5_train/phase_times.py ModelRate): TFLOP/s per GPU on every
-    run; MFU in (0, 1) where the device's peak is known (an H100 or H200 by its CUDA name:
-    device_peak_tflops), and none elsewhere."""
+    run; MFU in (0, 1) on a bf16 run where the device's peak is known (an H100 SXM or H200 SXM
+    by its exact CUDA name: device_peak_tflops), and none elsewhere."""
     tflops, mfu = run.get("tflops_per_gpu"), run.get("mfu")
     if not (isinstance(tflops, float) and tflops > 0):
         return [f"tflops_per_gpu {tflops}: missing or not positive"]
-    known = device.type == "cuda" and device_peak_tflops(torch.cuda.get_device_name()) is not None
+    known = (device.type == "cuda" and run.get("params_dtype") == "bf16"
+             and device_peak_tflops(torch.cuda.get_device_name()) is not None)
     if known and not (isinstance(mfu, float) and 0 < mfu < 1):
         return [f"mfu {mfu} on {torch.cuda.get_device_name()}: want a share in (0, 1)"]
     if not known and mfu is not None:

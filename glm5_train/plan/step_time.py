@@ -51,11 +51,7 @@ from glm5_train.plan.inputs import MemoryInputs, inputs_from_job, mtp_sets
 from glm5_train.plan.param_count import Term, layer_terms, mtp_layer_terms
 from glm5_train.plan.pipeline import job_pipeline, plan_report
 from glm5_train.plan.stage_model import ADAMW_MATRICES, TP_SPLIT
-from glm5_train.plan.traffic import (
-    routed_over_expert_ranks,
-    stage_sends,
-    tensor_parallel_step_comm,
-)
+from glm5_train.plan.traffic import gathers_per_bucket, stage_sends, tensor_parallel_step_comm
 from parallel.hierarchical_all_to_all import level_bytes
 from parallel.pipeline_layout import (
     Comm,
@@ -76,7 +72,7 @@ CLUSTER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 ADAMW_STEP_BYTES = 4 * 4 + 3 * 4 + 2
 MUON_STEP_BYTES = 2 * 4 + 4 + 2 * 4 + 2
 NEWTON_SCHULZ_ITERATIONS = 5
-# megatron-core's DDP bucket: at least 40M parameters (bucket_size default).
+# megatron-core's DDP bucket: at least 40M parameters (bucket_size default; see bucket_elements).
 DDP_BUCKET_ELEMENTS = 40_000_000
 # The kinds of communication the breakdown reports, in its order.
 COMM_KINDS = ("tensor_parallel", "context_parallel", "expert_all_to_all", "pipeline",
@@ -115,6 +111,8 @@ class ClusterSpec:
     intra_node: Link
     inter_node: Link
     note: str = ""
+    # torch.cuda.get_device_name() of the devices this spec describes (MFU per step)
+    cuda_names: tuple[str, ...] = ()
 
     def link(self, inter: bool) -> Link:
         return self.inter_node if inter else self.intra_node
@@ -131,7 +129,7 @@ def load_cluster(name: str) -> ClusterSpec:
     raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     try:
         links = {key: Link(**raw.pop(key)) for key in ("intra_node", "inter_node")}
-        return ClusterSpec(**raw, **links)
+        return ClusterSpec(**{**raw, "cuda_names": tuple(raw.get("cuda_names", ()))}, **links)
     except TypeError as err:
         raise ValueError(f"cluster spec {path}: {err}; see configs/cluster/h100.yaml for the "
                          "keys") from None
@@ -247,7 +245,8 @@ class StepTime:
     gpus: int
     layout: PipelineLayout
     model_flops: float  # the whole job's per step (``model_flops_per_step``)
-    hidden: dict[str, float] = field(default_factory=dict)  # seconds overlap hid, by kind
+    # seconds the overlaps hid, by kind, summed over the pipeline ranks
+    hidden: dict[str, float] = field(default_factory=dict)
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -313,7 +312,7 @@ def predict_step_time(job: JobConfig, dp: int, cluster: ClusterSpec,
         ranks.append(RankTime(rank, compute, comm, tails[rank]["optimizer"], step - busy))
     gpus = job.parallel.world_size_needed(dp)
     return StepTime(cluster, overlaps, step, tuple(ranks), gpus, layout,
-                    model_flops_per_step(job, dp, **changes), hidden)
+                    model_flops_per_step(job, **changes), hidden)
 
 
 def _stage_times(job: JobConfig, inputs: MemoryInputs, layout: PipelineLayout, stage: int,
@@ -356,24 +355,25 @@ def _step_tail(job: JobConfig, inputs: MemoryInputs, layout: PipelineLayout, ran
     reduce_chunks = [_dp_seconds(inputs, pp, cluster, d, e, inputs.grad_bytes,
                                  "reduce_scatter" if inputs.distributed_optimizer else "all_reduce")
                      for d, e in zip(dense, expert)]
-    optimizers = 2 if routed_over_expert_ranks(job) else 1
-    gather_chunks = [optimizers * _dp_seconds(inputs, pp, cluster, d, e, inputs.weight_bytes,
-                                              "all_gather")
+    gathers = gathers_per_bucket(job, overlaps.param_gather)
+    gather_chunks = [gathers * _dp_seconds(inputs, pp, cluster, d, e, inputs.weight_bytes,
+                                           "all_gather")
                      if inputs.distributed_optimizer else 0.0 for d, e in zip(dense, expert)]
+    bucket = bucket_elements(job, inputs)
+    buckets = [max(1, math.ceil((d + e) / bucket)) for d, e in zip(dense, expert)]
     if job.parallel.pipeline_zero2:
         # Each flush reduce-scatters asynchronously behind the next micro-batches; the last
         # one waits at the step's end.
         groups = inputs.num_microbatches // (inputs.microbatch_group or pp)
         exposed_reduce = sum(reduce_chunks) / max(1, groups if len(mine) > 1 else 1)
     elif overlaps.grad_reduce:
-        exposed_reduce = _overlapped_reduction(ops, reduce_chunks, [d + e for d, e in
-                                                                    zip(dense, expert)])
+        exposed_reduce = _overlapped_reduction(ops, reduce_chunks, buckets)
     else:
         exposed_reduce = sum(reduce_chunks)
     hidden["grad_reduction"] = hidden.get("grad_reduction", 0.0) + sum(reduce_chunks) - exposed_reduce
     tp_step = comm_seconds(tensor_parallel_step_comm(job, inputs, layout, rank), inputs, pp,
                            cluster).get("tensor_parallel", 0.0)
-    exposed_gather = (_overlapped_gather(ops, gather_chunks) if overlaps.param_gather
+    exposed_gather = (_overlapped_gather(ops, gather_chunks, buckets) if overlaps.param_gather
                       else sum(gather_chunks))
     hidden["param_gather"] = hidden.get("param_gather", 0.0) + sum(gather_chunks) - exposed_gather
     return {"grad_reduction": exposed_reduce, "tp_step": tp_step,
@@ -395,10 +395,17 @@ def _dp_seconds(inputs: MemoryInputs, pp: int, cluster: ClusterSpec, dense: int,
     return seconds
 
 
-def _overlapped_reduction(ops, chunk_seconds: list[float], chunk_params: list[int]) -> float:
-    """megatron-core's overlapped reduction on one rank: each chunk's buckets go out during its
-    last backward (one channel, in turn); the last bucket of each can leave only when the
-    backward ends. Returns the seconds past the rank's last op."""
+def bucket_elements(job: JobConfig, inputs: MemoryInputs) -> int:
+    """Parameters per DDP bucket: ``parallel.ddp_bucket_size``, else megatron-core's default,
+    max(40M, 1M x the data-parallel group)."""
+    return job.parallel.ddp_bucket_size or max(DDP_BUCKET_ELEMENTS,
+                                               1_000_000 * inputs.dp * inputs.cp)
+
+
+def _overlapped_reduction(ops, chunk_seconds: list[float], buckets: list[int]) -> float:
+    """megatron-core's overlapped reduction on one rank: each chunk's ``buckets`` go out
+    during its last backward (one channel, in turn); the last bucket of each can leave only
+    when the backward ends. Returns the seconds past the rank's last op."""
     end = max(op.end for op in ops)
     last_backward = {}
     for op in ops:
@@ -407,23 +414,28 @@ def _overlapped_reduction(ops, chunk_seconds: list[float], chunk_params: list[in
     channel = 0.0
     for chunk in sorted(last_backward, key=lambda c: last_backward[c].start):
         op, seconds = last_backward[chunk], chunk_seconds[chunk]
-        buckets = max(1, math.ceil(chunk_params[chunk] / DDP_BUCKET_ELEMENTS))
-        channel = max(max(channel, op.start) + seconds, op.end + seconds / buckets)
+        channel = max(max(channel, op.start) + seconds, op.end + seconds / buckets[chunk])
     return max(0.0, channel - end)
 
 
-def _overlapped_gather(ops, chunk_seconds: list[float]) -> float:
-    """megatron-core's overlapped parameter gather: the chunks' gathers go out in the order
-    their first forward needs them, from the step's start; the step is late by the most a
-    first forward waits."""
+def _overlapped_gather(ops, chunk_seconds: list[float], buckets: list[int]) -> float:
+    """megatron-core's overlapped parameter gather on one rank: each chunk's first forward
+    waits for its first bucket, and the other buckets arrive while its modules run (one
+    channel, the chunks in the order their first forwards start, from the step's start). The
+    step is late by the most a first forward waits, at its start or for its later buckets
+    past its end."""
     first = {}
     for op in ops:
         if op.op == "F" and op.chunk not in first:
-            first[op.chunk] = op.start
+            first[op.chunk] = op
     channel, late = 0.0, 0.0
-    for chunk in sorted(first, key=first.get):
-        channel += chunk_seconds[chunk]
-        late = max(late, channel - first[chunk])
+    for chunk in sorted(first, key=lambda c: first[c].start):
+        op, seconds = first[chunk], chunk_seconds[chunk]
+        head = seconds / buckets[chunk]
+        channel += head
+        late = max(late, channel - op.start)
+        channel = max(channel, op.start) + seconds - head
+        late = max(late, channel - op.end)
     return late
 
 
@@ -467,8 +479,8 @@ def _rank_parameters(cfg: GLM5Config, inputs: MemoryInputs, layout: PipelineLayo
     for term in terms:
         experts = term.key == "routed_experts"
         ranks = expert_ranks if experts else dense_ranks
-        split = (inputs.ep * inputs.expert_tp if experts
-                 else inputs.tp if term.key in TP_SPLIT else 1)
+        split = (inputs.ep * inputs.expert_tp if experts  # vocabulary-parallel: embedding, head
+                 else inputs.tp if term.key in TP_SPLIT or term.key == "embedding" else 1)
         for shape in term.shapes:
             elements = term.repeat * math.prod(shape) / split / ranks
             if len(shape) == 2 and term.key not in ADAMW_MATRICES:
@@ -491,13 +503,14 @@ def newton_schulz_flops(rows: int, cols: int) -> float:
 # ------------------------------------------------------------------- per-step throughput
 
 
-def model_flops_per_step(job: JobConfig, dp: int, **changes) -> float:
+def model_flops_per_step(job: JobConfig, **changes) -> float:
     """The job's model FLOPs per global batch (forward + backward, no recompute), as the
     planner counts them for the whole model on one device: the same for every layout of the
-    job (work a layout repeats, such as the DSA indexer on every TP rank, is not model work)."""
-    inputs = inputs_from_job(job, dp, **changes)
-    whole = dataclasses.replace(inputs, tp=1, cp=1, ep=1, etp=None, dp=1,
-                                sequence_parallel=False, recompute=Recompute())
+    job (work a layout repeats, such as the DSA indexer on every TP rank, is not model work).
+    Every sequence counts as ``train.seq_length`` tokens (packed data and flexible CP bins
+    fill it)."""
+    whole = inputs_from_job(job, 1, **{**changes, "tp": 1, "cp": 1, "ep": 1, "etp": None,
+                                       "sequence_parallel": False, "recompute": Recompute()})
     sets = mtp_sets(job.model)
     layout = layout_from_counts([job.model.num_hidden_layers], 1, None, 0 if sets else None,
                                 sets)
@@ -507,12 +520,13 @@ def model_flops_per_step(job: JobConfig, dp: int, **changes) -> float:
 
 
 def device_peak_tflops(device_name: str) -> float | None:
-    """The dense peak of a device by its name (``torch.cuda.get_device_name``), from the cluster
-    presets whose device names it (e.g. 'NVIDIA H100 80GB HBM3' -> h100's); None if none does."""
+    """The dense bf16 peak of a device by its exact CUDA name (``torch.cuda.get_device_name``),
+    from the cluster preset listing it in ``cuda_names`` (H100 SXM, H200 SXM); None for any
+    other (an H100 PCIe or NVL has a lower peak: no MFU rather than a wrong one)."""
     for file in sorted(os.listdir(CLUSTER_DIR)):
         if file.endswith(".yaml"):
             spec = load_cluster(file[:-5])
-            if spec.device.split()[0].lower() in device_name.lower():
+            if device_name in spec.cuda_names:
                 return spec.peak_tflops
     return None
 

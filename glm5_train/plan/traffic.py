@@ -103,9 +103,7 @@ def planned_traffic(job: JobConfig, inputs: MemoryInputs, layout: PipelineLayout
         reduction = sum(_reduction_bytes(n, inputs.grad_bytes * count, distributed)
                         for n, count in groups)
     reduction += 2 * (inputs.dp * inputs.cp - 1) * TOKEN_COUNT_BYTES // (inputs.dp * inputs.cp)
-    # megatron-core chains a second distributed optimizer for expert-parallel parameters, and
-    # each one's step all-gathers every bucket of the model chunks (dense and expert).
-    optimizers = 2 if routed_over_expert_ranks(job) else 1
+    optimizers = gathers_per_bucket(job, job.parallel.overlap_param_gather)
     gather = optimizers * sum((n - 1) * inputs.weight_bytes * count // n for n, count in groups)
     per_step = comm_sum(comm_times(comm_sum(*(s.costs.comm_bytes_per_microbatch for s in stages)),
                                    inputs.num_microbatches),
@@ -121,6 +119,14 @@ def planned_traffic(job: JobConfig, inputs: MemoryInputs, layout: PipelineLayout
             # What the rank hands over, its own experts' rows included: sent x EP / (EP - 1).
             "expert_all_to_all_payload": (all_to_all * inputs.ep // (inputs.ep - 1)
                                           if inputs.ep > 1 else 0)}
+
+
+def gathers_per_bucket(job: JobConfig, overlapped: bool) -> int:
+    """How often a step all-gathers each parameter bucket: megatron-core chains a second
+    distributed optimizer for expert-parallel parameters, and each one's step gathers every
+    bucket of the model chunks (dense and expert); under ``overlap_param_gather`` the steps
+    gather nothing and the next forward's hooks gather each bucket once."""
+    return 2 if routed_over_expert_ranks(job) and not overlapped else 1
 
 
 def tensor_parallel_step_comm(job: JobConfig, inputs: MemoryInputs, layout: PipelineLayout,
