@@ -22,6 +22,7 @@ from glm5_train.plan.step_time import (
     predict_step_time,
 )
 from glm5_train.phase_times import ModelRate
+from tests.parity import run_script
 from tools import plan_step_time
 
 # A cluster whose figures make hand arithmetic easy: 1 TFLOP/s, 100 GB/s inside a node,
@@ -200,3 +201,20 @@ def test_model_flops_per_step_count_every_rank_without_recompute():
     redone = _tiny("parallel=single", "activations.recompute_granularity=full",
                    "activations.recompute_method=uniform", "activations.recompute_num_layers=1")
     assert model_flops_per_step(redone) == one
+
+
+def test_a_measured_cluster_spec_loads_and_prices_a_plan(tmp_path):
+    """tools/calibrate_cluster.py on 2 gloo ranks of this machine (small sizes): rank 0 writes
+    a spec with every key the step-time model reads, positive rates, one node's link for both
+    levels, and the model prices a plan on it."""
+    out = tmp_path / "cpu.yaml"
+    proc = run_script(2, "tools/calibrate_cluster.py", ["--out", str(out), "--matmul-size",
+                                                        "128", "--message-mib", "1",
+                                                        "--repeats", "3"])
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    spec = load_cluster(str(out))
+    assert spec.gpus_per_node == 2 and spec.device == "CPU"
+    assert spec.compute_tflops > 0 and spec.memory_gbs > 0
+    assert spec.intra_node.gbs > 0 and spec.intra_node.latency_us > 0
+    assert spec.inter_node == spec.intra_node and "one node" in spec.note
+    assert predict_step_time(_tiny("parallel=pp2"), 1, spec).step_seconds > 0

@@ -1,0 +1,174 @@
+"""Measure a cluster spec for the step-time model (``glm5_train/plan/step_time.py``) on the
+machines you will train on, in place of the presets' assumed rates.
+
+    torchrun --nnodes 2 --nproc-per-node 8 ... tools/calibrate_cluster.py --out my_cluster.yaml
+    python tools/plan_step_time.py +experiment=glm5_sft_202k --cluster my_cluster.yaml
+
+What it measures (micro-benchmarks, never the layouts the model then predicts):
+- ``compute_tflops``: a square matmul's rate on rank 0's device (bf16 on GPUs, fp32 on CPUs);
+- ``memory_gbs``: a large tensor copy's bytes read + written per second;
+- ``intra_node``: bytes per second one rank sends in an all-gather among the ranks of its node
+  (its bus bandwidth), and one small all-reduce's time as the latency;
+- ``inter_node``: the same among one rank per node (with one node: the intra-node figures,
+  said in the note).
+
+``peak_tflops`` (MFU's denominator) is ``--peak-tflops`` when given, else the measured rate.
+Rank 0 prints each figure and writes the YAML; ``--out`` is required. Exit status 0; 2 for a
+bad command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+# --help's epilog: what a first run types
+EXAMPLES = r"""Examples:
+  # this machine, 2 processes (one node: inter-node figures = intra-node)
+  torchrun --nproc-per-node 2 tools/calibrate_cluster.py --out runs/cluster_cpu.yaml
+  # two 8-GPU nodes, H100 SXM's bf16 peak for MFU
+  torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint $HEAD:29500 \
+      tools/calibrate_cluster.py --out h100_measured.yaml --peak-tflops 989.4
+  python tools/plan_step_time.py +experiment=glm5_sft_202k --cluster h100_measured.yaml
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="the YAML spec to write (rank 0)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the device's dense peak for MFU (default: the measured matmul rate)")
+    p.add_argument("--matmul-size", type=int, default=None,
+                   help="square matmul side (default: 8192 on GPUs, 512 on CPUs)")
+    p.add_argument("--message-mib", type=float, default=None,
+                   help="all-gather bytes per rank in MiB (default: 256 on GPUs, 8 on CPUs)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repetitions of each (default 5)")
+    return p.parse_args(argv)
+
+
+def timed(fn, repeats: int, device: torch.device) -> float:
+    """The median wall seconds of ``fn`` over ``repeats`` calls, after one warm-up call."""
+    wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    wait()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        wait()
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
+
+
+def matmul_tflops(device: torch.device, size: int, repeats: int) -> float:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    return 2 * size ** 3 / timed(lambda: a @ b, repeats, device) / 1e12
+
+
+def copy_gbs(device: torch.device, nbytes: int, repeats: int) -> float:
+    src = torch.empty(nbytes // 4, device=device, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / timed(lambda: dst.copy_(src), repeats, device) / 1e9
+
+
+def link(group, device: torch.device, nbytes: int, repeats: int) -> dict[str, float]:
+    """One rank's send rate in an all-gather over ``group`` ((n - 1) x its piece sent) and
+    a 4-byte all-reduce's time (the latency), both the group's slowest rank's."""
+    size = dist.get_world_size(group)
+    piece = torch.ones(nbytes // 4, device=device)
+    out = torch.empty(size * piece.numel(), device=device)
+    # torch 2.13 renamed the tensor all-gather; earlier releases have the old name only
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather = timed(lambda: all_gather(out, piece, group=group), repeats, device)
+    tiny = torch.ones(1, device=device)
+    latency = timed(lambda: dist.all_reduce(tiny, group=group), max(repeats, 20), device)
+    slowest = torch.tensor([gather, latency], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    gather, latency = slowest.tolist()
+    return {"gbs": round((size - 1) * nbytes / gather / 1e9, 3),
+            "latency_us": round(latency * 1e6, 1)}
+
+
+def node_groups(world: int, per_node: int):
+    """(this rank's node group, this rank's cross-node group or None). Every rank creates
+    every group, in the same order (torch.distributed's rule)."""
+    rank, mine, across = dist.get_rank(), None, None
+    for node in range(world // per_node):
+        ranks = list(range(node * per_node, (node + 1) * per_node))
+        group = dist.new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks:
+            mine = group
+    if world > per_node:
+        for local in range(per_node):
+            ranks = list(range(local, world, per_node))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                across = group
+    return mine, across
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if "RANK" not in os.environ:  # one process: compute and memory only
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT="29541")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo")
+    world, per_node = dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    size = args.matmul_size or (8192 if cuda else 512)
+    nbytes = int((args.message_mib or (256 if cuda else 8)) * 2**20)
+    spec = {"compute_tflops": round(matmul_tflops(device, size, args.repeats), 3),
+            "memory_gbs": round(copy_gbs(device, 16 * nbytes, args.repeats), 1)}
+    mine, across = node_groups(world, per_node)
+    zero_link = {"gbs": 1e9, "latency_us": 0.0}  # one rank per node: no link to measure
+    spec["intra_node"] = link(mine, device, nbytes, args.repeats) if per_node > 1 else zero_link
+    spec["inter_node"] = (link(across, device, nbytes, args.repeats) if across is not None
+                          else dict(spec["intra_node"]))
+    if dist.get_rank() == 0:
+        write_spec(args, spec, device, world, per_node)
+    dist.destroy_process_group()
+    return 0
+
+
+def write_spec(args, spec: dict, device: torch.device, world: int, per_node: int) -> None:
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    nodes = world // per_node
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    note = (f"measured by tools/calibrate_cluster.py on {socket.gethostname()} at {when}: "
+            f"{nodes} node(s) x {per_node} rank(s)"
+            + ("; one node, so the inter-node link is the intra-node one" if nodes == 1 else ""))
+    lines = [f"name: {os.path.splitext(os.path.basename(args.out))[0]}",
+             f"device: {name}",
+             f"peak_tflops: {args.peak_tflops or spec['compute_tflops']}",
+             f"compute_tflops: {spec['compute_tflops']}",
+             f"memory_gbs: {spec['memory_gbs']}",
+             f"gpus_per_node: {per_node}"]
+    for level in ("intra_node", "inter_node"):
+        lines += [f"{level}:", f"  gbs: {spec[level]['gbs']}",
+                  f"  latency_us: {spec[level]['latency_us']}"]
+    if device.type == "cuda":
+        lines.append(f"cuda_names: [{name!r}]")
+    lines.append(f"note: {note!r}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as handle:
+        handle.write("\n".join(lines) + "\n")
+    for line in lines:
+        print(line, flush=True)
+    print(f"wrote {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
