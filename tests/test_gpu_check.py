@@ -20,7 +20,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "bench", "gpu", "gpu_check.py")
 PARTS = ["env", "kernel_parity", "activation_offload", "host_optimizer", "cuda_job",
-         "dsa_vs_dense", "stack_mfu"]
+         "dsa_vs_dense", "stack_mfu", "calibrate"]
 PART_KEYS = {"status", "seconds", "covers", "result", "not_measured", "problems", "cap_s"}
 
 
@@ -117,3 +117,11 @@ def test_a_part_that_does_not_fit_the_budget_is_skipped_and_says_so(tmp_path, mo
     skipped = report["parts"]["stack_mfu"]
     assert skipped["status"] == "skipped" and "needs at least 40 s" in skipped["reason"]
     assert report["summary"] == {"ok": 1, "failed": 0, "skipped": 1}
+
+
+def test_the_calibration_wrote_a_spec_on_the_device(dry_run):
+    """tools/calibrate_cluster.py in one process (fp32 on this CPU; bf16 and cuda_names on a
+    GPU): positive rates, the bf16 figure left unmeasured on CPU."""
+    part = dry_run[0]["parts"]["calibrate"]
+    assert part["result"]["compute_tflops"] > 0 and part["result"]["memory_gbs"] > 0
+    assert part["result"]["device"] == "CPU" and "compute_tflops (bf16)" in part["not_measured"]

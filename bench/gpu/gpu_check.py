@@ -60,6 +60,8 @@ import json
 import math
 import platform
 import signal
+import subprocess
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -75,7 +77,12 @@ import job_check
 import kernel_parity
 import memory_checks
 
+from glm5_train.plan.step_time import load_cluster
 from parallel import mcore_compat
+
+REPO = os.path.dirname(os.path.dirname(HERE))
+# torchrun's variables: the calibration runs as one process of its own
+DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 SCHEMA = "gpu_check/1"
 
@@ -180,6 +187,30 @@ def part_stack_mfu(ctx: Context) -> dict:
             "te_importable": _importable("te", "transformer_engine.pytorch")["te_importable"]}
 
 
+def part_calibrate(ctx: Context) -> dict:
+    """tools/calibrate_cluster.py in one process on the device: the step-time model's spec
+    measured (bf16 matmul at 8192, a 4 GiB copy; dry run: fp32 at 128, 16 MiB); the spec
+    loads, its rates are positive, and on CUDA it names the device for MFU."""
+    out = os.path.join(tempfile.mkdtemp(prefix="calibrate_"), "measured.yaml")
+    sizes = ["--matmul-size", "128", "--message-mib", "1"] if ctx.dry_run else []
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "calibrate_cluster.py"),
+                           "--out", out, "--repeats", "3", *sizes], capture_output=True,
+                          text=True, timeout=max(10.0, ctx.seconds - 5), check=False,
+                          env={k: v for k, v in os.environ.items() if k not in DIST_ENV})
+    if proc.returncode != 0:
+        ctx.problems.append(f"calibrate_cluster exit {proc.returncode}: {proc.stderr[-1500:]}")
+        return {}
+    spec = load_cluster(out)
+    if not (spec.compute_tflops > 0 and spec.memory_gbs > 0):
+        ctx.problems.append(f"calibrate_cluster: rates not positive: {spec}")
+    if ctx.device.type == "cuda" and torch.cuda.get_device_name() not in spec.cuda_names:
+        ctx.problems.append(f"calibrate_cluster: cuda_names {spec.cuda_names} miss the device")
+    if ctx.device.type != "cuda":
+        ctx.cuda_only("compute_tflops (bf16)")
+    return {"compute_tflops": spec.compute_tflops, "memory_gbs": spec.memory_gbs,
+            "device": spec.device}
+
+
 def h200_perf_args(ctx: Context, **changes) -> argparse.Namespace:
     """h200_perf's command-line defaults (its dry-run shapes under --dry-run), no sweep."""
     saved = sys.argv
@@ -216,12 +247,15 @@ PARTS: tuple[Part, ...] = (
          ("process_groups NCCL + set_device", "comm_device / param_device",
           "step.to_device non_blocking", "optim pinned host buffers", "muon host AdamW",
           "profiling CUDA activity + NVTX", "metrics.rank_memory_bytes",
-          "phase_times CUDA synchronize",
+          "phase_times CUDA synchronize", "assembly.model_rate (MFU by CUDA name)",
+          "profiling CUDA memory snapshot",
           "mcore_compat: CPU redirects not installed on CUDA")),
     Part("dsa_vs_dense", part_dsa_vs_dense, 30, 70,
          ("dense attention: SDPA flash on CUDA", "sparse_mla dispatch (supports)")),
     Part("stack_mfu", part_stack_mfu, 40, 100,
          ("TE specs (importable?)", "h200_perf one-process NCCL group")),
+    Part("calibrate", part_calibrate, 15, 40,
+         ("calibrate_cluster NCCL + bf16 matmul + cuda_names",)),
 )
 
 
