@@ -123,28 +123,27 @@ def test_bad_profile_options_are_refused(overrides, message):
         compose_job(["train.train_iters=2", *overrides])
 
 
-def _backward_and_dp_ranges(profile, rank: int) -> tuple[list[dict], list[dict]]:
-    """The traced step's backward ranges and its data-parallel collectives (megatron-core's
-    ``dp_cp`` group), in time order."""
+def _spans_and_calls(profile, rank: int, spans: str, calls: str) -> tuple[list[dict], list[dict]]:
+    """The traced step's ranges named ``<spans> chunk ...`` (forward, backward) and its
+    collective ranges matching ``calls``, each in time order."""
     with open(profile / f"rank{rank:05d}.json") as handle:
         events = [e for e in json.load(handle)["traceEvents"] if e.get("ph") == "X"]
-    backward = sorted((e for e in events if e["name"].startswith("backward chunk")),
-                      key=lambda e: e["ts"])
-    reductions = r"dp_cp\.(all_reduce|reduce_scatter_tensor):2$"
-    dp = sorted((e for e in events if re.match(reductions, e["name"])), key=lambda e: e["ts"])
-    return backward, dp
+    def in_time_order(kept):
+        return sorted(kept, key=lambda e: e["ts"])
+
+    return (in_time_order(e for e in events if e["name"].startswith(f"{spans} chunk")),
+            in_time_order(e for e in events if re.match(calls, e["name"])))
+
+
+def _backward_and_dp_ranges(profile, rank: int) -> tuple[list[dict], list[dict]]:
+    """Backward ranges and the gradient reductions over megatron-core's ``dp_cp`` group."""
+    return _spans_and_calls(profile, rank, "backward",
+                            r"dp_cp\.(all_reduce|reduce_scatter_tensor):2$")
 
 
 def _forward_and_gather_ranges(profile, rank: int) -> tuple[list[dict], list[dict]]:
-    """The traced step's forward ranges and the distributed optimizer's parameter
-    all-gathers (``dp_cp`` group), in time order."""
-    with open(profile / f"rank{rank:05d}.json") as handle:
-        events = [e for e in json.load(handle)["traceEvents"] if e.get("ph") == "X"]
-    forward = sorted((e for e in events if e["name"].startswith("forward chunk")),
-                     key=lambda e: e["ts"])
-    gathers = sorted((e for e in events if e["name"] == "dp_cp.all_gather_into_tensor:2"),
-                     key=lambda e: e["ts"])
-    return forward, gathers
+    """Forward ranges and the distributed optimizer's parameter all-gathers (``dp_cp``)."""
+    return _spans_and_calls(profile, rank, "forward", r"dp_cp\.all_gather_into_tensor:2$")
 
 
 def test_overlapped_reduction_and_gather_run_inside_compute(tmp_path):

@@ -287,8 +287,9 @@ def predict_step_time(job: JobConfig, dp: int, cluster: ClusterSpec,
     timed = replay_times(schedule, [s.forward for s in stages], backward_seconds=[
         s.backward for s in stages])
     ends, tails, hidden = {}, {}, {}
-    for rank in range(pp):
-        mine = [s for s in range(len(layout.stages)) if layout.rank_of(s) == rank]
+    owned = {rank: [s for s in range(len(layout.stages)) if layout.rank_of(s) == rank]
+             for rank in range(pp)}
+    for rank, mine in owned.items():
         ends[rank] = max(op.end for op in timed[rank])
         tails[rank] = _step_tail(job, inputs, layout, rank, mine, timed[rank], report, cluster,
                                  overlaps, hidden)
@@ -297,8 +298,7 @@ def predict_step_time(job: JobConfig, dp: int, cluster: ClusterSpec,
     gather = max(tails[r]["param_gather"] for r in range(pp))
     step = pipeline_end + optimizer + gather
     ranks = []
-    for rank in range(pp):
-        mine = [s for s in range(len(layout.stages)) if layout.rank_of(s) == rank]
+    for rank, mine in owned.items():
         comm = {kind: 0.0 for kind in COMM_KINDS}
         compute = 0.0
         for s in mine:
