@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from parallel.comm_purpose import collective_purpose
 from parallel.grad_norms import ParamGradNorms
 
 NONFINITE_POLICIES = ("skip", "stop")
@@ -180,6 +181,7 @@ def bad_loss_micro_batches(reports: list[dict[str, torch.Tensor]]) -> list[int]:
     return [] if flags is None else [i for i, bad in enumerate(flags.tolist()) if bad]
 
 
+@collective_purpose("bad_steps")
 def gather_report(found: Findings, step: int, loss: float, batch: BatchPosition) -> str:
     """Every rank's findings in one line, the same on every rank (collective)."""
     everyone: list = [None] * dist.get_world_size()

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.router import Router
 from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
 
+from parallel.comm_purpose import collective_purpose
 from parallel.device import comm_device
 
 
@@ -44,6 +45,7 @@ class ExpertLoad:
     and summed over ``group`` (None: the default group, which must be every rank of the job)
     by ``gather``. ``begin_step`` starts a step's count; ``close`` removes the hooks."""
 
+    @collective_purpose("expert_load_setup")
     def __init__(self, chunks: list, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
         self.routers = local_routers(chunks)
@@ -83,6 +85,7 @@ class ExpertLoad:
     def begin_step(self) -> None:
         self.counts = {}
 
+    @collective_purpose("expert_load")
     def gather(self) -> dict[str, Any]:
         """The step's fields for metrics.jsonl, on every rank (one all-reduce)."""
         if not self.names:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.activation_accounting import StepFigures
+from parallel.comm_purpose import collective_purpose
 from parallel.device import comm_device
 
 
@@ -31,6 +32,7 @@ def rank_memory_bytes() -> tuple[int, int]:
     return rss, peak
 
 
+@collective_purpose("metrics")
 def gather_per_rank(values: list[int]) -> list[list[int]]:
     """Every rank's ``values`` (integers, the same count on each), in rank order, on every
     rank: one all-gather."""

@@ -22,6 +22,7 @@ from megatron.core.utils import get_model_config, unwrap_model
 from glm5_train.profiling import ScheduleLabels, backward_range, labelled_forward, profiling_now
 from glm5_train.rl.objective import ROLLOUT_FIELDS, RLObjective
 from parallel.activation_offload import ActivationTracker
+from parallel.comm_purpose import collective_purpose
 from parallel.context_parallel import group_size, shard_sequence
 from parallel.deferred_wgrad import WeightGradQueue, WgradFillingP2P
 from parallel.device import comm_device
@@ -192,6 +193,7 @@ def _is_last_stage(groups: ProcessGroupCollection) -> bool:
     return groups.pp.rank() == groups.pp.size() - 1
 
 
+@collective_purpose("mtp_loss")
 def global_mtp_losses(reports: list[dict[str, torch.Tensor]], steps: int,
                       groups: ProcessGroupCollection) -> list[float]:
     """Per-step MTP loss of the global batch (token-weighted, as ``global_loss``)."""
@@ -205,6 +207,7 @@ def global_mtp_losses(reports: list[dict[str, torch.Tensor]], steps: int,
     return [float(s / n) if n > 0 else 0.0 for s, n in totals.tolist()]
 
 
+@collective_purpose("loss")
 def global_loss(reports: list[dict[str, torch.Tensor]],
                 groups: ProcessGroupCollection) -> tuple[float, int]:
     """Token-weighted loss of the global batch, identical on every rank.

@@ -68,6 +68,7 @@ from glm5_train.run_dir import register_resolvers
 from glm5_train.schedules import BatchSchedule
 from glm5_train.step import global_loss, global_mtp_losses, run_step
 from parallel.comm_meter import CommMeter, buffer_bytes, gather_fields, names_of_groups
+from parallel.comm_purpose import collective_purpose
 from parallel.deferred_wgrad import FIGURE_NAMES as WGRAD_FIGURES
 from parallel.device import comm_device
 from parallel.int4_qat import FIGURE_NAMES as QAT_FIGURES
@@ -98,6 +99,7 @@ class StepBoundary:
     def before_step(self) -> None:
         self.expert_bias.take()
 
+    @collective_purpose("agree")
     def agree(self, reports: list, stats: dict, step_index: int) -> StepOutcome:
         """``step_index``: the step's global batch (0 for the first step of the run)."""
         due = (self.save_every_s is not None and dist.get_rank() == 0
@@ -521,6 +523,7 @@ def step_statistics(rt: Runtime, reports: list) -> dict:
     return stats
 
 
+@collective_purpose("indexer_kl")
 def global_indexer_kl(kl_sum: float, queries: int) -> float:
     """Mean KL per (layer, query) over the job. Every TP rank computes the same KL (the
     indexer is replicated), so the TP replicas cancel in the ratio."""

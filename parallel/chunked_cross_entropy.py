@@ -30,6 +30,8 @@ from megatron.core.tensor_parallel import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
+from parallel.comm_purpose import collective_purpose
+
 
 def chunked_vocab_parallel_cross_entropy(hidden_SBH: torch.Tensor, weight_VH: torch.Tensor,
                                          labels_SB: torch.Tensor, chunk_tokens: int,
@@ -159,6 +161,7 @@ def _vocab_start(local_vocab: int, tp_group: dist.ProcessGroup | None) -> int:
     return 0 if tp_group is None else dist.get_rank(tp_group) * local_vocab
 
 
+@collective_purpose("vocab_{op}")
 def _all_reduce(tensor: torch.Tensor, op, tp_group: dist.ProcessGroup | None) -> None:
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(tensor, op=op, group=tp_group)

@@ -87,6 +87,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from parallel.comm_purpose import purpose_of
+
 # ----------------------------------------------------------------------------------------------
 # Where collectives are looked up: patched for the duration of a block.
 # ----------------------------------------------------------------------------------------------
@@ -498,18 +500,22 @@ def _make_wrapper(name: str, original: Callable) -> Callable:
 
 
 def _profiler_range(name: str, records: list | None, args: tuple, kwargs: dict):
-    """While torch.profiler records (``train.profile_steps``): a range ``<group>.<function>:
-    <group size>`` around the call, so traces show which collective ran on which of
-    megatron-core's groups (``<group>``: its name, ``world``, or ``size<n>`` for a group
-    megatron-core does not name, e.g. a flexible CP group; ``<function>:<size>`` alone when no
-    active meter has group names)."""
+    """While torch.profiler records (``train.profile_steps``): a range ``<purpose> <group>.
+    <function>:<group size>`` around the call, so traces show what each collective is for
+    and on which of megatron-core's groups it ran (``<purpose>``: ``parallel.comm_purpose``,
+    e.g. ``dp_grad_reduce_scatter``; ``<group>``: its name, ``world``, or ``size<n>`` for a
+    group megatron-core does not name, e.g. a flexible CP group; ``<purpose> <function>:
+    <size>`` when no active meter has group names)."""
     if not torch.autograd.profiler._is_profiler_enabled:
         return contextlib.nullcontext()
     group = records[0][1] if records else kwargs.get("group")
     size = _size(group)
     named = next((m._name_of(group, size) for m in list(_ACTIVE) if m.group_names), None)
-    return torch.profiler.record_function(f"{named}.{name}:{size}" if named else
-                                          f"{name}:{size}")
+    op = records[0][0] if records else name
+    # frames to pass over: this function and the counting wrapper
+    purpose = purpose_of(op, named, skip=2)
+    return torch.profiler.record_function(f"{purpose} {named}.{name}:{size}" if named else
+                                          f"{purpose} {name}:{size}")
 
 
 def _apply_rule(rule: Callable, name: str, args: tuple, kwargs: dict) -> list:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from parallel.comm_purpose import collective_purpose
+
 
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
@@ -101,6 +103,7 @@ def context_shard(group, local: int, device: torch.device) -> ContextShard:
     return ContextShard(group, size, rank, seq, positions)
 
 
+@collective_purpose("kv_all_gather")
 def _all_gather_rows(local: torch.Tensor, group) -> torch.Tensor:
     """[size x local rows, ...] rank-major, along dim 0."""
     size = group_size(group)
@@ -120,6 +123,7 @@ class _GatherSequence(torch.autograd.Function):
         return _all_gather_rows(local, group).index_select(0, order)
 
     @staticmethod
+    @collective_purpose("kv_grad_reduce_scatter")
     def backward(ctx, grad: torch.Tensor):
         size = group_size(ctx.group)
         rank_major = torch.empty_like(grad).index_copy_(0, ctx.order, grad)

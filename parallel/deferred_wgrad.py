@@ -50,6 +50,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from parallel import mcore_compat
+from parallel.comm_purpose import collective_purpose
 
 
 @dataclass
@@ -99,6 +100,7 @@ FIGURE_NAMES = ("wgrad_deferred", "wgrad_run_in_p2p", "wgrad_queue_peak_bytes", 
 # ---- the deferred GEMM ----------------------------------------------------------------------
 
 
+@collective_purpose("wgrad_input_all_gather")
 def _gather_sequence(shard: torch.Tensor, group) -> torch.Tensor:
     """The sequence-parallel shards of ``group``, concatenated along dim 0."""
     out = torch.empty((shard.shape[0] * dist.get_world_size(group), *shard.shape[1:]),

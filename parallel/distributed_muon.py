@@ -35,6 +35,7 @@ import torch.distributed as dist
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 
 from parallel import mcore_compat
+from parallel.comm_purpose import collective_purpose
 from parallel.device import comm_device
 from parallel.distopt_slices import main_param_pairs, pieces_in_slices, slice_bounds
 from parallel.muon import MatrixLayout, MuonAdamW, MuonConfig, orthogonal_update
@@ -244,6 +245,7 @@ class DistributedMuon(MuonAdamW):
         grad = self.shard_of[slot.param].grad
         return grad.reshape(-1).float()
 
+    @collective_purpose("muon_grad_to_owners")
     def _send_pieces_to_owners(self):
         """Start one all_to_all sending every slice piece of a matrix to the matrix's owner;
         returns a function that waits and gives, per source rank, the pieces it sent here (in
@@ -346,6 +348,7 @@ class DistributedMuon(MuonAdamW):
                     part = part[hi - lo:]
 
 
+@collective_purpose("muon_update_all_gather")
 def all_gather_uneven(payload: torch.Tensor, sizes: list[int], group) -> list[torch.Tensor]:
     """All-gather of per-rank payloads of different sizes (``sizes``, known everywhere) without
     padding: one all_to_all sending this rank's payload to each other rank, so each rank sends
@@ -385,6 +388,7 @@ def _step_and_redistribute(sub, inner: DistributedMuon) -> bool:
     return ok
 
 
+@collective_purpose("muon_setup")
 def _resolve_group_indices(slots: list[MatrixSlot], sub, group) -> None:
     """Each matrix's optimizer param group (its lr and weight decay). megatron-core records it
     only on ranks holding a slice of the matrix, so the DP ranks pool what they know."""

@@ -15,6 +15,8 @@ import torch.distributed as dist
 from megatron.core.transformer.multi_token_prediction import get_mtp_ranks
 from megatron.core.utils import unwrap_model
 
+from parallel.comm_purpose import collective_purpose
+
 
 class EmbeddingTie:
     """Sum the gradients of every copy of the word embedding (first stage, MTP stage, and a tied
@@ -50,6 +52,7 @@ class EmbeddingTie:
     def _group_size(self) -> int:
         return dist.get_world_size(self.group) if self.group is not None else 1
 
+    @collective_purpose("embedding_tie_{op}")
     def sync(self, chunks: list) -> None:
         copies = self.holders(chunks)
         if not self._needs_sync(copies):
@@ -93,6 +96,7 @@ def _grad_of(param: torch.nn.Parameter) -> torch.Tensor:
     return grad if grad is not None else param.grad
 
 
+@collective_purpose("embedding_tie_setup")
 def _holder_group(config, tie_word_embeddings: bool, pp_group):
     """A process group over the pipeline ranks holding an embedding copy (this rank's), None
     when its copies all sit on this rank (or there is one copy).

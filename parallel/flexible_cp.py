@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from parallel.comm_purpose import collective_purpose
 from parallel.config.flexible_cp import is_power_of_two
 from parallel.hierarchical_all_to_all import Exchange, node_split
 
@@ -433,6 +434,7 @@ class GroupPool:
     intra-node level of a block spanning two nodes of the size-2 blocks, say) is reused: at
     most 2 x (log2(max_size) x world) groups in all."""
 
+    @collective_purpose("flexible_cp_setup")
     def __init__(self, dp_group, max_size: int, single, node_size: int | None = None,
                  needs_exchange: Callable[[list[int]], bool] | None = None) -> None:
         self.single = single

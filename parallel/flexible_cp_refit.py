@@ -36,6 +36,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from parallel.comm_purpose import collective_purpose
 from parallel.flexible_cp import FlexiblePlan, Workload, nonnegative_fit
 
 TERMS = ("pair", "selected", "token", "gathered")
@@ -90,6 +91,7 @@ class OnlineWorkloadFit:
         self.current = configured
         self.fitted = False
 
+    @collective_purpose("workload_refit")
     def observe(self, plan: FlexiblePlan, index: int, seconds: list[float]) -> None:
         """This rank's measured cells of ``plan`` (``seconds[s]``: slot s, the rank at
         ``index`` of the plan), shared with every rank of the group (collective; call it on
@@ -111,6 +113,7 @@ class OnlineWorkloadFit:
                                                   self.prior_cells))
             self.fitted = True
 
+    @collective_purpose("workload_refit")
     def _agreed(self, workload: Workload) -> Workload:
         """The group's first rank's coefficients on every rank."""
         values = torch.tensor([getattr(workload, t) for t in TERMS], dtype=torch.float64)

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.utils import unwrap_model
 
+from parallel.comm_purpose import collective_purpose
 from parallel.distopt_slices import distributed_optimizers, slice_range
 from parallel.sharded_tensors import local_sharded_tensors
 
@@ -132,6 +133,7 @@ class ParamGradNorms:
         values = torch.stack(list(squares.values())).tolist() if names else []
         self.squares = dict(zip(names, values))
 
+    @collective_purpose("param_grad_norms")
     def gather(self, group=None) -> dict[str, float]:
         """{global name: L2 norm} of the last ``measure``, on every rank of ``group`` (default:
         the world; collective: every rank calls it)."""

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from parallel.comm_purpose import collective_purpose
+
 # Column slices the two-level exchange pipelines (inter-node exchange of slice p overlapped
 # with the intra-node exchange of slice p + 1): 2 already overlaps half of each level with the
 # other; more slices add per-message latency for little more overlap.
@@ -93,6 +95,7 @@ class Exchange:
     def two_level(self) -> bool:
         return self.intra is not None and self.inter is not None
 
+    @collective_purpose("head_all_to_all")
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The flat all-to-all of ``x`` [size, ...] (row j to group rank j): [size, ...], row i
         from group rank i. Not differentiable (``AllToAll`` is)."""
@@ -106,6 +109,7 @@ class Exchange:
             return out
         return self._two_level(x.view(self.nodes, self.per_node, -1)).view(x.shape)
 
+    @collective_purpose("head_all_to_all")
     def _two_level(self, x_MLE: torch.Tensor) -> torch.Tensor:
         """Rows [destination node a', destination local index b', E] -> [source node a, source
         local index b, E], piece by piece, inter-node exchange of piece p in flight while piece
@@ -142,6 +146,7 @@ def flat_exchange(group) -> Exchange:
     return Exchange(group, size, per_node=size, nodes=1)
 
 
+@collective_purpose("head_all_to_all_setup")
 def build_exchange(group, node_size: int | None, pieces: int = DEFAULT_PIECES) -> Exchange:
     """This rank's ``Exchange`` over ``group``; with a ``node_size``, the two-level groups of
     every group like it. Collective over the default group: every rank calls it once, at

@@ -17,6 +17,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from parallel.comm_purpose import collective_purpose
 from parallel.device import param_device
 
 
@@ -91,6 +92,7 @@ class _SumGradOverTP(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
+    @collective_purpose("latent_grad_{op}")
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         # A contiguous copy: never all-reduce autograd's own buffer in place (it may be shared).
         total = grad.clone(memory_format=torch.contiguous_format)

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import mcore_compat
+from parallel.comm_purpose import collective_purpose
 
 # Quintic Newton-Schulz coefficients tuned for fast convergence of singular values towards 1.
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -96,6 +97,7 @@ def _scaled(ortho: torch.Tensor) -> torch.Tensor:
     return ortho * (0.2 * math.sqrt(max(ortho.shape)))
 
 
+@collective_purpose("muon_matrix_all_gather")
 def _gather(shard: torch.Tensor, group, dim: int) -> torch.Tensor:
     parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, shard.contiguous(), group=group)

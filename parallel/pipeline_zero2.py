@@ -45,6 +45,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config
 
 from parallel import mcore_compat
+from parallel.comm_purpose import collective_purpose
 from parallel.distopt_slices import distributed_optimizers, main_param_pairs, slice_range
 
 
@@ -188,6 +189,7 @@ class PipelineZero2:
         self._bind(index, which)
         self.active = (index, which)
 
+    @collective_purpose("zero2_grad_reduce_scatter")
     def _launch(self, index: int, which: int) -> None:
         if self.before_launch is not None:
             self.before_launch()
@@ -236,6 +238,7 @@ class PipelineZero2:
 
     # ---- after the reduction (the finalize steps, on slices) ------------------------------
 
+    @collective_purpose("zero2_embedding_grad_all_reduce")
     def reduce_pinned(self) -> None:
         """Pinned copies (already summed over copies by EmbeddingTie): all-reduce over data
         parallelism, then keep this rank's slice."""
@@ -268,6 +271,7 @@ class PipelineZero2:
                 return shard.shard[at:at + end - start]
         raise ValueError(f"range [{start}, {end}) is not in this rank's gradient slices")
 
+    @collective_purpose("zero2_replicated_grad_all_reduce")
     def all_reduce_replicas(self, params: list, group, divide_by: int = 1) -> None:
         """Sum (then divide) the slices of ``params`` over ``group`` (tensor-parallel replicas
         hold the same buffer layout, so their slices line up). gloo has no AVG: sum, divide."""
@@ -324,6 +328,7 @@ def _buffer_shard(buffer, offset: int) -> BufferShard:
 # ---- megatron-core glue ---------------------------------------------------------------------
 
 
+@collective_purpose("zero2_finalize_{op}")
 def finalize_zero2_grads(model: list, num_tokens, pg_collection=None, force_all_reduce=False, *,
                          zero2: PipelineZero2, groups: ProcessGroupCollection,
                          embedding_tie=None) -> None:

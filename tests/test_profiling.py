@@ -1,7 +1,7 @@
 """Traces on demand (``train.profile_steps``, glm5_train/profiling.py), their merge
 (tools/merge_traces.py) and pictures (tools/draw_timeline.py): a PP2 x VPP2 run traced for one
 step writes one trace per rank, each with a forward and a backward range per (model chunk,
-micro-batch) the schedule ran and its collectives by group size; the merged trace holds every
+micro-batch) the schedule ran and its collectives by purpose and group; the merged trace holds every
 rank in its own lane; the timeline and memory pictures are drawn from it. Tracing does not
 change the run. The planner's replay has the textbook pipeline bubble."""
 
@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from glm5_train.job_config import compose_job
+from parallel.comm_purpose import parse_range
 from parallel.pipeline_layout import PipelineSchedule, bubble_fraction, replay_times
 from tests.parity import REPO, run_job
 
@@ -37,16 +38,20 @@ def test_a_traced_step_has_every_forward_backward_and_collective(tmp_path):
             ranges = {n for n in names[rank] if n.startswith(f"{kind} chunk")}
             assert ranges == {f"{kind} chunk {c} micro-batch {m}" for c in (0, 1)
                               for m in range(4)}, (rank, kind, sorted(ranges))
-    # ranges named by megatron-core's group: the pipeline's point-to-point messages and the
-    # token count broadcast from the last stage (pp), the loss all-reduce (mp: at PP2 on 2
-    # ranks the model-parallel group is the pipeline's two ranks), the DP x CP gradient
-    # reduction (dp_cp, 1 rank here)
-    collectives = {n for n in names[0] if re.match(r"([a-z0-9_]+\.)?[a-z_]+:\d+$", n)}
-    assert {"pp.isend:2", "pp.irecv:2", "pp.broadcast:2", "mp.all_reduce:2",
-            "dp_cp.all_reduce:1"} <= collectives, sorted(collectives)
+    # ranges named by purpose and megatron-core's group (parallel/comm_purpose.py): the
+    # pipeline's messages (pp, and at PP=2 one direction on the global group: still pp), the
+    # token count broadcast from the last stage and all-reduced over DP x CP, the gradient
+    # all-reduce of each chunk (dp_cp, 1 rank here), the gradient norm (mp: at PP2 on 2 ranks
+    # the model-parallel group is the pipeline's two ranks), the step's loss
+    collectives = {n for n in names[0] if parse_range(n)}
+    assert {"pp_send pp.isend:2", "pp_recv pp.irecv:2", "pp_recv world.irecv:2",
+            "pp_token_count pp.broadcast:2", "dp_token_count dp_cp.all_reduce:1",
+            "dp_grad_all_reduce dp_cp.all_reduce:1", "mp_grad_norm mp.all_reduce:2",
+            "world_loss world.all_reduce:2"} <= collectives, sorted(collectives)
     out = subprocess.run([sys.executable, "tools/merge_traces.py", str(profile)], cwd=REPO,
                          capture_output=True, text=True, check=True).stdout
     assert "rank 0: 8 forward, 8 backward" in out and "merged 2 ranks" in out
+    assert re.search(r"collectives by purpose: .*pp_send [\d.]+ ms x24", out), out
     with open(profile / "merged.json") as handle:
         merged = json.load(handle)["traceEvents"]
     lanes = {e["args"]["name"] for e in merged if e.get("name") == "process_name"}
@@ -137,13 +142,14 @@ def _spans_and_calls(profile, rank: int, spans: str, calls: str) -> tuple[list[d
 
 def _backward_and_dp_ranges(profile, rank: int) -> tuple[list[dict], list[dict]]:
     """Backward ranges and the gradient reductions over megatron-core's ``dp_cp`` group."""
-    return _spans_and_calls(profile, rank, "backward",
+    return _spans_and_calls(profile, rank, "backward", r"dp_grad_(all_reduce|reduce_scatter) "
                             r"dp_cp\.(all_reduce|reduce_scatter_tensor):2$")
 
 
 def _forward_and_gather_ranges(profile, rank: int) -> tuple[list[dict], list[dict]]:
     """Forward ranges and the distributed optimizer's parameter all-gathers (``dp_cp``)."""
-    return _spans_and_calls(profile, rank, "forward", r"dp_cp\.all_gather_into_tensor:2$")
+    return _spans_and_calls(profile, rank, "forward",
+                            r"dp_param_all_gather dp_cp\.all_gather_into_tensor:2$")
 
 
 def test_overlapped_reduction_and_gather_run_inside_compute(tmp_path):

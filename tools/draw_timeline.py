@@ -38,6 +38,7 @@ sys.path.insert(0, REPO)
 from glm5_train.job_config import compose_job
 from glm5_train.plan import inputs_from_job, job_pipeline, plan_report
 from glm5_train.run_dir import run_overrides
+from parallel.comm_purpose import group_family, parse_range
 from parallel.pipeline_layout import (
     PipelineSchedule,
     TimedOp,
@@ -46,7 +47,6 @@ from parallel.pipeline_layout import (
 )
 
 SPAN = re.compile(r"(forward|backward) chunk (\d+) micro-batch (\d+)$")
-COMM = re.compile(r"([a-z0-9_]+\.)?[a-z_]+:\d+$")
 
 
 # --help's epilog: what a first run types
@@ -100,14 +100,9 @@ def group_kind(name: str) -> str:
     """A collective range's group as drawn: pp, dp (dp, dp_cp, expert dp), tp (tp, expt_tp,
     tp_ep), ep, cp, mp (model-parallel: the loss, the gradient norm), or other (world,
     unnamed groups)."""
-    group = name.split(".")[0] if "." in name else ""
-    if group == "pp":
-        return "pp"
-    if group.startswith(("dp", "expt_dp", "tp_dp")):
-        return "dp"
-    if group in ("tp", "expt_tp", "tp_ep"):
-        return "tp"
-    return group if group in ("ep", "cp", "mp") else "other"
+    parsed = parse_range(name)
+    family = group_family(parsed["group"]) if parsed and parsed["group"] else ""
+    return family if family in GROUP_COLORS else "other"
 
 
 def first_forward(run_dir: str, rank: int) -> float:
@@ -131,7 +126,7 @@ def measured(run_dir: str, rank: int, pipeline_rank: int, origin: float) -> Rank
         if match := SPAN.match(name):
             spans.append(TimedOp("F" if match.group(1) == "forward" else "B",
                                  int(match.group(2)), int(match.group(3)), start, end))
-        elif COMM.match(name):
+        elif parse_range(name):
             comms.append((start, end, group_kind(name)))
         elif match := PHASE.match(name):
             phases.append((match.group(1), start, end))

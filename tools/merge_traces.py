@@ -5,7 +5,10 @@ process lane per rank (named ``rank <r>``), for chrome://tracing or https://ui.p
 
 Every rank's events keep their own timestamps: the ranks of one machine share its clock; across
 machines the lanes are as aligned as the nodes' clocks are. Prints each rank's count of
-forward / backward / collective ranges (the annotations of ``glm5_train/profiling.py``).
+forward / backward / collective ranges (the annotations of ``glm5_train/profiling.py``), then
+its time in collectives by purpose, the most first (``parallel/comm_purpose.py``: e.g.
+``dp_grad_reduce_scatter``, ``pp_send``, ``ep_dispatch``; the time a call takes, waiting for
+its peers included).
 """
 
 from __future__ import annotations
@@ -16,6 +19,12 @@ import json
 import os
 import re
 import sys
+from collections import defaultdict
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from parallel.comm_purpose import parse_range
 
 RANK_FILE = re.compile(r"rank(\d+)\.json$")
 
@@ -67,9 +76,22 @@ def annotation_counts(trace: dict) -> dict[str, int]:
             counts["forward"] += 1
         elif name.startswith("backward chunk"):
             counts["backward"] += 1
-        elif re.match(r"([a-z0-9_]+\.)?[a-z_]+:\d+$", name):
+        elif parse_range(name):
             counts["collective"] += 1
     return counts
+
+
+def purpose_times(trace: dict) -> list[tuple[str, float, int]]:
+    """(purpose, milliseconds, calls) of the trace's collective ranges, the most time first
+    (ranges traced before purposes were named count under their function's name)."""
+    spent: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in trace.get("traceEvents", []):
+        parsed = parse_range(str(event.get("name", ""))) if event.get("ph") == "X" else None
+        if parsed:
+            entry = spent[parsed["purpose"] or parsed["function"]]
+            entry[0] += event.get("dur", 0) / 1e3
+            entry[1] += 1
+    return sorted(((p, ms, int(n)) for p, (ms, n) in spent.items()), key=lambda t: -t[1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         counts = annotation_counts(trace)
         print(f"rank {rank}: {counts['forward']} forward, {counts['backward']} backward, "
               f"{counts['collective']} collective ranges")
+        by_purpose = ", ".join(f"{p} {ms:.1f} ms x{n}" for p, ms, n in purpose_times(trace)[:8])
+        print(f"  collectives by purpose: {by_purpose or 'none'}")
     print(f"merged {len(traces)} ranks into {out}")
     return 0
 

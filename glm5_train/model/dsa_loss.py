@@ -33,6 +33,7 @@ import torch.distributed as dist
 from glm5_train.model import triton_sparse_mla
 from glm5_train.model.key_masks import DocumentStarts, KeyMask, allowed_block
 from glm5_train.model.picked_rows import compute_dtype, fp32_at_least
+from parallel.comm_purpose import collective_purpose
 from parallel.context_parallel import ContextShard, context_shard
 
 STAGES = ("sparse", "dense_warmup", "dense")
@@ -135,6 +136,7 @@ class KLMeter:
         return taken
 
 
+@collective_purpose("kl_head_sum")
 def _sum_over_tp_heads(heads_sum: torch.Tensor, tp_group) -> torch.Tensor:
     """Heads are split over TP ranks: add the other ranks' head sums (no gradient needed)."""
     if tp_group is not None and dist.get_world_size(tp_group) > 1:

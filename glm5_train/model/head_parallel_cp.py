@@ -57,6 +57,7 @@ from glm5_train.model.key_masks import DocumentStarts, key_mask
 from glm5_train.model.layers import MLACoreAttention
 from glm5_train.model.sparse_mla import absorbed_sparse_mla
 from glm5_train.model.triton_sparse_mla import picks_from
+from parallel.comm_purpose import collective_purpose
 from parallel.config.context_parallel import CP_COMMS
 from parallel.context_parallel import (
     ContextShard,
@@ -281,6 +282,7 @@ def up_project(latent: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor | No
     return key, value
 
 
+@collective_purpose("head_sum")
 def sum_over_context_heads(probs_BSK: torch.Tensor, shard: ContextShard,
                            rows: _RowOrder) -> torch.Tensor:
     """This rank's rows [B, T, K] of the pick probabilities summed over every CP rank's heads,
