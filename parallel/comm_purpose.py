@@ -9,8 +9,8 @@ A traced collective's range (``parallel.comm_meter``) is named
 - ``<family>``: the group's kind (``group_family``): dp (dp, dp_cp, the expert-data-parallel
   groups), tp (tp, expt_tp, tp_ep), ep, cp, pp, mp (model-parallel: the loss, the gradient
   norm), world, or ``size<n>`` for a group megatron-core does not name; the pipeline's
-  messages are pp whatever their group (at PP=2 megatron-core sends one direction on the
-  global group);
+  messages are pp and MTP's label shift across context-parallel shards cp, whatever their
+  group (megatron-core sends them on the global group: at PP=2 one pipeline direction);
 - ``<what>``: the function that made the call, found by walking the calling frames from the
   innermost out to the first function registered here (``purpose_of``). Registered:
   megatron-core's gradient and parameter synchronisation, finalize's all-reduces, the MoE
@@ -73,6 +73,11 @@ MEGATRON_PURPOSES: tuple[tuple[str, str, str], ...] = (
     ("megatron.core.distributed.finalize_model_grads", "_allreduce_conditional_embedding_grads",
      "embedding_grad_all_reduce"),
     ("megatron.core.transformer.moe.moe_utils", "get_updated_expert_bias", "expert_bias_tokens"),
+    # MTP's label shift across context-parallel shards (on the global group: the family is
+    # fixed to cp, ``CONTEXT_PARALLEL``)
+    ("megatron.core.transformer.multi_token_prediction", "roll_tensor", "mtp_roll_{op}"),
+    ("megatron.core.transformer.multi_token_prediction", "_roll_tensor_packed_seq",
+     "mtp_roll_{op}"),
     ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32", "grad_norm"),
     ("megatron.core.optimizer.clip_grads", "count_zeros_fp32", "count_zeros"),
     ("megatron.core.optimizer.optimizer",
@@ -89,6 +94,7 @@ MEGATRON_PURPOSES: tuple[tuple[str, str, str], ...] = (
 
 
 PIPELINE = frozenset({"_p2p_ops", "_batched_p2p_ops"})
+CONTEXT_PARALLEL = frozenset({"roll_tensor", "_roll_tensor_packed_seq"})
 
 
 def collective_purpose(what: str, family: str | None = None) -> Callable[[F], F]:
@@ -129,7 +135,8 @@ def register_megatron() -> list[str]:
         if fn is None:
             missing.append(f"{module}.{qualified}")
             continue
-        _BY_CODE[_code_of(fn)] = (what, "pp" if qualified in PIPELINE else None)
+        family = "pp" if qualified in PIPELINE else "cp" if qualified in CONTEXT_PARALLEL else None
+        _BY_CODE[_code_of(fn)] = (what, family)
     _MEGATRON_REGISTERED = True
     return missing
 
