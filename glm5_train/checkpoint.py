@@ -31,6 +31,7 @@ from glm5_train.checkpoint_store import LATEST
 from glm5_train.model.config import TRAINING_FIELDS, GLM5Config
 from glm5_train.schedules import final_lr
 from parallel import distopt_checkpoint, mcore_compat
+from parallel.comm_purpose import collective_purpose
 from parallel.distopt_slices import parameters_gathered
 from parallel.muon import MuonAdamW
 
@@ -144,6 +145,7 @@ def _optimizer_parts(optimizer) -> int:
     return len(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+@collective_purpose("checkpoint")
 def save_checkpoint(root: str, chunks, optimizer, scheduler, state: TrainState,
                     model_cfg: GLM5Config, keep_last: int | None = 2) -> str:
     """Write a complete checkpoint for ``state.iteration`` durably; returns its directory.
@@ -188,6 +190,7 @@ def _written_by(name: str, rank: int) -> bool:
     return int(match.group(1)) == rank if match else rank == 0
 
 
+@collective_purpose("checkpoint")
 def _gather_sealed(sealed: dict[str, dict], group) -> dict[str, dict] | None:
     """Every rank's ``seal_files`` entries, merged on the group's first rank (which commits);
     None elsewhere. Also the barrier before the commit: every file is written and synced."""
@@ -227,6 +230,7 @@ def choose_checkpoint(root: str, required: bool = True) -> str | None:
         rejected[path] = problem  # every rank adds the same: only rank 0 reads it
 
 
+@collective_purpose("checkpoint")
 def _broadcast_from_first(compute, group):
     """``compute()`` on the group's first rank, its value on every rank."""
     if group is None:
@@ -238,6 +242,7 @@ def _broadcast_from_first(compute, group):
     return answer[0]
 
 
+@collective_purpose("checkpoint")
 def _check_content(path: str, group) -> str | None:
     """Hash this rank's share of the checkpoint's files against the manifest's digests; the
     first mismatch any rank found (by file name), the same on every rank, or None."""
@@ -375,6 +380,7 @@ def schedule_end_lr(root: str) -> tuple[str, float]:
     return path, final_lr(common["scheduler"])
 
 
+@collective_purpose("checkpoint")
 def trained_parameters(chunks: list) -> list[str]:
     """The names of the trained parameters, layer and expert numbers as ``*`` (the same in
     every layout), over every rank of the job (one small gather)."""

@@ -42,6 +42,7 @@ from glm5_train.rl.objective import ROLLOUT_FIELDS
 from glm5_train.schedules import BatchSchedule
 from glm5_train.tokenizer import tokenizer_name
 from parallel import mcore_compat
+from parallel.comm_purpose import collective_purpose
 
 _PREPROCESS_HINT = ("python tools/preprocess_data.py --input <docs.jsonl> --output-prefix {prefix} "
                     "--tokenizer <byte|tokenizer-dir>")
@@ -477,6 +478,7 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+@collective_purpose("data_barrier")
 def _barrier() -> None:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():

@@ -88,6 +88,7 @@ from glm5_train.tokenizer import (
     special_token_ids,
 )
 from parallel import mcore_compat
+from parallel.comm_purpose import collective_purpose
 from parallel.layout import validate_layout
 from parallel.process_groups import init_distributed, world_from_env
 from parallel.sharded_tensors import local_sharded_tensors
@@ -373,6 +374,7 @@ def import_hf(job, hf_dir: str, save_dir: str) -> dict[str, Any]:
     return report
 
 
+@collective_purpose("hf_checkpoint")
 def _all_gather(obj: Any, group=None) -> list:
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, obj, group=group)
@@ -443,6 +445,7 @@ class HfFormat:
     quantization_config: dict[str, Any] | None = None
 
 
+@collective_purpose("hf_checkpoint")
 def export_hf(job, load_dir: str, out_dir: str, int4: bool = False,
               mtp: bool = True) -> dict[str, Any]:
     """Write the checkpoint under ``load_dir`` (newest iteration) as an HF GLM-5 checkpoint in
@@ -479,6 +482,7 @@ def export_hf(job, load_dir: str, out_dir: str, int4: bool = False,
     return report
 
 
+@collective_purpose("hf_checkpoint")
 def stream_hf(job, chunks: list[torch.nn.Module], out_dir: str, mtp: bool = True,
               fmt: HfFormat = HfFormat(), group=None) -> dict[str, Any]:
     """Write the weights of ``chunks`` (this rank's model chunks, DDP-wrapped or not, in any
@@ -677,6 +681,7 @@ class _Assembler:
                 for name, t in self.tensors.items() if self.filled[name] != t.numel()]
 
 
+@collective_purpose("hf_checkpoint")
 def _broadcast(obj: Any, group=None) -> Any:
     """``obj`` of the first rank of ``group`` (None: the default group), on all its ranks."""
     box = [obj]

@@ -9,8 +9,10 @@ Annotated ranges (profiler ranges; NVTX ranges too on CUDA, for Nsight Systems):
 stage c), ``backward chunk <c> micro-batch <m>`` from the moment that forward's output receives
 its gradient to the moment the gradient reaches the chunk's input (the embedding's output on
 the first stage: the embedding's own small backward falls after it), and each collective the
-communication meter counts as ``<group>.<function>:<group size>`` (``parallel/comm_meter.py``;
-``<group>``: megatron-core's name for it, e.g. ``pp``, ``dp_cp``, ``ep``, ``cp``).
+communication meter counts as ``<purpose> <group>.<function>:<group size>``
+(``parallel/comm_meter.py``; ``<purpose>``: what it is for, ``parallel/comm_purpose.py``, e.g.
+``dp_grad_reduce_scatter``; ``<group>``: megatron-core's name for it, e.g. ``pp``, ``dp_cp``,
+``ep``, ``cp``).
 ``train.profile_ranks`` picks the ranks that trace; ``train.profile_warmup`` runs that many
 steps under the profiler before the first traced one and discards them.
 """

@@ -41,6 +41,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from glm5_train.data import stdlib_source_files
 from glm5_train.inference import compute_head_logits, compute_logits
+from parallel.comm_purpose import collective_purpose
 from parallel.device import comm_device
 
 
@@ -168,6 +169,7 @@ def _reports(groups: ProcessGroupCollection) -> bool:
     return is_pp_last_stage(groups.pp) and groups.tp.rank() == 0
 
 
+@collective_purpose("accept_length")
 def _share(mine: torch.Tensor | None, rows: slice, shape: tuple,
            groups: ProcessGroupCollection) -> torch.Tensor:
     """Every data-parallel rank's rows (``mine`` on reporting ranks) on every rank: one sum

@@ -656,6 +656,7 @@ def _config_dir() -> str:
     return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
+@collective_purpose("shutdown")
 def _shutdown() -> None:
     if dist.is_initialized():
         dist.barrier()

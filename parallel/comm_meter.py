@@ -87,7 +87,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel.comm_purpose import purpose_of
+from parallel.comm_purpose import collective_purpose, purpose_of
 
 # ----------------------------------------------------------------------------------------------
 # Where collectives are looked up: patched for the duration of a block.
@@ -511,7 +511,9 @@ def _profiler_range(name: str, records: list | None, args: tuple, kwargs: dict):
     group = records[0][1] if records else kwargs.get("group")
     size = _size(group)
     named = next((m._name_of(group, size) for m in list(_ACTIVE) if m.group_names), None)
-    op = records[0][0] if records else name
+    kinds = sorted({r[0] for r in records or ()})
+    # a batch of point-to-point ops (megatron-core's send_forward_recv_backward): send_recv
+    op = (kinds[0] if len(kinds) == 1 else "_".join(reversed(kinds))) if kinds else name
     # frames to pass over: this function and the counting wrapper
     purpose = purpose_of(op, named, skip=2)
     return torch.profiler.record_function(f"{purpose} {named}.{name}:{size}" if named else
@@ -798,6 +800,7 @@ def buffer_bytes(chunks: list, optimizer, zero2=None) -> dict[str, int]:
 # ----------------------------------------------------------------------------------------------
 
 
+@collective_purpose("metrics")
 def gather_fields(meter: CommMeter, held: dict[str, int]) -> dict[str, Any]:
     """The per-rank metrics fields, gathered from every rank (collective: every rank calls it,
     outside any ``measure()`` block so the gathering itself is not counted). Lists are indexed

@@ -60,6 +60,13 @@ MEGATRON_PURPOSES: tuple[tuple[str, str, str], ...] = (
     ("megatron.core.distributed.param_and_grad_buffer",
      "_ParamAndGradBucketGroup.start_param_sync", "param_all_gather"),
     ("megatron.core.distributed.finalize_model_grads", "finalize_model_grads", "token_count"),
+    # what finalize_model_grads calls besides, in releases that have it (0.19)
+    ("megatron.core.distributed.finalize_model_grads", "_allreduce_router_grads",
+     "router_grad_all_reduce"),
+    ("megatron.core.distributed.finalize_model_grads", "_update_router_qb_beta",
+     "router_balance"),
+    ("megatron.core.distributed.finalize_model_grads",
+     "_allreduce_replicated_grads_over_gtp_remat_group", "replicated_grad_all_reduce"),
     ("megatron.core.distributed.finalize_model_grads",
      "_allreduce_non_tensor_model_parallel_grads", "replicated_grad_all_reduce"),
     ("megatron.core.distributed.finalize_model_grads", "_allreduce_layernorm_grads",
@@ -79,9 +86,15 @@ MEGATRON_PURPOSES: tuple[tuple[str, str, str], ...] = (
     ("megatron.core.transformer.multi_token_prediction", "_roll_tensor_packed_seq",
      "mtp_roll_{op}"),
     ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32", "grad_norm"),
+    # recompute: a checkpointed forward run again inside the backward pass
+    ("megatron.core.tensor_parallel.random", "CheckpointFunction.backward", "{op}_recompute"),
+    ("megatron.core.tensor_parallel.random", "CheckpointWithoutOutputFunction.backward",
+     "{op}_recompute"),
     ("megatron.core.optimizer.clip_grads", "count_zeros_fp32", "count_zeros"),
     ("megatron.core.optimizer.optimizer",
      "MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan", "found_inf"),
+    ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher.preprocess",
+     "dispatch_counts"),
     ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher.token_dispatch",
      "dispatch"),
     ("megatron.core.transformer.moe.token_dispatcher", "MoEAlltoAllTokenDispatcher.token_combine",
@@ -93,6 +106,12 @@ MEGATRON_PURPOSES: tuple[tuple[str, str, str], ...] = (
 )
 
 
+# Registered names some supported megatron-core release lacks (``register_megatron`` skips them).
+VERSION_SPECIFIC = frozenset({
+    "megatron.core.distributed.finalize_model_grads._allreduce_router_grads",
+    "megatron.core.distributed.finalize_model_grads._update_router_qb_beta",
+    "megatron.core.distributed.finalize_model_grads._allreduce_replicated_grads_over_gtp_remat_group",
+})
 PIPELINE = frozenset({"_p2p_ops", "_batched_p2p_ops"})
 CONTEXT_PARALLEL = frozenset({"roll_tensor", "_roll_tensor_packed_seq"})
 
@@ -117,7 +136,7 @@ def _code_of(fn) -> object:
 def _resolve(module: str, qualified: str):
     try:
         target = importlib.import_module(module)
-    except ImportError:
+    except Exception:  # noqa: BLE001 -- a module that fails to import names nothing here
         return None
     for part in qualified.split("."):
         target = getattr(target, part, None)
@@ -147,6 +166,13 @@ def parse_range(name: str) -> re.Match | None:
     return RANGE.match(name)
 
 
+def host_range(event: dict) -> bool:
+    """A trace event that is a complete range recorded on the host. A CUDA trace repeats each
+    labelled range on the device's timeline (category ``gpu_user_annotation``): counted or
+    drawn once, from the host's."""
+    return event.get("ph") == "X" and event.get("cat") != "gpu_user_annotation"
+
+
 def group_family(group_name: str) -> str:
     """The kind of one of megatron-core's groups, by its name (``comm_meter.GROUP_FIELDS``)."""
     if group_name == "pp":
@@ -156,7 +182,11 @@ def group_family(group_name: str) -> str:
         return "dp"
     if group_name in ("tp", "expt_tp", "tp_ep", "tp_cp"):
         return "tp"
-    if group_name in ("ep", "cp", "mp", "world"):
+    if group_name in ("tp_ep_pp", "tp_pp", "mp"):  # model-parallel: the loss, the grad norm
+        return "mp"
+    if group_name in ("embd", "pos_embd"):  # the embedding copies over pipeline stages
+        return "pp"
+    if group_name in ("ep", "cp", "world"):
         return group_name
     if group_name.startswith(("hcp", "cp")):
         return "cp"
@@ -183,7 +213,9 @@ def _what(op: str, frame) -> tuple[str, str | None]:
             return registered[0].format(op=op), registered[1]
         # An autograd function's backward (its first argument is the context): the frames
         # outside it are whatever started the backward pass, not this call's purpose.
-        if frame.f_code.co_name == "backward" and "ctx" in frame.f_locals:
+        # (A forward's, and a recomputed forward's, frames are walked on: recompute is named
+        # by megatron-core's checkpoint backward, registered.)
+        if frame.f_code.co_name == "backward" and frame.f_code.co_varnames[:1] == ("ctx",):
             return f"{op}_backward", None
         frame = frame.f_back
     return op, None

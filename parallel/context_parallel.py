@@ -103,7 +103,6 @@ def context_shard(group, local: int, device: torch.device) -> ContextShard:
     return ContextShard(group, size, rank, seq, positions)
 
 
-@collective_purpose("kv_all_gather")
 def _all_gather_rows(local: torch.Tensor, group) -> torch.Tensor:
     """[size x local rows, ...] rank-major, along dim 0."""
     size = group_size(group)
@@ -118,12 +117,13 @@ class _GatherSequence(torch.autograd.Function):
     """All-gather along dim 0 into natural order; backward: reduce-scatter back."""
 
     @staticmethod
+    @collective_purpose("key_all_gather")
     def forward(ctx, local: torch.Tensor, group, order: torch.Tensor):
         ctx.group, ctx.order = group, order
         return _all_gather_rows(local, group).index_select(0, order)
 
     @staticmethod
-    @collective_purpose("kv_grad_reduce_scatter")
+    @collective_purpose("key_grad_reduce_scatter")
     def backward(ctx, grad: torch.Tensor):
         size = group_size(ctx.group)
         rank_major = torch.empty_like(grad).index_copy_(0, ctx.order, grad)
@@ -143,6 +143,7 @@ def gather_sequence(local: torch.Tensor, shard: ContextShard, dim: int = 0) -> t
     return _GatherSequence.apply(moved, shard.group, order).movedim(0, dim)
 
 
+@collective_purpose("sequence_all_gather")
 def gather_sequence_no_grad(local: torch.Tensor, shard: ContextShard,
                             dim: int = 0) -> torch.Tensor:
     """``gather_sequence`` for tensors without gradient (token ids, masks)."""

@@ -100,7 +100,6 @@ FIGURE_NAMES = ("wgrad_deferred", "wgrad_run_in_p2p", "wgrad_queue_peak_bytes", 
 # ---- the deferred GEMM ----------------------------------------------------------------------
 
 
-@collective_purpose("wgrad_input_all_gather")
 def _gather_sequence(shard: torch.Tensor, group) -> torch.Tensor:
     """The sequence-parallel shards of ``group``, concatenated along dim 0."""
     out = torch.empty((shard.shape[0] * dist.get_world_size(group), *shard.shape[1:]),
@@ -110,6 +109,7 @@ def _gather_sequence(shard: torch.Tensor, group) -> torch.Tensor:
 
 
 @torch.no_grad()  # it runs outside autograd's backward, where grad mode is on
+@collective_purpose("wgrad_input_all_gather")
 def _accumulate_weight_grad(weight: torch.Tensor, inputs: torch.Tensor,
                             grad_output: torch.Tensor, sequence_group) -> None:
     """W: the weight gradient of ``out = inputs @ weight.T``, added where megatron-core's DDP

@@ -41,6 +41,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensor
 from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 
+from parallel.comm_purpose import collective_purpose
 from parallel.device import comm_device
 from parallel.distopt_slices import (
     distributed_optimizers,
@@ -219,6 +220,7 @@ def _to_save(view: _OptimizerView) -> dict[int, dict[str, ShardedBase]]:
     return out
 
 
+@collective_purpose("checkpoint")
 def _gather_to_savers(view: _OptimizerView) -> dict[int, dict[str, torch.Tensor]]:
     """The whole flat AdamW state tensors of the parameters this rank saves, from every
     holder's slice: one all_to_all over the data-parallel group."""
@@ -261,6 +263,7 @@ def _gather_to_savers(view: _OptimizerView) -> dict[int, dict[str, torch.Tensor]
     return whole
 
 
+@collective_purpose("checkpoint")
 def _adam_step(views: list[_OptimizerView]) -> int:
     """AdamW's step count (every AdamW parameter takes the same steps); the largest over all
     ranks of the job, so that rank 0, which writes the common state, has it whatever its own

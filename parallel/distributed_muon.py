@@ -283,6 +283,7 @@ class DistributedMuon(MuonAdamW):
             full[lo - slot.start:hi - slot.start] = piece
         return full
 
+    @collective_purpose("muon_grad_all_gather")
     def _gradients_everywhere(self) -> dict[int, torch.Tensor]:
         """The naive reference: per bucket, every rank's Muon gradient pieces to every rank."""
         grads = {id(s.param): torch.empty(s.end - s.start, dtype=torch.float32,
@@ -329,6 +330,7 @@ class DistributedMuon(MuonAdamW):
     # ---- parameter redistribution --------------------------------------------------------------
 
     @torch.no_grad()
+    @collective_purpose("param_all_gather")
     def redistribute(self) -> None:
         """The distributed optimizer's parameter all-gather, with each Muon matrix taken from
         its owner (zero-redundant mode; replaces megatron-core's own all-gather)."""
@@ -348,7 +350,6 @@ class DistributedMuon(MuonAdamW):
                     part = part[hi - lo:]
 
 
-@collective_purpose("muon_update_all_gather")
 def all_gather_uneven(payload: torch.Tensor, sizes: list[int], group) -> list[torch.Tensor]:
     """All-gather of per-rank payloads of different sizes (``sizes``, known everywhere) without
     padding: one all_to_all sending this rank's payload to each other rank, so each rank sends

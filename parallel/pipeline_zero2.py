@@ -328,7 +328,7 @@ def _buffer_shard(buffer, offset: int) -> BufferShard:
 # ---- megatron-core glue ---------------------------------------------------------------------
 
 
-@collective_purpose("zero2_finalize_{op}")
+@collective_purpose("token_count")
 def finalize_zero2_grads(model: list, num_tokens, pg_collection=None, force_all_reduce=False, *,
                          zero2: PipelineZero2, groups: ProcessGroupCollection,
                          embedding_tie=None) -> None:

@@ -38,7 +38,7 @@ sys.path.insert(0, REPO)
 from glm5_train.job_config import compose_job
 from glm5_train.plan import inputs_from_job, job_pipeline, plan_report
 from glm5_train.run_dir import run_overrides
-from parallel.comm_purpose import group_family, parse_range
+from parallel.comm_purpose import group_family, host_range, parse_range
 from parallel.pipeline_layout import (
     PipelineSchedule,
     TimedOp,
@@ -97,17 +97,23 @@ class RankTrace:
 
 
 def group_kind(name: str) -> str:
-    """A collective range's group as drawn: pp, dp (dp, dp_cp, expert dp), tp (tp, expt_tp,
-    tp_ep), ep, cp, mp (model-parallel: the loss, the gradient norm), or other (world,
-    unnamed groups)."""
+    """A collective range's group family as drawn: pp, dp (dp, dp_cp, expert dp), tp (tp,
+    expt_tp, tp_ep), ep, cp, mp (model-parallel: the loss, the gradient norm), or other
+    (world, unnamed groups). The purpose's family where the range names one (the pipeline's
+    messages on the global group are pp), else the group's."""
     parsed = parse_range(name)
-    family = group_family(parsed["group"]) if parsed and parsed["group"] else ""
+    if not parsed:
+        return "other"
+    if parsed["purpose"] and parsed["group"]:
+        family = parsed["purpose"].split("_")[0]
+    else:
+        family = group_family(parsed["group"]) if parsed["group"] else ""
     return family if family in GROUP_COLORS else "other"
 
 
 def first_forward(run_dir: str, rank: int) -> float:
     """Seconds (the machine's clock) of ``rank``'s first traced forward."""
-    starts = [e["ts"] / 1e6 for e in trace_events(run_dir, rank) if e.get("ph") == "X"
+    starts = [e["ts"] / 1e6 for e in trace_events(run_dir, rank) if host_range(e)
               and SPAN.match(str(e.get("name", "")))]
     if not starts:
         raise SystemExit(f"{run_dir}: rank {rank}'s trace has no forward/backward ranges")
@@ -119,7 +125,7 @@ def measured(run_dir: str, rank: int, pipeline_rank: int, origin: float) -> Rank
     clock, so all ranks are drawn on one scale)."""
     spans, comms, phases = [], [], []
     for e in trace_events(run_dir, rank):
-        if e.get("ph") != "X":
+        if not host_range(e):
             continue
         name = str(e.get("name", ""))
         start, end = e["ts"] / 1e6 - origin, (e["ts"] + e.get("dur", 0)) / 1e6 - origin

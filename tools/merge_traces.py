@@ -6,9 +6,9 @@ process lane per rank (named ``rank <r>``), for chrome://tracing or https://ui.p
 Every rank's events keep their own timestamps: the ranks of one machine share its clock; across
 machines the lanes are as aligned as the nodes' clocks are. Prints each rank's count of
 forward / backward / collective ranges (the annotations of ``glm5_train/profiling.py``), then
-its time in collectives by purpose, the most first (``parallel/comm_purpose.py``: e.g.
-``dp_grad_reduce_scatter``, ``pp_send``, ``ep_dispatch``; the time a call takes, waiting for
-its peers included).
+its time in collectives by purpose, the eight that took most (``parallel/comm_purpose.py``:
+e.g. ``dp_grad_reduce_scatter``, ``pp_send``, ``ep_dispatch``; the time a call takes, waiting
+for its peers included).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections import defaultdict
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from parallel.comm_purpose import parse_range
+from parallel.comm_purpose import host_range, parse_range
 
 RANK_FILE = re.compile(r"rank(\d+)\.json$")
 
@@ -70,7 +70,7 @@ def annotation_counts(trace: dict) -> dict[str, int]:
     counts = {"forward": 0, "backward": 0, "collective": 0}
     for event in trace.get("traceEvents", []):
         name = str(event.get("name", ""))
-        if event.get("ph") != "X":
+        if not host_range(event):
             continue
         if name.startswith("forward chunk"):
             counts["forward"] += 1
@@ -86,7 +86,7 @@ def purpose_times(trace: dict) -> list[tuple[str, float, int]]:
     (ranges traced before purposes were named count under their function's name)."""
     spent: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in trace.get("traceEvents", []):
-        parsed = parse_range(str(event.get("name", ""))) if event.get("ph") == "X" else None
+        parsed = parse_range(str(event.get("name", ""))) if host_range(event) else None
         if parsed:
             entry = spent[parsed["purpose"] or parsed["function"]]
             entry[0] += event.get("dur", 0) / 1e3

@@ -23,8 +23,9 @@ allocator's peak on a GPU, the process's peak RSS on CPU), optimizer bytes on th
 the host, and glm5_train.plan.check's comparison of the planner's bytes (parameters, gradients,
 optimizer state, host bytes, activations: on CUDA the planner assumes fused attention) with
 the measured ones; for the profiled run the trace's event counts by category ("kernel": CUDA
-kernels recorded; "user_annotation": the labelled ranges) and its allocator events by device
-type (1: CUDA, what tools/draw_timeline.py plots). Dry run: ``adamw_host`` alone, one
+kernels recorded; "user_annotation": the labelled ranges), its allocator events by device
+type (1: CUDA, what tools/draw_timeline.py plots) and its collectives by purpose
+(parallel/comm_purpose.py: the gradient all-reduce must be named ``dp_grad_all_reduce``). Dry run: ``adamw_host`` alone, one
 step at 64 tokens, no checkpoint (each job start costs ~15 s of this CPU).
 """
 
@@ -44,6 +45,7 @@ import torch
 from glm5_train.job_config import compose_job
 from glm5_train.plan import check as plan_check
 from glm5_train.plan.step_time import device_peak_tflops
+from parallel.comm_purpose import host_range, parse_range
 
 RESUME_RTOL = 1e-4  # fp32 losses of resumed steps (CUDA atomics reorder sums; a bad resume: 1e-2)
 TINY = ["model=glm5_tiny", "parallel=single"]
@@ -113,9 +115,13 @@ def trace_counts(run_dir: str) -> dict | None:
     with open(path) as handle:
         events = json.load(handle).get("traceEvents", [])
     memory = [e for e in events if e.get("name") == "[memory]"]
+    collectives = [parse_range(str(e.get("name", ""))) for e in events if host_range(e)]
     return {"by_category": dict(collections.Counter(str(e.get("cat")) for e in events)),
             "memory_by_device_type": dict(collections.Counter(
-                str(e.get("args", {}).get("Device Type")) for e in memory))}
+                str(e.get("args", {}).get("Device Type")) for e in memory)),
+            # what each traced collective was for (parallel/comm_purpose.py)
+            "collective_purposes": dict(collections.Counter(
+                c["purpose"] or "unnamed" for c in collectives if c))}
 
 
 def log_tail(path: str) -> str:
@@ -176,6 +182,9 @@ def check_train(name: str, run: dict, ctx, runs: dict) -> None:
             problems.append(f"{name}: the profile recorded no allocator event")
         elif ctx.device.type == "cuda" and not run.get("memory_snapshot_bytes"):
             problems.append(f"{name}: no CUDA memory snapshot beside the trace")
+        elif not counts.get("collective_purposes", {}).get("dp_grad_all_reduce"):
+            problems.append(f"{name}: no gradient all-reduce named in the trace (ranges by "
+                            f"purpose: {counts.get('collective_purposes')})")
     if name.endswith("_resume"):
         uninterrupted = runs.get(name.replace("_resume", "_host"), {}).get("losses", [])[2:]
         worst = max((abs(a - b) / abs(a) for a, b in zip(uninterrupted, run["losses"])),

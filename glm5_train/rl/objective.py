@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from glm5_train.rl.config import RLConfig
+from parallel.comm_purpose import collective_purpose
 
 # Per-token fields a rollout micro-batch carries beside tokens / labels / loss_mask, all
 # [B, S] and aligned with the labels (position i describes the token predicted there):
@@ -262,6 +263,7 @@ class RLObjective:
 RATIO_QUANTILES = (0.05, 0.5, 0.95)
 
 
+@collective_purpose("rl_stats")
 def global_rl_stats(reports: list[dict[str, torch.Tensor]], groups,
                     device: torch.device) -> dict:
     """The step's RL metrics over the whole job, identical on every rank (collective).

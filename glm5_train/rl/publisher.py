@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from glm5_train.hf_checkpoint import HfFormat, open_up_modes, stream_hf, tokenizer_problem
 from glm5_train.hf_mapping import check_exportable
+from parallel.comm_purpose import collective_purpose
 from parallel.distopt_slices import parameters_gathered
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
@@ -329,6 +330,7 @@ class WeightPublisher:
             return {"error": f"publishing v{version} to {self.directory} failed: {err}"}
 
 
+@collective_purpose("weight_publish")
 def _broadcast_outcome(outcome: dict[str, Any], group) -> dict[str, Any]:
     """The writing rank's outcome on every rank: the publication's one closing collective."""
     box = [outcome]

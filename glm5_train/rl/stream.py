@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from glm5_train.rl.records import Rollout, read_rollouts
 from glm5_train.rl.rollout_data import PAD_ID, RolloutDataError, RolloutDataset, pack_rollouts
+from parallel.comm_purpose import collective_purpose
 from parallel.device import comm_device
 
 LEDGER_DIR = "rollout_ledger"
@@ -164,6 +165,7 @@ class StreamedRollouts(torch.utils.data.Dataset):
 
     # -- resuming -------------------------------------------------------------------------
 
+    @collective_purpose("rollout_stream")
     def resume(self, iteration: int, group) -> None:
         """Before the first step (and before the run publishes its first version): the
         groups consumed by the steps up to ``iteration`` (the checkpoint's) are those of the
@@ -217,6 +219,7 @@ class StreamedRollouts(torch.utils.data.Dataset):
 
     # -- one step -------------------------------------------------------------------------
 
+    @collective_purpose("rollout_stream")
     def prepare_step(self, step_index: int, group, stop=None) -> StepGroups:
         """Decide (rank 0), share and pack step ``step_index``'s groups (0-based: the
         learner's version). Collective over ``group``: while rank 0 waits for groups, every
