@@ -48,13 +48,13 @@ _MEGATRON_REGISTERED = False
 _DEEPEST = 80  # frames walked at most: a collective is never this far below its purpose
 
 # megatron-core's functions that issue collectives for one purpose: (module, qualified name,
-# what). A name a release lacks is skipped (tests/test_profiling.py checks the ones the
-# training step reaches).
-MEGATRON_PURPOSES: tuple[tuple[str, str, str], ...] = (
+# what[, the family it fixes whatever the group]). A name a release lacks is skipped
+# (``VERSION_SPECIFIC``; tests/test_comm_purpose.py checks the rest resolve).
+MEGATRON_PURPOSES: tuple[tuple[str, ...], ...] = (
     # the pipeline's messages: at PP=2 one direction travels on the global group (megatron-
-    # core's deadlock guard), so the family is fixed to pp (``PIPELINE``)
-    ("megatron.core.pipeline_parallel.p2p_communication", "_p2p_ops", "{op}"),
-    ("megatron.core.pipeline_parallel.p2p_communication", "_batched_p2p_ops", "{op}"),
+    # core's deadlock guard), so the family is fixed to pp
+    ("megatron.core.pipeline_parallel.p2p_communication", "_p2p_ops", "{op}", "pp"),
+    ("megatron.core.pipeline_parallel.p2p_communication", "_batched_p2p_ops", "{op}", "pp"),
     ("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup.start_grad_sync",
      "grad_{op}"),
     ("megatron.core.distributed.param_and_grad_buffer",
@@ -81,10 +81,10 @@ MEGATRON_PURPOSES: tuple[tuple[str, str, str], ...] = (
      "embedding_grad_all_reduce"),
     ("megatron.core.transformer.moe.moe_utils", "get_updated_expert_bias", "expert_bias_tokens"),
     # MTP's label shift across context-parallel shards (on the global group: the family is
-    # fixed to cp, ``CONTEXT_PARALLEL``)
-    ("megatron.core.transformer.multi_token_prediction", "roll_tensor", "mtp_roll_{op}"),
+    # fixed to cp)
+    ("megatron.core.transformer.multi_token_prediction", "roll_tensor", "mtp_roll_{op}", "cp"),
     ("megatron.core.transformer.multi_token_prediction", "_roll_tensor_packed_seq",
-     "mtp_roll_{op}"),
+     "mtp_roll_{op}", "cp"),
     ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32", "grad_norm"),
     # recompute: a checkpointed forward run again inside the backward pass
     ("megatron.core.tensor_parallel.random", "CheckpointFunction.backward", "{op}_recompute"),
@@ -112,8 +112,6 @@ VERSION_SPECIFIC = frozenset({
     "megatron.core.distributed.finalize_model_grads._update_router_qb_beta",
     "megatron.core.distributed.finalize_model_grads._allreduce_replicated_grads_over_gtp_remat_group",
 })
-PIPELINE = frozenset({"_p2p_ops", "_batched_p2p_ops"})
-CONTEXT_PARALLEL = frozenset({"roll_tensor", "_roll_tensor_packed_seq"})
 
 
 def collective_purpose(what: str, family: str | None = None) -> Callable[[F], F]:
@@ -149,13 +147,12 @@ def register_megatron() -> list[str]:
     """Register ``MEGATRON_PURPOSES`` (once); the qualified names this release lacks."""
     global _MEGATRON_REGISTERED
     missing = []
-    for module, qualified, what in MEGATRON_PURPOSES:
+    for module, qualified, what, *family in MEGATRON_PURPOSES:
         fn = _resolve(module, qualified)
         if fn is None:
             missing.append(f"{module}.{qualified}")
             continue
-        family = "pp" if qualified in PIPELINE else "cp" if qualified in CONTEXT_PARALLEL else None
-        _BY_CODE[_code_of(fn)] = (what, family)
+        _BY_CODE[_code_of(fn)] = (what, family[0] if family else None)
     _MEGATRON_REGISTERED = True
     return missing
 
@@ -173,21 +170,24 @@ def host_range(event: dict) -> bool:
     return event.get("ph") == "X" and event.get("cat") != "gpu_user_annotation"
 
 
+# megatron-core's group names (``comm_meter.GROUP_FIELDS``) -> family, where the name is not
+# the family itself
+FAMILY_OF_GROUP = {
+    "dp": "dp", "dp_cp": "dp", "expt_dp": "dp", "intra_dp_cp": "dp", "intra_expt_dp": "dp",
+    "inter_dist_opt": "dp", "tp_dp_cp": "dp", "tp_dp": "dp",
+    "tp": "tp", "expt_tp": "tp", "tp_ep": "tp", "tp_cp": "tp",
+    "mp": "mp", "tp_ep_pp": "mp", "tp_pp": "mp",  # model-parallel: the loss, the grad norm
+    "embd": "pp", "pos_embd": "pp",  # the embedding copies over pipeline stages
+}
+
+
 def group_family(group_name: str) -> str:
-    """The kind of one of megatron-core's groups, by its name (``comm_meter.GROUP_FIELDS``)."""
-    if group_name == "pp":
-        return "pp"
-    if group_name.startswith(("dp", "expt_dp", "intra_dp", "intra_expt_dp", "inter_dist_opt",
-                              "tp_dp")):
+    """The kind of one of megatron-core's groups, by its name: dp, tp, mp, pp, ep, cp (the
+    head-parallel CP groups too), world, or the name itself (``size<n>``)."""
+    if group_name in FAMILY_OF_GROUP:
+        return FAMILY_OF_GROUP[group_name]
+    if group_name.startswith(("dp", "expt_dp", "intra_dp", "intra_expt_dp")):
         return "dp"
-    if group_name in ("tp", "expt_tp", "tp_ep", "tp_cp"):
-        return "tp"
-    if group_name in ("tp_ep_pp", "tp_pp", "mp"):  # model-parallel: the loss, the grad norm
-        return "mp"
-    if group_name in ("embd", "pos_embd"):  # the embedding copies over pipeline stages
-        return "pp"
-    if group_name in ("ep", "cp", "world"):
-        return group_name
     if group_name.startswith(("hcp", "cp")):
         return "cp"
     return group_name
