@@ -14,8 +14,13 @@ of the parity matrix: how far the prediction is from this machine's step, and wh
 Prints per layout the measured step (and spread), the predicted step, the ratio predicted /
 measured, the last run's phase split (forward-backward, grad sync, optimizer: the busiest
 rank's, medians over the steps after the warm-up) and its collective calls per step (the
-busiest rank's); then ``ours=<the ratio farthest from 1> baseline=1.0 ratio=<same>`` (the
-target: 0.85-1.15 on every layout).
+busiest rank's); then, per layout, where the time went on the busiest rank (the one its
+collectives held least) against the model's busiest rank (the one that waits least), in ms: communication by the model's kinds (measured: the time each
+collective held the rank, metrics.jsonl's ``comm_by_purpose``; the pipeline's waits are its
+bubble, so the model's bubble is added to its pipeline sends there), the rest (compute and
+the optimizer; the model's own compute, optimizer and any bubble of a layout without a
+pipeline); then ``ours=<the ratio farthest from 1> baseline=1.0 ratio=<same>`` (the target:
+0.85-1.15 on every layout).
 
 What it shows on this 2-core machine (docs/step_time.md): the tiny model's step is bound by
 operator dispatch and by gloo's per-call cost between compute, neither of which a FLOPs and
@@ -88,6 +93,57 @@ def calls_per_step(record: dict) -> int:
     return max((sum(e["calls"][g] for e in by_group.values()) for g in range(ranks)), default=0)
 
 
+# metrics.jsonl's purpose families and names -> the step-time model's kinds (COMM_KINDS)
+KIND_OF_FAMILY = {"tp": "tensor_parallel", "cp": "context_parallel", "ep": "expert_all_to_all",
+                  "pp": "pipeline"}
+KIND_OF_PURPOSE = {"dp_grad_reduce_scatter": "grad_reduction", "dp_grad_all_reduce": "grad_reduction",
+                   "dp_param_all_gather": "param_gather"}
+SHOWN = ("tensor_parallel", "context_parallel", "expert_all_to_all", "pipeline",
+         "grad_reduction", "param_gather", "other")
+SHORT = {"tensor_parallel": "tp", "context_parallel": "cp", "expert_all_to_all": "ep",
+         "pipeline": "pp+wait", "grad_reduction": "grad", "param_gather": "gather",
+         "other": "other"}
+
+
+def measured_split(records: list[dict]) -> dict[str, float]:
+    """The busiest rank's ms by the model's kinds (``SHOWN``) and ``rest``: each a median
+    over the steps after the warm-up; "other": collectives the model does not price (the
+    loss, the token count, the gradient norm, ...). The busiest rank is the one its
+    collectives held least (every rank's step ends together, at the loss's all-reduce), as
+    the model's is the one that waits least."""
+    steps = [r for r in records if "comm_by_purpose" in r][WARMUP_STEPS:]
+    per_step = []
+    for record in steps:
+        times, purposes = record["step_time_ms"], record["comm_by_purpose"].values()
+        rank = min(range(len(times)), key=lambda r: sum(p["ms"][r] for p in purposes))
+        split = dict.fromkeys(SHOWN, 0.0)
+        for purpose, parts in record["comm_by_purpose"].items():
+            kind = KIND_OF_PURPOSE.get(purpose) or KIND_OF_FAMILY.get(purpose.split("_")[0],
+                                                                      "other")
+            split[kind] += parts["ms"][rank]
+        split["rest"] = times[rank] - sum(split.values())
+        per_step.append(split)
+    return {k: statistics.median(s[k] for s in per_step) for k in per_step[0]}
+
+
+def predicted_split(step) -> dict[str, float]:
+    """The model's busiest rank (the one with least bubble) in the same form, ms."""
+    rank = step.busiest()
+    split = {kind: 1000 * rank.comm.get(kind, 0.0) for kind in SHOWN}
+    bubble = 1000 * rank.bubble
+    if step.layout.pp > 1:
+        split["pipeline"] += bubble
+        bubble = 0.0
+    split["rest"] = 1000 * (rank.compute + rank.optimizer) + bubble
+    return split
+
+
+def split_line(name: str, measured: dict[str, float], predicted: dict[str, float]) -> str:
+    parts = [f"{SHORT.get(k, k)} {measured[k]:.0f}/{predicted[k]:.1f}"
+             for k in (*SHOWN, "rest") if measured[k] >= 0.5 or predicted[k] >= 0.05]
+    return f"{name:>22}  " + ", ".join(parts)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6)
@@ -105,6 +161,7 @@ def main() -> None:
         print(f"{'layout':>22} {'measured s':>10} {'spread':>7} {'predicted s':>11} "
               f"{'ratio':>7} {'fwd-bwd/sync/opt ms':>22} {'calls':>6}")
         worst = 1.0  # the ratio farthest from 1, either way
+        splits = []
         for name in names:
             ranks, overrides = LAYOUTS[name]
             job_overrides = [*BASE, f"train.train_iters={args.steps}", *overrides]
@@ -115,14 +172,19 @@ def main() -> None:
             spread = (max(steps) - min(steps)) / measured
             job = compose_job(job_overrides)
             dp = ranks // job.parallel.world_size_needed(1)
-            predicted = predict_step_time(job, dp, cluster).step_seconds
+            step = predict_step_time(job, dp, cluster)
+            predicted = step.step_seconds
             ratio = predicted / measured
+            splits.append(split_line(name, measured_split(runs[-1]), predicted_split(step)))
             if abs(math.log(ratio)) > abs(math.log(worst)):
                 worst = ratio
             metered = [r for r in runs[-1] if "comm_by_group" in r][-1]
             print(f"{name:>22} {measured:>10.3f} {spread:>7.1%} {predicted:>11.4f} "
                   f"{ratio:>7.3f} {phase_ms(runs[-1]):>22} {calls_per_step(metered):>6}",
                   flush=True)
+        print("where the busiest rank's step went, ms measured/predicted (last run):")
+        for line in splits:
+            print(line)
     print(f"ours={worst:.4f} baseline=1.0 ratio={worst:.4f}")
 
 

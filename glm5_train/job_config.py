@@ -109,6 +109,11 @@ class TrainConfig(ProfileOptions, NonfiniteOptions, Int4QATOptions, MuonOptions)
     # expert_load_max_over_mean, expert_load_cv, expert_bias; glm5_train/expert_load.py): one
     # all-reduce of layers x (2E+1) float64 per logged step (744B: 312 KB, ~0.35 MB a record).
     log_expert_load: bool = True
+    # Each step's collectives by purpose (comm_by_purpose: calls, bytes and the milliseconds each
+    # purpose held the rank: a blocking call's duration, an asynchronous one's wait; pp_recv is
+    # the pipeline's waiting) in metrics.jsonl and TensorBoard. Costs one walk of the calling
+    # frames per collective: ~44 us on this repo's 2-core CPU machine, 2.5% of a TP2 tiny step.
+    log_comm_by_purpose: bool = True
     # What the step minimises: lm (next-token cross-entropy), or an RL objective over rollout
     # records (grpo, dis, distill: data.format=rollouts; the rl group holds their keys).
     objective: str = "lm"

@@ -165,6 +165,12 @@ class TensorBoardScalars:
             for phase, ranks in (record.get(name) or {}).items():
                 for rank, value in enumerate(ranks):
                     self._writer.add_scalar(f"{tag}/{phase}_ms/rank{rank}", value, step)
+        # collectives by purpose (parallel/comm_meter.py): ms held, the busiest rank and the
+        # mean over ranks (per rank: metrics.jsonl)
+        for purpose, parts in (record.get("comm_by_purpose") or {}).items():
+            held = parts["ms"]
+            self._writer.add_scalar(f"comm_ms/{purpose}/max", max(held), step)
+            self._writer.add_scalar(f"comm_ms/{purpose}/mean", sum(held) / len(held), step)
         for layer, bias in (record.get("expert_bias") or {}).items():
             self._writer.add_scalar(f"expert_bias/range/{layer}", max(bias) - min(bias), step)
         self._writer.flush()

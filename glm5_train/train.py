@@ -257,6 +257,8 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
         stream.resume(state.iteration, group=None)  # which engines wait for
     publisher = start_publishing(job, rt, state.iteration)
     group_names = names_of_groups(rt.groups)
+    # each collective timed by purpose on the device's clock; train.log_comm_by_purpose
+    purpose_clock = comm_device().type if t.log_comm_by_purpose else None
     with StopRequest() as stop:
         boundary = StepBoundary(rt, stop, minutes * 60.0 if minutes else None)
         while state.iteration < t.train_iters:
@@ -267,9 +269,9 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
                     break
             profiler.step_begins(state.iteration + 1)
             started, cpu_started = time.perf_counter(), time.process_time()
-            # This step's collectives on this rank (the loss's included), by group size and
-            # by megatron-core group name.
-            meter = CommMeter(group_names=group_names)
+            # This step's collectives on this rank (the loss's included), by group size, by
+            # megatron-core group name and by purpose (with the time each purpose held it).
+            meter = CommMeter(group_names=group_names, time_purposes=purpose_clock)
             rt.batch_start = state.consumed_samples
             rt.global_batch_now = batches.size_at(state.consumed_samples)
             if expert_load is not None:

@@ -80,6 +80,7 @@ import importlib
 import pickle
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,7 +88,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel.comm_purpose import collective_purpose, purpose_of
+from parallel.comm_purpose import collective_purpose, purpose_of, register_megatron
 
 # ----------------------------------------------------------------------------------------------
 # Where collectives are looked up: patched for the duration of a block.
@@ -107,6 +108,13 @@ BOUND_NAMES: tuple[tuple[str, str], ...] = (
     ("megatron.core.transformer.multi_token_prediction", "dist_all_gather_func"),
     ("megatron.core.timers", "dist_all_gather_func"),
     ("megatron.core.utils", "dist_all_gather_func"),
+)
+
+# Where torch.distributed's coalescing manager is looked up (megatron-core binds it at import):
+# patched so that the batch it runs at its exit counts to its calls' purpose (``by_purpose``).
+COALESCING_NAMES: tuple[tuple[str, str], ...] = (
+    ("torch.distributed", "_coalescing_manager"),
+    ("megatron.core.distributed.param_and_grad_buffer", "_coalescing_manager"),
 )
 
 # The device layer's torch.distributed stand-in (CPU only) caches what it hands out.
@@ -351,6 +359,17 @@ class OpStats:
 
 
 @dataclass
+class PurposeStats:
+    """One purpose's calls and bytes (as ``OpStats``) and the seconds this rank was held by
+    them: each blocking call's duration, each asynchronous call's issue and its ``wait()``."""
+
+    calls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    pending: list = field(default_factory=list)  # CUDA: (start, end) events not yet read
+
+
+@dataclass
 class CommEvent:
     """One counted call (kept only when the meter is created with ``keep_events=True``)."""
 
@@ -368,8 +387,12 @@ class CommMeter:
 
     keep_events: bool = False
     group_names: dict[int, str] = field(default_factory=dict)
+    # Time each call by purpose (``by_purpose``) on this device's clock: "cpu" (wall time
+    # around the call), "cuda" (events on the current stream, read by ``by_purpose``), None: off
+    time_purposes: str | None = None
     stats: dict[tuple[str, int], OpStats] = field(default_factory=dict)
     group_stats: dict[tuple[str, str], OpStats] = field(default_factory=dict)
+    purpose_stats: dict[str, PurposeStats] = field(default_factory=dict)
     events: list[CommEvent] = field(default_factory=list)
     _open: bool = field(default=False, init=False, repr=False)
 
@@ -399,6 +422,12 @@ class CommMeter:
             entry.payload_bytes += payload
         if self.keep_events:
             self.events.append(CommEvent(function, op, group_size, wire, payload))
+
+    def _purpose(self, purpose: str) -> PurposeStats:
+        entry = self.purpose_stats.get(purpose)
+        if entry is None:
+            entry = self.purpose_stats[purpose] = PurposeStats()
+        return entry
 
     def _name_of(self, group, group_size: int) -> str:
         if group is None or group is dist.GroupMember.WORLD:
@@ -430,9 +459,22 @@ class CommMeter:
                                  "payload_bytes": s.payload_bytes}
                 for (op, name), s in sorted(self.group_stats.items())}
 
+    def by_purpose(self) -> dict[str, dict[str, float]]:
+        """{purpose: {"calls", "bytes", "ms"}}, sorted by purpose (empty unless the meter was
+        made with ``time_purposes``). ``ms``: how long the calls held this rank (3 decimals);
+        on CUDA this reads the events, waiting for them to complete."""
+        for entry in self.purpose_stats.values():
+            for start, end in entry.pending:
+                end.synchronize()
+                entry.seconds += start.elapsed_time(end) / 1000
+            entry.pending.clear()
+        return {purpose: {"calls": s.calls, "bytes": s.bytes, "ms": round(1000 * s.seconds, 3)}
+                for purpose, s in sorted(self.purpose_stats.items())}
+
     def summary(self) -> dict[str, Any]:
         return {"calls": self.calls, "bytes": self.bytes, "payload_bytes": self.payload_bytes,
-                "by_op": self.by_op(), "by_group": self.by_group()}
+                "by_op": self.by_op(), "by_group": self.by_group(),
+                "by_purpose": self.by_purpose()}
 
 
 # Names for megatron-core's ProcessGroupCollection fields, most specific first: where several
@@ -469,7 +511,10 @@ def _unwrap(fn: Any) -> Any:
 
 
 def _is_wrapper(fn: Any) -> bool:
-    return hasattr(fn, "__comm_meter_original__")
+    try:
+        return hasattr(fn, "__comm_meter_original__")
+    except Exception:  # noqa: BLE001 -- a lazy module (tensorboard's) may fail to load on lookup
+        return False
 
 
 def _make_wrapper(name: str, original: Callable) -> Callable:
@@ -480,16 +525,18 @@ def _make_wrapper(name: str, original: Callable) -> Callable:
         if depth or not _ACTIVE:
             return original(*args, **kwargs)
         records = None if after else _apply_rule(rule, name, args, kwargs)
+        timers = _timing_meters()
+        label = _label(name, records, kwargs, timers)
         _LOCAL.depth = depth + 1
         try:
-            with _profiler_range(name, records, args, kwargs):
+            with _profiler_range(label), _held(timers, label):
                 result = original(*args, **kwargs)
         finally:
             _LOCAL.depth = depth
         if after:
             records = _apply_rule(rule, name, args, kwargs)
-        _record(name, records)
-        return result
+        _record(name, records, label.purpose if label else None)
+        return _timed_works(result, label.purpose) if timers else result
 
     counted.__name__ = getattr(original, "__name__", name)
     counted.__qualname__ = counted.__name__
@@ -499,15 +546,21 @@ def _make_wrapper(name: str, original: Callable) -> Callable:
     return counted
 
 
-def _profiler_range(name: str, records: list | None, args: tuple, kwargs: dict):
-    """While torch.profiler records (``train.profile_steps``): a range ``<purpose> <group>.
-    <function>:<group size>`` around the call, so traces show what each collective is for
-    and on which of megatron-core's groups it ran (``<purpose>``: ``parallel.comm_purpose``,
-    e.g. ``dp_grad_reduce_scatter``; ``<group>``: its name, ``world``, or ``size<n>`` for a
-    group megatron-core does not name, e.g. a flexible CP group; ``<purpose> <function>:
-    <size>`` when no active meter has group names)."""
-    if not torch.autograd.profiler._is_profiler_enabled:
-        return contextlib.nullcontext()
+@dataclass(frozen=True)
+class _Label:
+    purpose: str
+    range_name: str
+
+
+def _label(name: str, records: list | None, kwargs: dict, timers: list) -> _Label | None:
+    """What the call is for (``parallel.comm_purpose``), when a meter times purposes or
+    torch.profiler records (the frame walk costs a few microseconds: skipped otherwise).
+
+    The profiler's range is ``<purpose> <group>.<function>:<group size>`` (``<group>``: its
+    name, ``world``, or ``size<n>`` for a group megatron-core does not name, e.g. a flexible
+    CP group; ``<purpose> <function>:<size>`` when no active meter has group names)."""
+    if not timers and not torch.autograd.profiler._is_profiler_enabled:
+        return None
     group = records[0][1] if records else kwargs.get("group")
     size = _size(group)
     named = next((m._name_of(group, size) for m in list(_ACTIVE) if m.group_names), None)
@@ -516,8 +569,118 @@ def _profiler_range(name: str, records: list | None, args: tuple, kwargs: dict):
     op = (kinds[0] if len(kinds) == 1 else "_".join(reversed(kinds))) if kinds else name
     # frames to pass over: this function and the counting wrapper
     purpose = purpose_of(op, named, skip=2)
-    return torch.profiler.record_function(f"{purpose} {named}.{name}:{size}" if named else
-                                          f"{purpose} {name}:{size}")
+    _LOCAL.last_purpose = purpose
+    return _Label(purpose, f"{purpose} {named}.{name}:{size}" if named else
+                  f"{purpose} {name}:{size}")
+
+
+def _profiler_range(label: _Label | None):
+    """While torch.profiler records (``train.profile_steps``): a range named by ``_label``
+    around the call, so traces show what each collective is for and on which group it ran."""
+    if label is None or not torch.autograd.profiler._is_profiler_enabled:
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(label.range_name)
+
+
+def _timing_meters() -> list[CommMeter]:
+    return [m for m in list(_ACTIVE) if m.time_purposes]
+
+
+@contextlib.contextmanager
+def _held(timers: list[CommMeter], label: _Label | None) -> Iterator[None]:
+    """Add how long the block holds this rank to ``label``'s purpose in each of ``timers``:
+    wall seconds on CPU (gloo blocks the caller until the collective is done); on CUDA a pair
+    of events on the current stream, which a blocking collective (and a ``wait()``) makes
+    wait for the communication, read later by ``CommMeter.by_purpose``."""
+    if not timers or label is None:
+        yield
+        return
+    cuda = [m for m in timers if m.time_purposes == "cuda"]
+    if cuda:
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds = time.perf_counter() - started
+        if cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        for meter in timers:
+            entry = meter._purpose(label.purpose)
+            if meter.time_purposes == "cuda":
+                entry.pending.append((start, end))
+            else:
+                entry.seconds += seconds
+
+
+class _TimedWork:
+    """An asynchronous call's handle whose ``wait()`` counts to the call's purpose in the
+    meters that time purposes when it is waited on (the step that waits, which may be a later
+    one than the step that issued it); everything else is the handle's own."""
+
+    __slots__ = ("_work", "_label")
+
+    def __init__(self, work, label: _Label) -> None:
+        self._work = work
+        self._label = label
+
+    def wait(self, *args, **kwargs):
+        with _held(_timing_meters(), self._label):
+            return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
+
+
+def _timed_works(result, purpose: str):
+    """``result`` with its asynchronous handles (a ``Work``, or a list of them from a batch
+    of point-to-point ops) timed at their ``wait()``."""
+    label = _Label(purpose, "")
+    if isinstance(result, dist.Work):
+        return _TimedWork(result, label)
+    if isinstance(result, list) and result and all(isinstance(w, dist.Work) for w in result):
+        return [_TimedWork(w, label) for w in result]
+    return result
+
+
+def _coalescing_wrapper(original: Callable) -> Callable:
+    """``torch.distributed._coalescing_manager`` whose communication (run when the block
+    exits, or by its handle's ``wait()`` for asynchronous ops) counts to the purpose of the
+    calls issued inside it (megatron-core's bucketed gradient and parameter sync)."""
+
+    @contextlib.contextmanager
+    def coalescing(*args, **kwargs):
+        _LOCAL.last_purpose = None
+        with contextlib.ExitStack() as stack:
+            manager = original(*args, **kwargs)
+            cm = stack.enter_context(_ExitTimed(manager))
+            yield cm
+        purpose = getattr(_LOCAL, "last_purpose", None)
+        if purpose is not None and _timing_meters():
+            cm.works[:] = [_TimedWork(w, _Label(purpose, "")) for w in cm.works]
+
+    coalescing.__wrapped__ = original  # type: ignore[attr-defined]
+    coalescing.__comm_meter_original__ = original  # type: ignore[attr-defined]
+    return coalescing
+
+
+class _ExitTimed:
+    """A context manager whose exit (where a coalesced batch of collectives runs) is timed
+    under the purpose of the last call issued inside it."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __enter__(self):
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        purpose = getattr(_LOCAL, "last_purpose", None)
+        label = _Label(purpose, "") if purpose is not None else None
+        with _held(_timing_meters(), label):
+            return self.inner.__exit__(*exc)
 
 
 def _apply_rule(rule: Callable, name: str, args: tuple, kwargs: dict) -> list:
@@ -529,12 +692,16 @@ def _apply_rule(rule: Callable, name: str, args: tuple, kwargs: dict) -> list:
         return [("unmetered", None, 0, 0)]
 
 
-def _record(name: str, records: list) -> None:
+def _record(name: str, records: list, purpose: str | None) -> None:
     with _LOCK:
         for op, group, wire, payload in records:
             n = _size(group)
             for meter in _ACTIVE:
                 meter._count(name, op, group, n, wire, payload)
+                if meter.time_purposes and purpose is not None:
+                    entry = meter._purpose(purpose)
+                    entry.calls += 1
+                    entry.bytes += wire
 
 
 _P2POP = dist.P2POp
@@ -589,6 +756,14 @@ def _install() -> None:
         module = sys.modules.get(module_name)
         if module is not None:
             _patch(module, attr, wrappers)
+    coalescing: dict[int, Callable] = {}  # id(original) -> its wrapper
+    for module_name, attr in COALESCING_NAMES:
+        module = sys.modules.get(module_name)
+        current = getattr(module, attr, None) if module is not None else None
+        if current is not None and not _is_wrapper(current):
+            wrapper = coalescing.setdefault(id(current), _coalescing_wrapper(current))
+            _SAVED.append((module, attr, current))
+            setattr(module, attr, wrapper)
     for module_name, attr in CACHING_VIEWS:
         module = sys.modules.get(module_name)
         view = getattr(module, attr, None) if module is not None else None
@@ -627,6 +802,8 @@ def _uninstall() -> None:
 
 
 def _activate(meter: CommMeter) -> None:
+    if meter.time_purposes:
+        register_megatron()  # its imports happen here, not inside the block's first call
     with _LOCK:
         if not _ACTIVE:
             _install()
@@ -817,14 +994,18 @@ def gather_fields(meter: CommMeter, held: dict[str, int]) -> dict[str, Any]:
     }
     if any(s["by_group"] for s in summaries):
         fields["comm_by_group"] = _per_rank(summaries, "by_group")
+    if any(s["by_purpose"] for s in summaries):
+        fields["comm_by_purpose"] = _per_rank(summaries, "by_purpose", ("calls", "bytes", "ms"))
     for name in everyone[0]["held"]:
         fields[name] = [e["held"][name] for e in everyone]
     return fields
 
 
-def _per_rank(summaries: list[dict], table: str) -> dict[str, dict[str, list[int]]]:
-    """{key: {"calls" | "bytes" | "payload_bytes": [per global rank]}} of one summary table."""
+def _per_rank(summaries: list[dict], table: str,
+              parts: tuple[str, ...] = ("calls", "bytes", "payload_bytes")
+              ) -> dict[str, dict[str, list]]:
+    """{key: {part: [per global rank]}} of one summary table."""
     keys = sorted({key for s in summaries for key in s[table]})
     return {key: {part: [s[table].get(key, {}).get(part, 0) for s in summaries]
-                  for part in ("calls", "bytes", "payload_bytes")}
+                  for part in parts}
             for key in keys}

@@ -45,6 +45,7 @@ RANGE = re.compile(r"(?:(?P<purpose>[a-z0-9_]+) )?(?:(?P<group>[a-z0-9_]+)\.)?"
 
 _BY_CODE: dict[object, tuple[str, str | None]] = {}  # code -> (what, family it fixes)
 _MEGATRON_REGISTERED = False
+_MISSING: list[str] = []  # MEGATRON_PURPOSES names this release lacks
 _DEEPEST = 80  # frames walked at most: a collective is never this far below its purpose
 
 # megatron-core's functions that issue collectives for one purpose: (module, qualified name,
@@ -146,6 +147,8 @@ def _resolve(module: str, qualified: str):
 def register_megatron() -> list[str]:
     """Register ``MEGATRON_PURPOSES`` (once); the qualified names this release lacks."""
     global _MEGATRON_REGISTERED
+    if _MEGATRON_REGISTERED:
+        return list(_MISSING)
     missing = []
     for module, qualified, what, *family in MEGATRON_PURPOSES:
         fn = _resolve(module, qualified)
@@ -154,6 +157,7 @@ def register_megatron() -> list[str]:
             continue
         _BY_CODE[_code_of(fn)] = (what, family[0] if family else None)
     _MEGATRON_REGISTERED = True
+    _MISSING[:] = missing
     return missing
 
 

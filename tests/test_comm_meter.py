@@ -361,6 +361,17 @@ def test_dp2_distributed_optimizer_reduce_scatter_and_all_gather(tmp_path):
                                      "payload_bytes": [grad[0] // 2] * 2}
     assert record["comm_by_group"]["reduce_scatter:dp_cp"] == by_op["reduce_scatter:2"]
     assert record["comm_by_group"]["all_gather:dp_cp"] == by_op["all_gather:2"]
+    # The same calls by purpose (the bucketed sync runs coalesced: timed at the batch's run),
+    # adding up to the totals; the time they held each rank fits inside its step.
+    purposes = record["comm_by_purpose"]
+    for purpose, op in (("dp_grad_reduce_scatter", "reduce_scatter:2"),
+                        ("dp_param_all_gather", "all_gather:2")):
+        assert purposes[purpose]["calls"] == [1, 1]
+        assert purposes[purpose]["bytes"] == by_op[op]["bytes"]
+    for rank in (0, 1):
+        assert sum(p["calls"][rank] for p in purposes.values()) == record["comm_calls"][rank]
+        assert sum(p["bytes"][rank] for p in purposes.values()) == record["comm_bytes"][rank]
+        assert 0 < sum(p["ms"][rank] for p in purposes.values()) < record["step_time_ms"][rank]
     # Optimizer state is sharded: both ranks' Adam moments together are 2 x the parameters.
     state = sum(record["optimizer_state_bytes"])
     assert 0 < state - 2 * params * F32 < 1000

@@ -48,6 +48,11 @@ def test_a_traced_step_has_every_forward_backward_and_collective(tmp_path):
             "pp_token_count pp.broadcast:2", "dp_token_count dp_cp.all_reduce:1",
             "dp_grad_all_reduce dp_cp.all_reduce:1", "mp_grad_norm mp.all_reduce:2",
             "world_loss world.all_reduce:2"} <= collectives, sorted(collectives)
+    # metrics.jsonl's collectives by purpose (timed every step) name what the trace names
+    step2 = traced.records[1]["comm_by_purpose"]
+    assert {p for p, parts in step2.items() if parts["calls"][0]} == {
+        parse_range(n)["purpose"] for n in collectives}, sorted(step2)
+    assert step2["pp_recv"]["ms"][1] > 0  # the later stage waits for the earlier one
     out = subprocess.run([sys.executable, "tools/merge_traces.py", str(profile)], cwd=REPO,
                          capture_output=True, text=True, check=True).stdout
     assert "rank 0: 8 forward, 8 backward" in out and "merged 2 ranks" in out

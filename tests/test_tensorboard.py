@@ -1,6 +1,7 @@
 """TensorBoard scalars (glm5_train/metrics.py): the run directory's event files, read back
-with TensorBoard's own reader, hold exactly metrics.jsonl's values per step, per-rank figures
-and the step's wall time by phase included; and writing them changes nothing in the run."""
+with TensorBoard's own reader, hold exactly metrics.jsonl's values per step, per-rank figures,
+the step's wall time by phase and its collectives' time by purpose included; and neither
+writing them nor timing collectives by purpose changes anything in the run."""
 
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ def test_tensorboard_events_equal_the_metrics_and_change_nothing(tmp_path, monke
             for phase, ranks in record["phase_ms"].items():
                 got = scalars[f"phases/{phase}_ms/rank{rank}"][step]
                 assert got == pytest.approx(ranks[rank], rel=1e-6)
+        for purpose, parts in record["comm_by_purpose"].items():
+            got = scalars[f"comm_ms/{purpose}/max"][step]
+            assert got == pytest.approx(max(parts["ms"]), rel=1e-6, abs=1e-6)
         _check_phases(record)
         # the planner's model FLOPs per global batch over the step's wall time, one device;
         # no MFU on a CPU (no peak to divide by)
@@ -48,9 +52,13 @@ def test_tensorboard_events_equal_the_metrics_and_change_nothing(tmp_path, monke
                                                          rel=1e-4)
         assert "mfu" not in record
     monkeypatch.setenv("GLM5_TENSORBOARD", "0")
-    without = run_job(1, overrides, str(tmp_path / "without"))
+    without = run_job(1, [*overrides, "train.log_comm_by_purpose=false"],
+                      str(tmp_path / "without"))
     assert not os.path.exists(tmp_path / "without" / "tensorboard")
     assert [r["loss"] for r in without.records] == [r["loss"] for r in result.records]
+    assert all("comm_by_purpose" not in r for r in without.records)
+    assert all(r["comm_calls"] == w["comm_calls"] for r, w in zip(result.records,
+                                                                   without.records))
 
 
 def _check_phases(record: dict) -> None:

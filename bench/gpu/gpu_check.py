@@ -248,7 +248,7 @@ PARTS: tuple[Part, ...] = (
           "step.to_device non_blocking", "optim pinned host buffers", "muon host AdamW",
           "profiling CUDA activity + NVTX", "metrics.rank_memory_bytes",
           "phase_times CUDA synchronize", "assembly.model_rate (MFU by CUDA name)",
-          "profiling CUDA memory snapshot",
+          "profiling CUDA memory snapshot", "comm_meter CUDA events by purpose",
           "mcore_compat: CPU redirects not installed on CUDA")),
     Part("dsa_vs_dense", part_dsa_vs_dense, 30, 70,
          ("dense attention: SDPA flash on CUDA", "sparse_mla dispatch (supports)")),

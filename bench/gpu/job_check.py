@@ -25,7 +25,10 @@ optimizer state, host bytes, activations: on CUDA the planner assumes fused atte
 the measured ones; for the profiled run the trace's event counts by category ("kernel": CUDA
 kernels recorded; "user_annotation": the labelled ranges), its allocator events by device
 type (1: CUDA, what tools/draw_timeline.py plots) and its collectives by purpose
-(parallel/comm_purpose.py: the gradient all-reduce must be named ``dp_grad_all_reduce``). Dry run: ``adamw_host`` alone, one
+(parallel/comm_purpose.py: the gradient all-reduce must be named ``dp_grad_all_reduce``);
+per run the step's collectives by purpose from metrics.jsonl (``comm_by_purpose``: on CUDA
+timed by CUDA events, which must read back finite, adding up to ``comm_calls``, inside the
+step). Dry run: ``adamw_host`` alone, one
 step at 64 tokens, no checkpoint (each job start costs ~15 s of this CPU).
 """
 
@@ -141,6 +144,7 @@ def train_run(name: str, ctx, root: str) -> dict:
            "optimizer_state_bytes": last.get("optimizer_state_bytes"),
            "optimizer_host_bytes": last.get("optimizer_host_bytes"),
            "phase_ms": last.get("phase_ms"), "step_time_ms": last.get("step_time_ms"),
+           "comm_calls": last.get("comm_calls"), "comm_by_purpose": last.get("comm_by_purpose"),
            "tflops_per_gpu": last.get("tflops_per_gpu"), "mfu": last.get("mfu"),
            "params_dtype": compose_job(overrides).train.params_dtype}
     if any(o.startswith("train.profile_steps") for o in overrides):
@@ -170,6 +174,7 @@ def check_train(name: str, run: dict, ctx, runs: dict) -> None:
     problems += [f"{name}: planner: {p}" for p in run.get("plan_problems", [])]
     problems += [f"{name}: {p}" for p in phase_problems(run)]
     problems += [f"{name}: {p}" for p in rate_problems(run, ctx.device)]
+    problems += [f"{name}: {p}" for p in purpose_problems(run)]
     if "trace_event_counts" in run:
         counts = run["trace_event_counts"] or {"by_category": {}, "memory_by_device_type": {}}
         if not counts["by_category"].get("user_annotation"):
@@ -205,6 +210,23 @@ def phase_problems(run: dict) -> list[str]:
     if not (0 < sync < fb and opt > 0 and fb + opt <= steps[0]):
         return [f"phases out of order: forward_backward {fb}, grad_sync {sync}, optimizer "
                 f"{opt}, step {steps[0]} ms"]
+    return []
+
+
+def purpose_problems(run: dict) -> list[str]:
+    """The step's collectives by purpose (parallel/comm_meter.py; on CUDA timed by events on
+    the current stream, read at the step's end): the gradient all-reduce named, the calls
+    adding up to ``comm_calls``, every time finite and not negative, their sum inside the
+    step."""
+    purposes, steps = run.get("comm_by_purpose") or {}, run.get("step_time_ms") or []
+    if "dp_grad_all_reduce" not in purposes or not steps:
+        return [f"comm_by_purpose without dp_grad_all_reduce: {sorted(purposes)}"]
+    calls = sum(p["calls"][0] for p in purposes.values())
+    held = [p["ms"][0] for p in purposes.values()]
+    if calls != (run.get("comm_calls") or [None])[0]:
+        return [f"comm_by_purpose calls {calls} != comm_calls {run.get('comm_calls')}"]
+    if not all(math.isfinite(ms) and ms >= 0 for ms in held) or sum(held) > steps[0]:
+        return [f"comm_by_purpose ms {held} not in [0, step {steps[0]} ms]"]
     return []
 
 
