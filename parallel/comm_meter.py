@@ -69,6 +69,17 @@ Groups by name: a meter made with ``group_names`` ({id(process group): name}, e.
 not name is "size<n>". Sizes alone cannot tell data-parallel from tensor-parallel traffic when
 both groups have the same size.
 
+By purpose: a meter made with ``time_purposes`` ("cpu" or "cuda") also keys calls and bytes by
+what each call is for (``parallel.comm_purpose``: ``dp_grad_reduce_scatter``, ``pp_recv``,
+...) in ``by_purpose()``, with the seconds the purpose held this rank: a blocking call's
+duration; an asynchronous call's issue and its ``wait()`` (its handle is returned wrapped, and
+the wait counts in the meters open when it happens); a ``_coalescing_manager`` block's exit,
+where megatron-core's bucketed sync runs its batch (``COALESCING_NAMES``). On CPU wall time
+around the call; on CUDA a pair of events on the current stream, which a blocking collective
+and a wait make wait for the communication (read by ``by_purpose``). Finding the purpose walks
+the calling frames (tens of microseconds a call): only when a meter times or the profiler
+records.
+
 ``buffer_bytes`` reports the bytes this rank holds in gradient buffers, optimizer state and
 parameters (see there).
 """
