@@ -25,7 +25,9 @@ Each rank's CPU seconds are summed over the last ``--measured`` steps (the refit
 same steps in every mode): on 2 cores the ranks share the CPU, so wall time is the sum of the
 work and the busiest rank's CPU time is what a cluster's step would wait for. Prints per mode
 the mean step time (wall clock), CPU per rank, the measured imbalance (busiest / mean CPU),
-and for the flexible modes the last plan's modelled imbalance and workload model. All modes
+for the refit its micro-batches' CPU per rank (its clocks) and the rest of each rank's CPU
+beside the last plan's modelled work per rank, and for the flexible modes the last plan's
+modelled imbalance and workload model. All modes
 train on the same conversations: their losses agree. Then
 ``wall: ours=<flexible + refit step s> baseline=<fixed step s> ratio=...``, and last
 ``ours=<flexible + refit imbalance> baseline=<fixed CP imbalance> ratio=<ours/baseline>``.
@@ -93,6 +95,12 @@ def report(label: str, records: list[dict], measured: int, packs: int,
             f"{imbalance:.3f}, loss {steps[-1]['loss']:.4f}, peak RSS per rank max "
             f"{max(steps[-1]['mem_peak_bytes']) / 2**30:.2f} GiB")
     plan = steps[-1].get("flexible_cp")
+    if plan and "measured_rank_work" in plan:  # the refit's clocks: the micro-batches' CPU
+        cells = [sum(r["flexible_cp"]["measured_rank_work"][i] for r in steps) / len(steps)
+                 for i in range(len(cpu))]
+        line += (f"; micro-batches' CPU per rank [{', '.join(f'{c:.2f}' for c in cells)}] s, "
+                 f"outside them [{', '.join(f'{a - c:.2f}' for a, c in zip(cpu, cells))}] s, "
+                 f"modelled work per rank [{', '.join(f'{w:.2f}' for w in plan['modelled_rank_work'])}]")
     if plan:
         model = ", ".join(f"{k} {v:.3g}" for k, v in plan["workload"].items())
         line += (f"; last plan: {plan['micro_batches']} micro-batches, groups per slot "

@@ -103,6 +103,8 @@ class Runtime:
     # parallel.cp_groups=flexible: the CP groups every global batch is planned over
     cp_pool: GroupPool | None = None
     last_plan: FlexiblePlan | None = None  # the plan of the latest step's global batch
+    # each rank's measured CPU seconds of that plan's micro-batches (with the online refit)
+    last_cell_seconds: list[float] | None = None
     # parallel.cp_comm != all_gather with flexible groups: each block's exchange
     cp_exchanges: dict | None = None
     # the step's wall time by phase on this rank (glm5_train/phase_times.py)

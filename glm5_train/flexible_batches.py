@@ -114,6 +114,14 @@ class FlexibleBatches:
         if self.refit is not None:
             self.refit.observe(plan, self.pool.index, [c.seconds for c in self.clocks])
 
+    def measured_rank_work(self) -> list[float] | None:
+        """The last observed step's CPU seconds of each rank's micro-batches, in the order of
+        the online fit's group (the world's ranks), as the fit measured them; None without a
+        refit."""
+        if self.refit is None or not self.refit.rank_seconds:
+            return None
+        return list(self.refit.rank_seconds)
+
     def _conversations(self, first: int) -> list[Conversation]:
         """The global batch's conversations, from the dataset's index (no token read: every
         rank plans from the lengths, and reads only the samples its own bins hold)."""
@@ -177,11 +185,14 @@ def _collate(sample: dict, capacity: int) -> dict:
 
 
 def plan_record(plan: FlexiblePlan,
-                exchanges: dict[tuple[int, int], BlockExchange] | None = None) -> dict:
+                exchanges: dict[tuple[int, int], BlockExchange] | None = None,
+                measured: list[float] | None = None) -> dict:
     """metrics.jsonl's account of a step's plan: micro-batches, the CP group of every cell
     (slot by slot, sizes in data-parallel rank order), modelled work imbalance, padding; with
-    ``exchanges``, each cell's exchange ("-": a rank alone) and every rank's CP bytes per
-    level (inside its node, across nodes) per DSA layer application, summed over its cells."""
+    ``measured`` (the online refit's: ``FlexibleBatches.measured_rank_work``), every rank's
+    measured CPU seconds of its micro-batches beside the modelled work; with ``exchanges``,
+    each cell's exchange ("-": a rank alone) and every rank's CP bytes per level (inside its
+    node, across nodes) per DSA layer application, summed over its cells."""
     record = {"micro_batches": plan.num_microbatches,
               "group_sizes": [[plan.group_size(plan.bins[c.bin]) for c in slot]
                               for slot in plan.slots],
@@ -189,6 +200,8 @@ def plan_record(plan: FlexiblePlan,
               "modelled_rank_work": list(plan.rank_work),
               "padding_tokens": plan.padding_tokens(),
               "workload": plan.workload.coefficients()}
+    if measured is not None:
+        record["measured_rank_work"] = [round(s, 6) for s in measured]
     if exchanges is None:
         return record
     cells = [[_cell_cost(plan, c.bin, exchanges) for c in slot] for slot in plan.slots]

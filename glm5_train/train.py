@@ -279,6 +279,7 @@ def train(job: JobConfig, run_dir: str, validated: bool = False) -> list[dict]:
             outcome = train_step(rt, data, meter, boundary, step_index=state.iteration)
             if isinstance(data, FlexibleBatches):  # the measured micro-batches refit the model
                 data.observe_step(rt.last_plan)
+                rt.last_cell_seconds = data.measured_rank_work()
             if rt.objective is not None:  # the step's rewards, from the records it trained on
                 outcome.stats.update(step_summary(rt.dataset, state.iteration,
                                                   t.global_batch_size))
@@ -339,7 +340,7 @@ def _log(rt: Runtime, logger: MetricsLogger, record: dict, meter: CommMeter,
     record["phase_ms"] = {p: [r[2 + i] / 1000 for r in ranks] for i, p in enumerate(PHASES)}
     record["sparse_kernel_launches"] = [r[2 + len(PHASES):] for r in ranks]
     if rt.last_plan is not None:
-        record["flexible_cp"] = plan_record(rt.last_plan, rt.cp_exchanges)
+        record["flexible_cp"] = plan_record(rt.last_plan, rt.cp_exchanges, rt.last_cell_seconds)
     record.update(gather_fields(meter, buffer_bytes(rt.chunks, rt.optimizer, rt.zero2)))
     if rt.activations is not None:
         record.update(gather_saved_bytes(rt.activations.figures))

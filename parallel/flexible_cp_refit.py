@@ -90,6 +90,8 @@ class OnlineWorkloadFit:
         self.skipped_first = False
         self.current = configured
         self.fitted = False
+        # the last observed step's measured CPU seconds of every rank's cells (group order)
+        self.rank_seconds: list[float] = []
 
     @collective_purpose("workload_refit")
     def observe(self, plan: FlexiblePlan, index: int, seconds: list[float]) -> None:
@@ -103,6 +105,7 @@ class OnlineWorkloadFit:
         dist.all_gather(everyone, rows, group=self.group)
         _check_same_plan(everyone)
         everyone = [r[:, :5] for r in everyone]
+        self.rank_seconds = [float(r[:, 4].sum()) for r in everyone]
         if not self.skipped_first:  # the process's first step: warm-up, not the model's
             self.skipped_first = True
             return

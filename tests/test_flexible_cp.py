@@ -371,6 +371,9 @@ def test_online_refit_plans_later_steps_with_the_measured_model_and_the_same_los
     models = [record["flexible_cp"]["workload"] for record in result.records]
     assert models[:3] == [reference[0]["flexible_cp"]["workload"]] * 3
     assert all(m != models[0] for m in models[3:]), models
+    # every step's measured CPU seconds of each rank's micro-batches (the fit's clocks)
+    measured = [record["flexible_cp"]["measured_rank_work"] for record in result.records]
+    assert all(len(m) == 4 and min(m) > 0 for m in measured), measured
 
 
 # The head-parallel exchange in flexible groups, on nodes of 2 ranks: groups of 4 span both
