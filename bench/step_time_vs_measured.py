@@ -94,10 +94,11 @@ def calls_per_step(record: dict) -> int:
 
 
 # metrics.jsonl's purpose families and names -> the step-time model's kinds (COMM_KINDS)
-KIND_OF_FAMILY = {"tp": "tensor_parallel", "cp": "context_parallel", "ep": "expert_all_to_all",
-                  "pp": "pipeline"}
-KIND_OF_PURPOSE = {"dp_grad_reduce_scatter": "grad_reduction", "dp_grad_all_reduce": "grad_reduction",
-                   "dp_param_all_gather": "param_gather"}
+KIND_OF_FAMILY = {"tp": "tensor_parallel", "cp": "context_parallel", "ep": "expert_all_to_all"}
+# by purpose: the pipeline's messages (not the pp group's token count or embedding all-reduce)
+KIND_OF_PURPOSE = {"dp_grad_reduce_scatter": "grad_reduction",
+                   "dp_grad_all_reduce": "grad_reduction", "dp_param_all_gather": "param_gather",
+                   "pp_send": "pipeline", "pp_recv": "pipeline", "pp_send_recv": "pipeline"}
 SHOWN = ("tensor_parallel", "context_parallel", "expert_all_to_all", "pipeline",
          "grad_reduction", "param_gather", "other")
 SHORT = {"tensor_parallel": "tp", "context_parallel": "cp", "expert_all_to_all": "ep",
@@ -111,7 +112,8 @@ def measured_split(records: list[dict]) -> dict[str, float]:
     loss, the token count, the gradient norm, ...). The busiest rank is the one its
     collectives held least (every rank's step ends together, at the loss's all-reduce), as
     the model's is the one that waits least."""
-    steps = [r for r in records if "comm_by_purpose" in r][WARMUP_STEPS:]
+    timed = [r for r in records if "comm_by_purpose" in r]
+    steps = timed[WARMUP_STEPS:] or timed
     per_step = []
     for record in steps:
         times, purposes = record["step_time_ms"], record["comm_by_purpose"].values()
@@ -123,6 +125,8 @@ def measured_split(records: list[dict]) -> dict[str, float]:
             split[kind] += parts["ms"][rank]
         split["rest"] = times[rank] - sum(split.values())
         per_step.append(split)
+    if not per_step:
+        raise SystemExit("no step recorded comm_by_purpose: train.log_comm_by_purpose is off")
     return {k: statistics.median(s[k] for s in per_step) for k in per_step[0]}
 
 

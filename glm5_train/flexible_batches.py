@@ -190,7 +190,9 @@ def plan_record(plan: FlexiblePlan,
     """metrics.jsonl's account of a step's plan: micro-batches, the CP group of every cell
     (slot by slot, sizes in data-parallel rank order), modelled work imbalance, padding; with
     ``measured`` (the online refit's: ``FlexibleBatches.measured_rank_work``), every rank's
-    measured CPU seconds of its micro-batches beside the modelled work; with ``exchanges``,
+    measured CPU seconds of its micro-batches beside the modelled work (measured per global
+    rank, modelled per data-parallel index: the same lists when TP = PP = 1); with
+    ``exchanges``,
     each cell's exchange ("-": a rank alone) and every rank's CP bytes per level (inside its
     node, across nodes) per DSA layer application, summed over its cells."""
     record = {"micro_batches": plan.num_microbatches,

@@ -1,5 +1,5 @@
-"""What a collective is for, for profiler traces: ``dp_grad_reduce_scatter``, ``pp_send``,
-``ep_dispatch``, ``cp_all_gather``.
+"""What a collective is for, for profiler traces and metrics.jsonl's ``comm_by_purpose``:
+``dp_grad_reduce_scatter``, ``pp_send``, ``ep_dispatch``, ``cp_all_gather``.
 
 A traced collective's range (``parallel.comm_meter``) is named
 ``<purpose> <group>.<function>:<group size>``, e.g.
@@ -24,8 +24,10 @@ A traced collective's range (``parallel.comm_meter``) is named
   pass); no registered function at all gives the op kind (``tp_all_gather``: a
   sequence-parallel gather).
 
-The frames are walked only while torch.profiler records (a traced step), so untraced steps
-pay nothing. Registration is by code object, so two functions of the same name never mix.
+The frames are walked only while torch.profiler records (a traced step) or a meter times
+collectives by purpose (``CommMeter(time_purposes=...)``; the training loop's, on by default:
+``train.log_comm_by_purpose``): about 44 µs a call on this repository's 2-core CPU machine.
+Registration is by code object, so two functions of the same name never mix.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 ``comm_by_purpose``): on two gloo ranks whose peer arrives late by a known delay, the time a
 purpose held the waiting rank covers that delay, whether the call blocks, is asynchronous and
 waited on later (in another block: the wait counts where it happens), or runs coalesced at a
-``_coalescing_manager``'s exit as megatron-core's bucketed gradient sync does; calls and bytes
+``_coalescing_manager``'s exit as megatron-core's bucketed gradient sync does (or, overlapped,
+at the wait on the manager's handle); calls and bytes
 by purpose add up to the meter's totals; a meter without ``time_purposes`` walks no frames and
-keeps no purposes."""
+keeps no purposes (and never looks for one)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,19 @@ def _issue_receive(buffer: torch.Tensor):
 def _coalesced_reduce_scatter(out: torch.Tensor, x: torch.Tensor) -> None:
     with dist._coalescing_manager(None):
         dist.reduce_scatter_tensor(out, x)
+
+
+@collective_purpose("probe_overlapped_{op}")
+def _coalesced_all_reduce_async(x: torch.Tensor):
+    """As megatron-core's overlapped gradient sync: issued coalesced and asynchronous, its
+    handle (the coalescing manager) waited on later."""
+    with dist._coalescing_manager(None, async_ops=True) as handle:
+        dist.all_reduce(x, async_op=True)
+    return handle
+
+
+def _no_frame_walk(*_, **__):
+    raise AssertionError("a meter without time_purposes walked the calling frames")
 
 
 def _late(rank: int) -> None:
@@ -71,9 +85,23 @@ def _timed_ranks(rank: int, world_size: int) -> dict:
         _coalesced_reduce_scatter(torch.empty(N // 2), x)
     out["coalesced"] = meter.summary()
 
+    # Issued coalesced and asynchronous in one block (rank 1 late to issue), waited on in
+    # the next.
+    issued, waited = cm.CommMeter(time_purposes="cpu"), cm.CommMeter(time_purposes="cpu")
+    _late(rank)
+    with issued.measure():
+        handle = _coalesced_all_reduce_async(torch.ones(N))
+    with waited.measure():
+        handle.wait()
+    out["overlapped_issued"], out["overlapped_waited"] = issued.summary(), waited.summary()
+
     untimed = cm.CommMeter()
-    with untimed.measure():
-        _blocking_sum(x)
+    walk, cm.purpose_of = cm.purpose_of, _no_frame_walk
+    try:
+        with untimed.measure():
+            _blocking_sum(x)
+    finally:
+        cm.purpose_of = walk
     out["untimed"] = untimed.summary()
     return out
 
@@ -97,7 +125,12 @@ def test_the_time_a_purpose_held_the_rank_covers_its_late_peer():
     # coalesced: the batch runs at the manager's exit, timed under its calls' purpose
     coalesced = early["coalesced"]["by_purpose"]["probe_coalesced_reduce_scatter"]
     assert coalesced["calls"] == 1 and coalesced["bytes"] == N * 4 // 2
-    assert coalesced["ms"] >= 0.8 * 1000 * LATE_S, coalesced
+    assert 0.8 * 1000 * LATE_S <= coalesced["ms"] < 1.5 * 1000 * LATE_S, coalesced  # once
+    # coalesced and asynchronous (megatron-core's overlapped sync): the wait holds the rank
+    issued = early["overlapped_issued"]["by_purpose"]["probe_overlapped_all_reduce"]
+    assert issued["calls"] == 1 and issued["ms"] < 0.5 * 1000 * LATE_S, issued
+    waited = early["overlapped_waited"]["by_purpose"]["probe_overlapped_all_reduce"]
+    assert waited["calls"] == 0 and waited["ms"] >= 0.8 * 1000 * LATE_S, waited
     for rank in ranks:
         for block in ("blocking", "issued", "coalesced"):
             summary = rank[block]

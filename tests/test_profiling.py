@@ -52,7 +52,10 @@ def test_a_traced_step_has_every_forward_backward_and_collective(tmp_path):
     step2 = traced.records[1]["comm_by_purpose"]
     assert {p for p, parts in step2.items() if parts["calls"][0]} == {
         parse_range(n)["purpose"] for n in collectives}, sorted(step2)
-    assert step2["pp_recv"]["ms"][1] > 0  # the later stage waits for the earlier one
+    # the pipeline's waits for the other stage are timed (measured: 28-31% of the step on the
+    # waiting rank), not only the receives' issue
+    step_ms = traced.records[1]["step_time_ms"]
+    assert max(step2["pp_recv"]["ms"]) > 0.05 * max(step_ms), (step2["pp_recv"], step_ms)
     out = subprocess.run([sys.executable, "tools/merge_traces.py", str(profile)], cwd=REPO,
                          capture_output=True, text=True, check=True).stdout
     assert "rank 0: 8 forward, 8 backward" in out and "merged 2 ranks" in out

@@ -44,6 +44,9 @@ def test_tensorboard_events_equal_the_metrics_and_change_nothing(tmp_path, monke
         for purpose, parts in record["comm_by_purpose"].items():
             got = scalars[f"comm_ms/{purpose}/max"][step]
             assert got == pytest.approx(max(parts["ms"]), rel=1e-6, abs=1e-6)
+            got = scalars[f"comm_ms/{purpose}/mean"][step]
+            mean = sum(parts["ms"]) / len(parts["ms"])
+            assert got == pytest.approx(mean, rel=1e-6, abs=1e-6)
         _check_phases(record)
         # the planner's model FLOPs per global batch over the step's wall time, one device;
         # no MFU on a CPU (no peak to divide by)
