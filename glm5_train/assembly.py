@@ -398,7 +398,7 @@ def flexible_workload(job: JobConfig) -> Workload:
     par = job.parallel
     return Workload(par.flexible_cp_cost_pair, par.flexible_cp_cost_selected,
                     par.flexible_cp_cost_token, job.model.index_topk,
-                    par.flexible_cp_cost_gathered)
+                    par.flexible_cp_cost_gathered, par.flexible_cp_cost_grouped)
 
 
 def num_microbatches(job: JobConfig, groups: ProcessGroupCollection) -> int:

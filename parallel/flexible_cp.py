@@ -17,7 +17,9 @@ of a bin) as ``pair`` x its queries' causal key pairs (the DSA indexer scores ev
 of its document) + ``selected`` x its queries' selected keys, sum min(k, t + 1) (sparse
 attention and its KL over the top-k) + ``token`` x its tokens (everything linear: projections,
 MoE, loss) + ``gathered`` x the key tokens it receives from the rest of its group (the CP
-all-gathers). The terms are exact for the cell's own positions (``member_terms``): zigzag
+all-gathers) + ``grouped`` once for a cell in a group of 2 or more (what a CP group costs
+whatever its tokens: every layer's collective calls, the zigzag reorders, MTP's shifted labels
+across the shards; measured online, 0 for a rank alone). The terms are exact for the cell's own positions (``member_terms``): zigzag
 splits one causal document evenly, but not a bin of packed documents, whose pairs depend on
 where each document lies. A bin's padding (its tail) runs as one more document, so it costs
 pairs too. The coefficients are measured (``tools/calibrate_cp_workload.py`` from one-process
@@ -68,13 +70,14 @@ def units_needed(length: int, rank_tokens: int) -> int:
 @dataclass(frozen=True)
 class Workload:
     """Cost coefficients (see the module docstring), in seconds: per causal key pair, per
-    selected key, per token, per key token gathered from the group."""
+    selected key, per token, per key token gathered from the group, per cell in a group."""
 
     pair: float
     selected: float
     token: float
     topk: int
     gathered: float = 0.0
+    grouped: float = 0.0
 
     def document(self, n: int) -> float:
         """Work of a whole document of n tokens on one rank."""
@@ -82,14 +85,15 @@ class Workload:
         return self.pair * pairs + self.selected * selected + self.token * n
 
     def cost(self, terms: list[float]) -> float:
-        """Work of a cell with these ``member_terms`` (pairs, selected, tokens, gathered)."""
-        pairs, selected, tokens, gathered = terms
+        """Work of a cell with these ``member_terms`` (pairs, selected, tokens, gathered,
+        grouped)."""
+        pairs, selected, tokens, gathered, grouped = terms
         return (self.pair * pairs + self.selected * selected + self.token * tokens
-                + self.gathered * gathered)
+                + self.gathered * gathered + self.grouped * grouped)
 
     def coefficients(self) -> dict[str, float]:
         return {"pair": self.pair, "selected": self.selected, "token": self.token,
-                "gathered": self.gathered}
+                "gathered": self.gathered, "grouped": self.grouped}
 
 
 def _triangle(n: int) -> int:
@@ -108,10 +112,12 @@ def span_terms(first: int, last: int, topk: int) -> tuple[int, int]:
 
 def member_terms(lengths: list[int], capacity: int, width: int, topk: int) -> list[list[float]]:
     """Per member of a bin's group of ``width`` ranks: [causal pairs, selected keys, tokens,
-    gathered key tokens] of its zigzag share (chunks m and 2 width - 1 - m of 2 width) of
-    ``capacity`` tokens holding documents of ``lengths`` in order, the padding after them
-    as one more document."""
-    terms = [[0.0, 0.0, capacity / width, capacity - capacity / width] for _ in range(width)]
+    gathered key tokens, grouped (1 in a group of 2 or more, else 0)] of its zigzag share
+    (chunks m and 2 width - 1 - m of 2 width) of ``capacity`` tokens holding documents of
+    ``lengths`` in order, the padding after them as one more document."""
+    grouped = 1.0 if width > 1 else 0.0
+    terms = [[0.0, 0.0, capacity / width, capacity - capacity / width, grouped]
+             for _ in range(width)]
     start = 0
     for n in [*lengths, capacity - sum(lengths)]:
         _add_document(terms, start, start + n, capacity, topk)

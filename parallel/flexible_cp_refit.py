@@ -11,7 +11,7 @@ ranks than cores a rank's wall time is mostly other ranks' work, while its CPU t
 own; process, not thread, CPU: the gloo threads that move this rank's CP gathers are its work.
 
 Agree. After the step every rank all-gathers (float64) its cells' rows, [pairs, selected,
-tokens, gathered, seconds] (``FlexiblePlan.cell_terms``), over the group it is given (the
+tokens, gathered, grouped, seconds] (``FlexiblePlan.cell_terms``), over the group it is given (the
 world: pipeline stages must plan alike too). All ranks then hold the same rows in the same
 order and solve the same non-negative least squares (``nonnegative_fit``), and the group's
 first rank broadcasts its coefficients so that no difference between machines' linear algebra
@@ -19,7 +19,10 @@ can split the plans (a plan mismatch would hang the CP collectives).
 
 Prior. The fit is held towards the configured model by ``PRIOR_CELLS`` pseudo-cells per
 coefficient (``fit_cells``): what the measurement cannot tell apart (terms that move together
-in a window's cells) stays near the calibration instead of dropping to 0.
+in a window's cells) stays near the calibration instead of dropping to 0. Only what the
+configuration knows is held: the calibrated terms (pair, selected, token: measured on one
+process), and gathered and grouped where set above 0; left at 0 they are unknown (one process
+cannot measure a CP group), and the cells alone decide them.
 
 Window. The rows of the last ``window`` observed steps count equally. The first step a
 process runs is not observed (first-use allocations and lazy set-up inflate it). Until two
@@ -39,7 +42,9 @@ import torch.distributed as dist
 from parallel.comm_purpose import collective_purpose
 from parallel.flexible_cp import FlexiblePlan, Workload, nonnegative_fit
 
-TERMS = ("pair", "selected", "token", "gathered")
+TERMS = ("pair", "selected", "token", "gathered", "grouped")
+SECONDS = len(TERMS)  # the column of a cell's row holding its measured seconds
+CALIBRATED = ("pair", "selected", "token")  # measured on one process: always a prior
 MIN_STEPS = 2  # observed steps before the fit replaces the configured model
 # How firmly the fit is held towards the configured (calibrated) model: as many cells' worth
 # per coefficient. A window's cells of CPU-timed micro-batches are noisy (2-core runs: +-7%
@@ -104,8 +109,8 @@ class OnlineWorkloadFit:
         everyone = [torch.empty_like(rows) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(everyone, rows, group=self.group)
         _check_same_plan(everyone)
-        everyone = [r[:, :5] for r in everyone]
-        self.rank_seconds = [float(r[:, 4].sum()) for r in everyone]
+        everyone = [r[:, :SECONDS + 1] for r in everyone]
+        self.rank_seconds = [float(r[:, SECONDS].sum()) for r in everyone]
         if not self.skipped_first:  # the process's first step: warm-up, not the model's
             self.skipped_first = True
             return
@@ -121,7 +126,7 @@ class OnlineWorkloadFit:
         """The group's first rank's coefficients on every rank."""
         values = torch.tensor([getattr(workload, t) for t in TERMS], dtype=torch.float64)
         dist.broadcast(values, dist.get_global_rank(self.group, 0), group=self.group)
-        return Workload(*values[:3].tolist(), workload.topk, float(values[3]))
+        return Workload(*values[:3].tolist(), workload.topk, *values[3:].tolist())
 
 
 def plan_fingerprint(plan: FlexiblePlan) -> int:
@@ -143,14 +148,17 @@ def _check_same_plan(rows: list[torch.Tensor]) -> None:
 def fit_cells(rows: torch.Tensor, topk: int, prior: Workload | None = None,
               prior_cells: float = 0.0) -> Workload:
     """Non-negative least squares of cells' seconds (last column) over their terms
-    [pairs, selected, tokens, gathered] (float64 [cells, 5]); with a ``prior``, each
+    [pairs, selected, tokens, gathered, grouped] (float64 [cells, 6]); with a ``prior``, each
     coefficient is also held towards the prior's as firmly as ``prior_cells`` cells would
     hold it (one pseudo-cell per term: that term alone, at its root-mean-square size over
-    the rows, costing what the prior says)."""
-    a, b = rows[:, :4], rows[:, 4]
+    the rows, costing what the prior says); a term outside ``CALIBRATED`` that the prior
+    leaves at 0 is unknown, not held."""
+    a, b = rows[:, :SECONDS], rows[:, SECONDS]
     if prior is not None and prior_cells > 0:
+        held = [i for i, t in enumerate(TERMS) if t in CALIBRATED or getattr(prior, t) > 0]
         size = (a.square().mean(dim=0) * prior_cells).sqrt()
         known = torch.tensor([getattr(prior, t) for t in TERMS], dtype=torch.float64)
-        a, b = torch.cat([a, torch.diag(size)]), torch.cat([b, size * known])
-    pair, selected, token, gathered = nonnegative_fit(a, b).tolist()
-    return Workload(pair, selected, token, topk, gathered)
+        pseudo = torch.diag(size)[held]
+        a, b = torch.cat([a, pseudo]), torch.cat([b, (size * known)[held]])
+    pair, selected, token, gathered, grouped = nonnegative_fit(a, b).tolist()
+    return Workload(pair, selected, token, topk, gathered, grouped)

@@ -30,6 +30,9 @@ class FlexibleCPOptions:
     # on one process, so 0 unless set (e.g. to what the online refit logged: metrics.jsonl's
     # flexible_cp.workload).
     flexible_cp_cost_gathered: float = 0.0
+    # Seconds per micro-batch a rank runs in a CP group of 2 or more, whatever its tokens (the
+    # group's per-layer calls and reorders): not measurable on one process, so 0 unless set.
+    flexible_cp_cost_grouped: float = 0.0
     # Online refit (parallel/flexible_cp_refit.py): every rank times each of its micro-batches
     # (process CPU seconds of its forward and backward), the ranks all-gather the times with
     # their cells' terms and fit the coefficients above over the last flexible_cp_refit_window
@@ -78,7 +81,7 @@ def check_flexible_cp(par, dp: int, seq_length: int) -> None:
     _check_replay(par, dp * par.model_parallel_size)
     _check_refit(par)
     for name in ("flexible_cp_cost_pair", "flexible_cp_cost_selected", "flexible_cp_cost_token",
-                 "flexible_cp_cost_gathered"):
+                 "flexible_cp_cost_gathered", "flexible_cp_cost_grouped"):
         if getattr(par, name) < 0:
             raise LayoutError(f"parallel.{name}={getattr(par, name)} must be >= 0 (measure it "
                               "with tools/calibrate_cp_workload.py)")
