@@ -42,7 +42,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from job import REPO, run_training
 
 from glm5_train.job_config import compose_job
-from glm5_train.plan.step_time import load_cluster, predict_step_time
+from glm5_train.plan.step_time import (
+    load_cluster,
+    measured_split,
+    predict_step_time,
+    predicted_split,
+    split_text,
+)
 
 BASE = ["model=glm5_tiny", "train.warmup_iters=0", "train.global_batch_size=4",
         "train.micro_batch_size=1", "train.seq_length=64", "checkpoint.save=null"]
@@ -93,59 +99,13 @@ def calls_per_step(record: dict) -> int:
     return max((sum(e["calls"][g] for e in by_group.values()) for g in range(ranks)), default=0)
 
 
-# metrics.jsonl's purpose families and names -> the step-time model's kinds (COMM_KINDS)
-KIND_OF_FAMILY = {"tp": "tensor_parallel", "cp": "context_parallel", "ep": "expert_all_to_all"}
-# by purpose: the pipeline's messages (not the pp group's token count or embedding all-reduce)
-KIND_OF_PURPOSE = {"dp_grad_reduce_scatter": "grad_reduction",
-                   "dp_grad_all_reduce": "grad_reduction", "dp_param_all_gather": "param_gather",
-                   "pp_send": "pipeline", "pp_recv": "pipeline", "pp_send_recv": "pipeline"}
-SHOWN = ("tensor_parallel", "context_parallel", "expert_all_to_all", "pipeline",
-         "grad_reduction", "param_gather", "other")
-SHORT = {"tensor_parallel": "tp", "context_parallel": "cp", "expert_all_to_all": "ep",
-         "pipeline": "pp+wait", "grad_reduction": "grad", "param_gather": "gather",
-         "other": "other"}
-
-
-def measured_split(records: list[dict]) -> dict[str, float]:
-    """The busiest rank's ms by the model's kinds (``SHOWN``) and ``rest``: each a median
-    over the steps after the warm-up; "other": collectives the model does not price (the
-    loss, the token count, the gradient norm, ...). The busiest rank is the one its
-    collectives held least (every rank's step ends together, at the loss's all-reduce), as
-    the model's is the one that waits least."""
+def measured_median_split(records: list[dict]) -> dict[str, float]:
+    """``measured_split`` of each step after the warm-up, part by part the median."""
     timed = [r for r in records if "comm_by_purpose" in r]
-    steps = timed[WARMUP_STEPS:] or timed
-    per_step = []
-    for record in steps:
-        times, purposes = record["step_time_ms"], record["comm_by_purpose"].values()
-        rank = min(range(len(times)), key=lambda r: sum(p["ms"][r] for p in purposes))
-        split = dict.fromkeys(SHOWN, 0.0)
-        for purpose, parts in record["comm_by_purpose"].items():
-            kind = KIND_OF_PURPOSE.get(purpose) or KIND_OF_FAMILY.get(purpose.split("_")[0],
-                                                                      "other")
-            split[kind] += parts["ms"][rank]
-        split["rest"] = times[rank] - sum(split.values())
-        per_step.append(split)
+    per_step = [measured_split(r) for r in (timed[WARMUP_STEPS:] or timed)]
     if not per_step:
         raise SystemExit("no step recorded comm_by_purpose: train.log_comm_by_purpose is off")
     return {k: statistics.median(s[k] for s in per_step) for k in per_step[0]}
-
-
-def predicted_split(step) -> dict[str, float]:
-    """The model's busiest rank (the one with least bubble) in the same form, ms."""
-    rank = step.busiest()
-    split = {kind: 1000 * rank.comm.get(kind, 0.0) for kind in SHOWN}
-    bubble = 1000 * rank.bubble
-    if step.layout.pp > 1:
-        split["pipeline"] += bubble
-        bubble = 0.0
-    split["rest"] = 1000 * (rank.compute + rank.optimizer) + bubble
-    return split
-
-
-def split_line(name: str, measured: dict[str, float], predicted: dict[str, float]) -> str:
-    parts = [f"{SHORT.get(k, k)} {measured[k]:.0f}/{predicted[k]:.1f}"
-             for k in (*SHOWN, "rest") if measured[k] >= 0.5 or predicted[k] >= 0.05]
-    return f"{name:>22}  " + ", ".join(parts)
 
 
 def main() -> None:
@@ -179,7 +139,8 @@ def main() -> None:
             step = predict_step_time(job, dp, cluster)
             predicted = step.step_seconds
             ratio = predicted / measured
-            splits.append(split_line(name, measured_split(runs[-1]), predicted_split(step)))
+            splits.append(f"{name:>22}  " + split_text(measured_median_split(runs[-1]),
+                                                       predicted_split(step)))
             if abs(math.log(ratio)) > abs(math.log(worst)):
                 worst = ratio
             metered = [r for r in runs[-1] if "comm_by_group" in r][-1]

@@ -66,8 +66,16 @@ def test_a_traced_step_has_every_forward_backward_and_collective(tmp_path):
     assert lanes == {"rank 0", "rank 1"}
     assert {e["pid"] for e in merged} == {0, 1}
     planned = subprocess.run([sys.executable, "tools/plan_vs_measured.py",
-                              str(tmp_path / "plain")], cwd=REPO, capture_output=True,
-                             text=True, check=True).stdout
+                              str(tmp_path / "plain"), "--cluster", "h100"], cwd=REPO,
+                             capture_output=True, text=True, check=True).stdout
+    # the step-time model beside the run's last step, by part (the pipeline's sends and
+    # waits measured from comm_by_purpose), and its summary line
+    assert re.search(r"step 2, busiest rank, ms measured/predicted on \S+: .*pp\+wait \d+/",
+                     planned), planned
+    summary = re.search(r"step_time measured=([\d.]+) predicted=([\d.]+) ratio=", planned)
+    assert summary, planned
+    assert float(summary[1]) == pytest.approx(plain.records[-1]["step_time_s"], abs=1e-4)
+    assert float(summary[2]) > 0
     worst = dict(kv.split("=") for kv in planned.strip().splitlines()[-1].split()[1:])
     assert float(worst["param"]) == 0 and float(worst["activations"]) < 0.05, planned
     assert float(worst["p2p"]) == 0, planned  # the pipeline's sends, byte for byte

@@ -555,3 +555,56 @@ def breakdown_lines(result: StepTime) -> list[str]:
               f"{result.cluster.device}, {result.tflops_per_gpu:.1f} TFLOP/s per GPU, "
               f"MFU {result.mfu:.1%} (overlap: {result.overlaps.label()})")]
     return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# A measured step beside the prediction, by the same parts.
+# ----------------------------------------------------------------------------------------------
+
+# metrics.jsonl's collective purposes (parallel/comm_purpose.py) -> the model's kinds: by family,
+# then by name (the pipeline's messages only, not the pp group's token count or embedding sum)
+KIND_OF_FAMILY = {"tp": "tensor_parallel", "cp": "context_parallel", "ep": "expert_all_to_all"}
+KIND_OF_PURPOSE = {"dp_grad_reduce_scatter": "grad_reduction",
+                   "dp_grad_all_reduce": "grad_reduction", "dp_param_all_gather": "param_gather",
+                   "pp_send": "pipeline", "pp_recv": "pipeline", "pp_send_recv": "pipeline"}
+SPLIT_PARTS = (*COMM_KINDS, "other", "rest")  # other: collectives the model does not price
+SPLIT_NAMES = {"tensor_parallel": "tp", "context_parallel": "cp", "expert_all_to_all": "ep",
+               "pipeline": "pp+wait", "grad_reduction": "grad", "param_gather": "gather",
+               "other": "other", "rest": "rest"}
+
+
+def measured_split(record: dict) -> dict[str, float]:
+    """One logged step's busiest rank, ms by ``SPLIT_PARTS``, from metrics.jsonl's
+    ``comm_by_purpose`` (the time each collective held the rank) and ``step_time_ms``. The
+    busiest rank is the one its collectives held least (every rank's step ends together, at
+    the loss's all-reduce), as the model's is the one that waits least. ``rest``: compute, the
+    optimizer and whatever no collective holds."""
+    times, purposes = record["step_time_ms"], record["comm_by_purpose"].values()
+    rank = min(range(len(times)), key=lambda r: sum(p["ms"][r] for p in purposes))
+    split = dict.fromkeys(SPLIT_PARTS, 0.0)
+    for purpose, parts in record["comm_by_purpose"].items():
+        kind = KIND_OF_PURPOSE.get(purpose) or KIND_OF_FAMILY.get(purpose.split("_")[0], "other")
+        split[kind] += parts["ms"][rank]
+    split["rest"] = times[rank] - sum(split.values())
+    return split
+
+
+def predicted_split(step: StepTime) -> dict[str, float]:
+    """The model's busiest rank (least bubble) in ``measured_split``'s parts, ms: the
+    pipeline's waits are its bubble, so under pipeline parallelism the bubble joins its sends;
+    without a pipeline any bubble (waiting for slower ranks) joins ``rest``."""
+    rank = step.busiest()
+    split = {kind: 1000 * rank.comm.get(kind, 0.0) for kind in COMM_KINDS}
+    split["other"] = 0.0
+    bubble = 1000 * rank.bubble
+    if step.layout.pp > 1:
+        split["pipeline"] += bubble
+        bubble = 0.0
+    split["rest"] = 1000 * (rank.compute + rank.optimizer) + bubble
+    return split
+
+
+def split_text(measured: dict[str, float], predicted: dict[str, float]) -> str:
+    """``<part> <measured>/<predicted>`` ms, for the parts either side has."""
+    return ", ".join(f"{SPLIT_NAMES[k]} {measured[k]:.0f}/{predicted[k]:.3g}"
+                     for k in SPLIT_PARTS if measured[k] >= 0.5 or predicted[k] >= 0.05)
