@@ -26,7 +26,7 @@ same steps in every mode): on 2 cores the ranks share the CPU, so wall time is t
 work and the busiest rank's CPU time is what a cluster's step would wait for. Prints per mode
 the mean step time (wall clock), CPU per rank, the measured imbalance (busiest / mean CPU),
 for the refit its micro-batches' CPU per rank (its clocks) and the rest of each rank's CPU
-beside the last plan's modelled work per rank, and for the flexible modes the last plan's
+beside the plans' modelled work per rank (both averaged over the measured steps), and for the flexible modes the last plan's
 modelled imbalance and workload model. All modes
 train on the same conversations: their losses agree. Then
 ``wall: ours=<flexible + refit step s> baseline=<fixed step s> ratio=...``, and last
@@ -81,6 +81,16 @@ def common(prefix: str, window: int, packs: int, steps: int) -> list[str]:
             "checkpoint.save=null", "checkpoint.load=null", "train.log_interval=1"]
 
 
+def _mean_per_rank(steps: list[dict], field: str) -> list[float]:
+    """A per-rank list of the steps' ``flexible_cp`` records, averaged over the steps."""
+    lists = [r["flexible_cp"][field] for r in steps]
+    return [sum(values) / len(lists) for values in zip(*lists)]
+
+
+def _seconds(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.2f}" for v in values) + "]"
+
+
 def report(label: str, records: list[dict], measured: int, packs: int,
            window: int) -> tuple[float, float]:
     """Print the mode's line; (mean step seconds, measured imbalance) over the last
@@ -96,11 +106,12 @@ def report(label: str, records: list[dict], measured: int, packs: int,
             f"{max(steps[-1]['mem_peak_bytes']) / 2**30:.2f} GiB")
     plan = steps[-1].get("flexible_cp")
     if plan and "measured_rank_work" in plan:  # the refit's clocks: the micro-batches' CPU
-        cells = [sum(r["flexible_cp"]["measured_rank_work"][i] for r in steps) / len(steps)
-                 for i in range(len(cpu))]
-        line += (f"; micro-batches' CPU per rank [{', '.join(f'{c:.2f}' for c in cells)}] s, "
-                 f"outside them [{', '.join(f'{a - c:.2f}' for a, c in zip(cpu, cells))}] s, "
-                 f"modelled work per rank [{', '.join(f'{w:.2f}' for w in plan['modelled_rank_work'])}]")
+        # each averaged over the measured steps (the refit's plans change from step to step)
+        cells = _mean_per_rank(steps, "measured_rank_work")
+        modelled = _mean_per_rank(steps, "modelled_rank_work")
+        line += (f"; micro-batches' CPU per rank {_seconds(cells)} s, outside them "
+                 f"{_seconds([a - c for a, c in zip(cpu, cells)])} s, modelled work per rank "
+                 f"{_seconds(modelled)} s")
     if plan:
         model = ", ".join(f"{k} {v:.3g}" for k, v in plan["workload"].items())
         line += (f"; last plan: {plan['micro_batches']} micro-batches, groups per slot "

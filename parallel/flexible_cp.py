@@ -19,7 +19,8 @@ attention and its KL over the top-k) + ``token`` x its tokens (everything linear
 MoE, loss) + ``gathered`` x the key tokens it receives from the rest of its group (the CP
 all-gathers) + ``grouped`` once for a cell in a group of 2 or more (what a CP group costs
 whatever its tokens: every layer's collective calls, the zigzag reorders, MTP's shifted labels
-across the shards; measured online, 0 for a rank alone). The terms are exact for the cell's own positions (``member_terms``): zigzag
+across the shards; measured online, 0 for a rank alone). The terms are exact for the cell's
+own positions (``member_terms``): zigzag
 splits one causal document evenly, but not a bin of packed documents, whose pairs depend on
 where each document lies. A bin's padding (its tail) runs as one more document, so it costs
 pairs too. The coefficients are measured (``tools/calibrate_cp_workload.py`` from one-process

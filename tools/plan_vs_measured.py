@@ -33,6 +33,7 @@ sys.path.insert(0, REPO)
 from glm5_train.job_config import JobConfig, compose_job
 from glm5_train.plan import check as plan_check
 from glm5_train.plan.step_time import (
+    ClusterSpec,
     load_cluster,
     measured_split,
     predict_step_time,
@@ -70,12 +71,11 @@ def compare(run_dir: str, step: int | None = None) -> tuple[list[str], dict[str,
     return lines, plan_check.worst_by_field(rows)
 
 
-def step_time_lines(job: JobConfig, record: dict, cluster_name: str) -> list[str]:
+def step_time_lines(job: JobConfig, record: dict, cluster: ClusterSpec) -> list[str]:
     """The step-time model beside the logged step: its parts, then the summary line."""
     if "comm_by_purpose" not in record:
         raise SystemExit("metrics.jsonl has no comm_by_purpose at this step: rerun with "
                          "train.log_comm_by_purpose=true to compare step times")
-    cluster = load_cluster(cluster_name)
     world = len(record["step_time_ms"])
     predicted = predict_step_time(job, world // job.parallel.world_size_needed(1), cluster)
     measured_s = record["step_time_s"]
@@ -94,10 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", help="also the step-time model on this cluster spec (a "
                         "configs/cluster/ preset or a spec file)")
     args = parser.parse_args(argv)
+    try:
+        cluster = load_cluster(args.cluster) if args.cluster else None
+    except ValueError as err:  # an unknown preset or a bad spec file: its message, one line
+        raise SystemExit(f"plan_vs_measured: --cluster {args.cluster}: {err}") from None
     lines, worst = compare(args.run_dir, args.step)
-    if args.cluster:
+    if cluster is not None:
         lines += step_time_lines(compose_job(run_overrides(args.run_dir)),
-                                 step_record(args.run_dir, args.step), args.cluster)
+                                 step_record(args.run_dir, args.step), cluster)
     print("\n".join(lines))
     print("max_rel " + " ".join(f"{k}={v:.4f}" for k, v in worst.items()))
     return 0
