@@ -31,6 +31,10 @@ How the parts combine:
 MFU counts the model's FLOPs (no recompute) against the spec's peak, as Megatron-LM reports
 its TFLOP/s per GPU.
 
+A logged step beside the prediction (``measured_split``, ``predicted_split``: the busiest
+rank's milliseconds by the same parts, measured from metrics.jsonl's ``comm_by_purpose``):
+``tools/plan_vs_measured.py --cluster`` and ``bench/step_time_vs_measured.py``.
+
 Not modelled: expert load imbalance (the router spreads tokens evenly), kernel launch and
 Python overhead, memory-bound activation work beyond the one compute rate, and congestion
 between collectives that run at once.
