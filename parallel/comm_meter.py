@@ -539,16 +539,17 @@ def _make_wrapper(name: str, original: Callable) -> Callable:
         records = None if after else _apply_rule(rule, name, args, kwargs)
         timers = _timing_meters()
         label = _label(name, records, kwargs, timers)
+        purpose = label.purpose if label else None
         _LOCAL.depth = depth + 1
         try:
-            with _profiler_range(label), _held(timers, label):
+            with _profiler_range(label), _held(timers, purpose):
                 result = original(*args, **kwargs)
         finally:
             _LOCAL.depth = depth
         if after:
             records = _apply_rule(rule, name, args, kwargs)
-        _record(name, records, label.purpose if label else None)
-        return _timed_works(result, label.purpose) if timers else result
+        _record(name, records, purpose)
+        return _timed_works(result, purpose) if timers else result
 
     counted.__name__ = getattr(original, "__name__", name)
     counted.__qualname__ = counted.__name__
@@ -600,12 +601,12 @@ def _timing_meters() -> list[CommMeter]:
 
 
 @contextlib.contextmanager
-def _held(timers: list[CommMeter], label: _Label | None) -> Iterator[None]:
-    """Add how long the block holds this rank to ``label``'s purpose in each of ``timers``:
+def _held(timers: list[CommMeter], purpose: str | None) -> Iterator[None]:
+    """Add how long the block holds this rank to ``purpose`` in each of ``timers``:
     wall seconds on CPU (gloo blocks the caller until the collective is done); on CUDA a pair
     of events on the current stream, which a blocking collective (and a ``wait()``) makes
     wait for the communication, read later by ``CommMeter.by_purpose``."""
-    if not timers or label is None:
+    if not timers or purpose is None:
         yield
         return
     cuda = [m for m in timers if m.time_purposes == "cuda"]
@@ -621,7 +622,7 @@ def _held(timers: list[CommMeter], label: _Label | None) -> Iterator[None]:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
         for meter in timers:
-            entry = meter._purpose(label.purpose)
+            entry = meter._purpose(purpose)
             if meter.time_purposes == "cuda":
                 entry.pending.append((start, end))
             else:
@@ -633,14 +634,14 @@ class _TimedWork:
     meters that time purposes when it is waited on (the step that waits, which may be a later
     one than the step that issued it); everything else is the handle's own."""
 
-    __slots__ = ("_work", "_label")
+    __slots__ = ("_work", "_purpose")
 
-    def __init__(self, work, label: _Label) -> None:
+    def __init__(self, work, purpose: str) -> None:
         self._work = work
-        self._label = label
+        self._purpose = purpose
 
     def wait(self, *args, **kwargs):
-        with _held(_timing_meters(), self._label):
+        with _held(_timing_meters(), self._purpose):
             return self._work.wait(*args, **kwargs)
 
     def __getattr__(self, name: str):
@@ -650,11 +651,10 @@ class _TimedWork:
 def _timed_works(result, purpose: str):
     """``result`` with its asynchronous handles (a ``Work``, or a list of them from a batch
     of point-to-point ops) timed at their ``wait()``."""
-    label = _Label(purpose, "")
     if isinstance(result, dist.Work):
-        return _TimedWork(result, label)
+        return _TimedWork(result, purpose)
     if isinstance(result, list) and result and all(isinstance(w, dist.Work) for w in result):
-        return [_TimedWork(w, label) for w in result]
+        return [_TimedWork(w, purpose) for w in result]
     return result
 
 
@@ -672,7 +672,7 @@ def _coalescing_wrapper(original: Callable) -> Callable:
             yield cm
         purpose = getattr(_LOCAL, "last_purpose", None)
         if purpose is not None and _timing_meters():
-            cm.works[:] = [_TimedWork(w, _Label(purpose, "")) for w in cm.works]
+            cm.works[:] = [_TimedWork(w, purpose) for w in cm.works]
 
     coalescing.__wrapped__ = original  # type: ignore[attr-defined]
     coalescing.__comm_meter_original__ = original  # type: ignore[attr-defined]
@@ -690,9 +690,7 @@ class _ExitTimed:
         return self.inner.__enter__()
 
     def __exit__(self, *exc):
-        purpose = getattr(_LOCAL, "last_purpose", None)
-        label = _Label(purpose, "") if purpose is not None else None
-        with _held(_timing_meters(), label):
+        with _held(_timing_meters(), getattr(_LOCAL, "last_purpose", None)):
             return self.inner.__exit__(*exc)
 
 
