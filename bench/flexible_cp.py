@@ -81,9 +81,8 @@ def common(prefix: str, window: int, packs: int, steps: int) -> list[str]:
             "checkpoint.save=null", "checkpoint.load=null", "train.log_interval=1"]
 
 
-def _mean_per_rank(steps: list[dict], field: str) -> list[float]:
-    """A per-rank list of the steps' ``flexible_cp`` records, averaged over the steps."""
-    lists = [r["flexible_cp"][field] for r in steps]
+def _mean_per_rank(lists: list[list[float]]) -> list[float]:
+    """Per-rank lists, one per step, averaged over the steps."""
     return [sum(values) / len(lists) for values in zip(*lists)]
 
 
@@ -97,8 +96,7 @@ def report(label: str, records: list[dict], measured: int, packs: int,
     ``measured`` steps."""
     steps = records[-measured:]
     step_s = sum(packs * window / r["tokens_per_s"] for r in steps) / len(steps)
-    cpu = [sum(r["step_cpu_ms"][i] for r in steps) / 1000 / len(steps)
-           for i in range(len(steps[0]["step_cpu_ms"]))]
+    cpu = [ms / 1000 for ms in _mean_per_rank([r["step_cpu_ms"] for r in steps])]
     imbalance = max(cpu) / (sum(cpu) / len(cpu))
     line = (f"{label}: step {step_s:.1f} s wall, CPU per rank per step "
             f"[{', '.join(f'{c:.2f}' for c in cpu)}] s, measured imbalance (busiest / mean CPU) "
@@ -107,8 +105,8 @@ def report(label: str, records: list[dict], measured: int, packs: int,
     plan = steps[-1].get("flexible_cp")
     if plan and "measured_rank_work" in plan:  # the refit's clocks: the micro-batches' CPU
         # each averaged over the measured steps (the refit's plans change from step to step)
-        cells = _mean_per_rank(steps, "measured_rank_work")
-        modelled = _mean_per_rank(steps, "modelled_rank_work")
+        cells = _mean_per_rank([r["flexible_cp"]["measured_rank_work"] for r in steps])
+        modelled = _mean_per_rank([r["flexible_cp"]["modelled_rank_work"] for r in steps])
         line += (f"; micro-batches' CPU per rank {_seconds(cells)} s, outside them "
                  f"{_seconds([a - c for a, c in zip(cpu, cells)])} s, modelled work per rank "
                  f"{_seconds(modelled)} s")
