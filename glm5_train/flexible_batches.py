@@ -7,7 +7,8 @@ the run trains). Every rank reads their lengths from the dataset's index (they d
 the same on every rank and on a resumed run, which starts from its consumed samples), reads the
 tokens of the samples its own bins hold, plans the batch over its
 data-parallel ranks, and builds its own micro-batch of each slot: its bin's conversations packed
-into units x L tokens (L = seq_length / parallel.flexible_cp_max_size), padding at the end, the
+into units x L tokens (L = seq_length / parallel.flexible_cp_max_size), padding after them
+(and, where the plan moved some there to even out a group's zigzag shares, before), the
 bin's CP group attached (``cp_group``); ``glm5_train.step.forward_step`` keeps this rank's zigzag
 share and points the model at that group for the micro-batch's forward and backward.
 
@@ -145,11 +146,14 @@ class FlexibleBatches:
             for c in docs:
                 if c.sample not in packs:
                     packs[c.sample] = self.dataset.sequence(c.sample)[:2]
+            # the plan's lead padding (a document of its own, loss mask 0), then the documents
+            lead = [numpy.full(b.lead, self.dataset.pad, dtype=packs[docs[0].sample][0].dtype)]
             sample = build_sample(
-                numpy.concatenate([packs[c.sample][0][c.begin:c.end] for c in docs]),
-                numpy.concatenate([packs[c.sample][1][c.begin:c.end] for c in docs]),
-                numpy.array([len(c) for c in docs]), capacity, self.dataset.pad,
-                self.dataset.reset_position_ids)
+                numpy.concatenate(lead + [packs[c.sample][0][c.begin:c.end] for c in docs]),
+                numpy.concatenate([numpy.zeros(b.lead, dtype=packs[docs[0].sample][1].dtype)]
+                                  + [packs[c.sample][1][c.begin:c.end] for c in docs]),
+                numpy.array(([b.lead] if b.lead else []) + [len(c) for c in docs]), capacity,
+                self.dataset.pad, self.dataset.reset_position_ids)
             batch = _collate(sample, capacity)
         else:
             batch = self._padding_micro_batch(capacity)

@@ -4,7 +4,8 @@ sequence gets the ranks its memory needs while short sequences run whole on sing
 sequences go to groups by their modelled work so every rank does about the same.
 
 Units. A rank holds ``rank_tokens`` (L) tokens per micro-batch, always: a *bin* of ``units`` c
-(a power of two) holds c x L tokens (documents packed, padding at the end) and runs on an
+(a power of two) holds c x L tokens (documents packed, padding after them and, in a group,
+possibly some before: step 5 below) and runs on an
 aligned group of c ranks, each keeping its zigzag share (``parallel.context_parallel``). Every
 micro-batch of every rank has the same shape, so pipeline stages exchange fixed-size tensors.
 
@@ -40,7 +41,9 @@ sequences go to data-parallel ranks by predicted work, not in dataset order):
    work first, wherever (free room in any bin of a cell or a group) the busiest affected rank
    ends least loaded;
 4. if some document finds no room, step 3 is retried packing tightest-first (best fit), and
-   failing that M grows by one and the plan restarts from step 2.
+   failing that M grows by one and the plan restarts from step 2;
+5. each group's bin is laid out so its busiest member is least loaded (``_even_members``):
+   documents in the order placed or reversed, part of the padding moved before them.
 Slots are then ordered by decreasing work of their busiest rank. A cell no document reached
 runs a padding-only micro-batch (loss mask 0).
 
@@ -111,16 +114,18 @@ def span_terms(first: int, last: int, topk: int) -> tuple[int, int]:
     return pairs, below + topk * (max(last, topk) - max(first, topk))
 
 
-def member_terms(lengths: list[int], capacity: int, width: int, topk: int) -> list[list[float]]:
+def member_terms(lengths: list[int], capacity: int, width: int, topk: int,
+                 lead: int = 0) -> list[list[float]]:
     """Per member of a bin's group of ``width`` ranks: [causal pairs, selected keys, tokens,
     gathered key tokens, grouped (1 in a group of 2 or more, else 0)] of its zigzag share
-    (chunks m and 2 width - 1 - m of 2 width) of ``capacity`` tokens holding documents of
-    ``lengths`` in order, the padding after them as one more document."""
+    (chunks m and 2 width - 1 - m of 2 width) of ``capacity`` tokens holding ``lead`` padding
+    tokens, then documents of ``lengths`` in order, then the rest of the padding (each padding
+    run one more document)."""
     grouped = 1.0 if width > 1 else 0.0
     terms = [[0.0, 0.0, capacity / width, capacity - capacity / width, grouped]
              for _ in range(width)]
     start = 0
-    for n in [*lengths, capacity - sum(lengths)]:
+    for n in [lead, *lengths, capacity - lead - sum(lengths)]:
         _add_document(terms, start, start + n, capacity, topk)
         start += n
     return terms
@@ -222,6 +227,7 @@ class Bin:
     first: int
     documents: list[int] = field(default_factory=list)
     used: int = 0
+    lead: int = 0  # padding tokens before the documents (``_even_members``); the rest follow
 
 
 @dataclass(frozen=True)
@@ -265,7 +271,7 @@ class FlexiblePlan:
         cell = self.slots[slot][rank]
         b = self.bins[cell.bin]
         return member_terms([self.lengths[d] for d in b.documents], b.units * self.rank_tokens,
-                            self.group_size(b), self.workload.topk)[cell.member]
+                            self.group_size(b), self.workload.topk, b.lead)[cell.member]
 
 
 class PlanError(ValueError):
@@ -354,8 +360,49 @@ def _try_plan(lengths, need, ranks, rank_tokens, num_slots, workload, balance):
         if target is None:
             return None
         add(target, doc)
+    _even_members(bins, terms, load, lengths, ranks, rank_tokens, workload)
     work = [[workload.cost(t) for t in member] for member in terms]
     return _finish(lengths, ranks, rank_tokens, bins, work, num_slots, workload)
+
+
+LEAD_STEPS = 8  # padding splits tried per layout: lead = k / LEAD_STEPS of the padding
+EVEN_PASSES = 4  # sweeps over the groups' bins; each stops early when nothing improves
+
+
+def _even_members(bins, terms, load, lengths, ranks, rank_tokens, workload) -> None:
+    """Lay out each group's bin so its busiest member ends least loaded: its documents in
+    the order placed or reversed, with k / LEAD_STEPS of its padding before them (k = 0 ..
+    LEAD_STEPS) and the rest after. Zigzag evens out one causal document that fills its bin,
+    not a bin of packed documents and padding: a document at the front of the bin puts its
+    heavy (late) queries in the middle chunks, so the members holding those chunks do up to
+    several times the pairs of the others; moving part of the padding in front shifts the
+    document's late queries into the chunks of the lightly loaded members. Changes ``bins``
+    (documents' order, ``lead``), ``terms`` and ``load`` in place; a layout is taken only
+    when it lowers the busiest member's load, so the plan's busiest rank never rises."""
+    grouped = [i for i, b in enumerate(bins) if _width(b, ranks) > 1]
+    for _ in range(EVEN_PASSES):
+        improved = False
+        for i in grouped:
+            b, width = bins[i], _width(bins[i], ranks)
+            capacity, padding = b.units * rank_tokens, b.units * rank_tokens - b.used
+            others = [load[b.first + m] - workload.cost(t) for m, t in enumerate(terms[i])]
+            best = max(load[b.first:b.first + width])
+            choice = None
+            for order in (b.documents, b.documents[::-1]):
+                sizes = [lengths[d] for d in order]
+                for k in range(LEAD_STEPS + 1):
+                    after = member_terms(sizes, capacity, width, workload.topk,
+                                         padding * k // LEAD_STEPS)
+                    busiest = max(o + workload.cost(t) for o, t in zip(others, after))
+                    if busiest < best * (1 - 1e-12):
+                        best, choice = busiest, (list(order), padding * k // LEAD_STEPS, after)
+            if choice is not None:
+                b.documents, b.lead, terms[i] = choice
+                for m, t in enumerate(terms[i]):
+                    load[b.first + m] = others[m] + workload.cost(t)
+                improved = True
+        if not improved:
+            return
 
 
 def _with_document(b: Bin, terms, n: int, rank_tokens: int, workload: Workload):

@@ -131,7 +131,7 @@ class OnlineWorkloadFit:
 
 def plan_fingerprint(plan: FlexiblePlan) -> int:
     """A 32-bit digest of the plan's cells and bins (exact in float64)."""
-    cells = [(b.units, b.slot, b.first, tuple(b.documents)) for b in plan.bins]
+    cells = [(b.units, b.slot, b.first, tuple(b.documents), b.lead) for b in plan.bins]
     return zlib.crc32(repr((plan.lengths, plan.slots, cells)).encode())
 
 

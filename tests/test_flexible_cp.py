@@ -44,6 +44,8 @@ def _check_plan(plan, lengths, rank_tokens):
         assert b.used == sum(lengths[d] for d in b.documents) <= b.units * rank_tokens
         width = min(b.units, plan.ranks)
         assert b.units & (b.units - 1) == 0 and b.first % width == 0
+        # the lead is part of the padding, and only a group's members have shares to even
+        assert 0 <= b.lead <= b.units * rank_tokens - b.used and (width > 1 or b.lead == 0)
     for slot, cells in enumerate(plan.slots):
         assert len(cells) == plan.ranks
         for rank, cell in enumerate(cells):
@@ -113,6 +115,42 @@ def test_cell_terms_are_each_members_zigzag_share():
         assert selected == sum(min(topk, t - starts[t] + 1) for t in mine)
         assert (tokens, gathered, grouped) == (capacity / width, capacity - capacity / width, 1)
     assert member_terms(lengths, capacity, 1, topk)[0][3:] == [0.0, 0.0]  # alone
+    lead = 60  # padding before the documents: one more document, the documents shifted
+    starts = [s for n, s0 in zip([lead, *lengths, 512 - 357 - lead], [0, 60, 360, 410, 417])
+              for s in [s0] * n]
+    for m, (pairs, selected, *_) in enumerate(member_terms(lengths, capacity, width, topk, lead)):
+        mine = [t for c in (m, 2 * width - 1 - m) for t in range(c * chunk, (c + 1) * chunk)]
+        assert pairs == sum(t - starts[t] + 1 for t in mine)
+        assert selected == sum(min(topk, t - starts[t] + 1) for t in mine)
+
+
+def test_groups_are_laid_out_to_even_out_their_members():
+    """A 300-token conversation in a 512-token bin of 2 ranks: at the front of the bin its
+    late queries land in member 1's middle chunks (1.5x member 0's pairs, the padding's own
+    pairs included); the plan moves 159 of the 212 padding tokens before it and the busiest
+    member's pairs drop by 26% (members within 2% of each other). On a long-tailed
+    batch over 8 ranks, every group's layout is no worse than the documents-first layout,
+    and the plan's modelled work is each member's ``member_terms`` at its bin's layout."""
+    pairs_only = Workload(pair=1e-6, selected=0.0, token=0.0, topk=32)
+    plan = plan_batch([300], 2, 256, 2, pairs_only)
+    (b,) = plan.bins
+    front = [pairs_only.cost(t) for t in member_terms([300], 512, 2, 32)]
+    assert front[1] > 1.4 * front[0]
+    assert b.lead > 0 and max(plan.rank_work) < 0.76 * max(front)
+    assert max(plan.rank_work) < 1.02 * min(plan.rank_work)
+    rng = random.Random(3)
+    lengths = [int(rng.uniform(64, 512)) for _ in range(48)] + [2000, 1400, 800]
+    plan = plan_batch(lengths, 8, 512, 4, WORK)
+    _check_plan(plan, lengths, 512)
+    assert any(b.lead for b in plan.bins)
+    for b in plan.bins:
+        width, sizes = plan.group_size(b), [lengths[d] for d in b.documents]
+        laid_out = member_terms(sizes, b.units * 512, width, 32, b.lead)
+        first = [WORK.cost(t) for t in member_terms(sorted(sizes, reverse=True),
+                                                     b.units * 512, width, 32)]
+        assert max(map(WORK.cost, laid_out)) <= max(first) * (1 + 1e-12)
+        for m, t in enumerate(laid_out):
+            assert plan.cell_terms(b.slot, b.first + m) == t
 
 
 def _planted_cells(truth: Workload, seed: int, steps: int = 3) -> torch.Tensor:
@@ -147,7 +185,9 @@ def test_the_prior_holds_what_the_cells_cannot_tell_apart():
     puts all the cost on one term; held towards the configured model, each coefficient stays
     near it while the fit still matches the cells. With cells that do tell the terms apart
     (72, noise-free) and a prior 2x off in every term, 8 pseudo-cells move the planted
-    pair and token coefficients by under 40% (measured 32% and 18%): the price of the hold.
+    pair and token coefficients by under 60% (measured 47% and 17%; 30-47% and 16-18% over
+    four seeds of cells): the price of the hold. The planner evens out its groups' members
+    (``_even_members``), so their cells' pairs vary less and separate less from tokens.
     A prior that leaves gathered and grouped at 0 (one process cannot measure them) does not
     hold them: the cells alone decide, and an unheld fit recovers a planted grouped cost."""
     truth = Workload(pair=1e-7, selected=0.0, token=1e-4, topk=32)
@@ -163,7 +203,7 @@ def test_the_prior_holds_what_the_cells_cannot_tell_apart():
     rows = _planted_cells(PLANTED, 0)
     moved = fit_cells(rows, 32, prior, prior_cells=8)
     for name in ("pair", "token"):
-        assert getattr(moved, name) == pytest.approx(getattr(PLANTED, name), rel=0.4), name
+        assert getattr(moved, name) == pytest.approx(getattr(PLANTED, name), rel=0.6), name
     calibrated_only = Workload(pair=PLANTED.pair, selected=PLANTED.selected,
                                token=PLANTED.token, topk=32)
     free = fit_cells(rows, 32, calibrated_only, prior_cells=8)
@@ -299,6 +339,20 @@ def test_every_rank_and_a_resumed_run_get_the_same_plan_and_micro_batches(chat_p
     plan = runs[0][0].plan
     shares = sum(b.used for b in plan.bins)
     assert shares == sum(plan.lengths)  # every conversation's tokens in exactly one bin
+    # a bin with padding moved before its documents (the planner's layout): that padding is
+    # a document of its own, untrained, and the conversations follow it
+    leads = 0
+    for rank in range(4):
+        for cell, batch in zip(plan.slots, _steps(chat_prefix, rank, 0, 1)[0].iterators[0]):
+            b = plan.bins[cell[rank].bin]
+            if b.lead:
+                leads += 1
+                assert (batch["tokens"][0, :b.lead] == 0).all()  # the dataset's pad id
+                assert not batch["loss_mask"][0, :b.lead].any()
+                assert batch["cu_seqlens"][:2].tolist() == [0, b.lead]
+                assert batch["position_ids"][0, b.lead] == 0  # the first conversation starts
+                assert batch["loss_mask"][0, b.lead:b.lead + b.used].any()
+    assert leads > 0, plan
 
 
 # (name, largest group, extra overrides, the slots' group sizes the plan must form)
