@@ -2,7 +2,10 @@
 tiny GLM-5 (DSA sparse stage with its KL, MTP 3 steps) on 8 ranks.
 
     python bench/flexible_cp.py [--ranks 8] [--rank-tokens 2048] [--short 48] [--steps 8]
-                                [--measured 5] [--no-calibrate]
+                                [--measured 5] [--no-calibrate] [--keep DIR]
+
+``--keep DIR``: the data and each mode's run (its metrics.jsonl: every step's plan) stay in
+DIR instead of a temporary directory.
 
 Length distribution (``tools/synthetic_chat.py --long-tail``), scaled to what this CPU trains in
 minutes, in the same proportions as GLM-5's SFT mix (most conversations under 8K tokens, a few
@@ -36,6 +39,7 @@ train on the same conversations: their losses agree. Then
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -128,12 +132,16 @@ def main() -> None:
     parser.add_argument("--measured", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-calibrate", action="store_true")
+    parser.add_argument("--keep", default=None, help="keep the data and runs in this directory")
     args = parser.parse_args()
     if not 1 <= args.measured <= args.steps - 3:
         raise SystemExit(f"--measured {args.measured}: measure 1 .. steps - 3 = "
                          f"{args.steps - 3} steps (the refit plans from the fourth step on)")
     window = 4 * args.rank_tokens
-    with tempfile.TemporaryDirectory() as workdir:
+    if args.keep:
+        os.makedirs(args.keep, exist_ok=True)
+    with (contextlib.nullcontext(args.keep) if args.keep
+          else tempfile.TemporaryDirectory()) as workdir:
         prefix, packs = make_dataset(workdir, window, args.short, args.seed)
         packs -= packs % (args.ranks // 4)  # whole samples per fixed data-parallel group
         costs = []

@@ -409,11 +409,24 @@ def _with_document(b: Bin, terms, n: int, rank_tokens: int, workload: Workload):
     """The bin's member terms once an n-token document follows its documents (it takes the
     front of the padding, which shrinks)."""
     capacity = b.units * rank_tokens
+    if len(terms) == 1:  # a rank alone: no zigzag split, the same counts in closed form
+        return [_alone_with_document(terms[0], capacity - b.used, n, workload.topk)]
     after = [list(t) for t in terms]
     _add_document(after, b.used, capacity, capacity, workload.topk, sign=-1.0)
     _add_document(after, b.used, b.used + n, capacity, workload.topk)
     _add_document(after, b.used + n, capacity, capacity, workload.topk)
     return after
+
+
+def _alone_with_document(terms: list[float], padding: int, n: int, topk: int) -> list[float]:
+    """A rank alone's terms once an n-token document takes the front of its ``padding``
+    tokens: the document's pairs and selected keys added, the padding's recounted. Integer
+    counts (exact in float64), so equal to ``_add_document``'s piece by piece."""
+    pairs, selected = span_terms(0, n, topk)
+    rest_pairs, rest_selected = span_terms(0, padding - n, topk)
+    old_pairs, old_selected = span_terms(0, padding, topk)
+    return [terms[0] - old_pairs + pairs + rest_pairs,
+            terms[1] - old_selected + selected + rest_selected, *terms[2:]]
 
 
 def _width(b: Bin, ranks: int) -> int:

@@ -125,3 +125,13 @@ def test_the_calibration_wrote_a_spec_on_the_device(dry_run):
     part = dry_run[0]["parts"]["calibrate"]
     assert part["result"]["compute_tflops"] > 0 and part["result"]["memory_gbs"] > 0
     assert part["result"]["device"] == "CPU" and "compute_tflops (bf16)" in part["not_measured"]
+    # the step-time model's compute term priced for the stack stack_mfu measured (its planner
+    # FLOPs at the spec's rate), one row per measured length; CPU figures, so not GPU ones
+    stack = dry_run[0]["parts"]["stack_mfu"]["result"]["stack"]
+    rows = part["result"]["stack_vs_model"]
+    assert [r["seq"] for r in rows] == [r["seq"] for r in stack] and rows
+    for row, run in zip(rows, stack):
+        assert row["measured_s"] == run["step_s"] and row["model_flops"] > 0
+        assert row["ratio"] == row["predicted_s"] / row["measured_s"] > 0
+    assert "stack_vs_model (GPU figures)" in part["not_measured"]
+    assert "step-time model vs stack seq" in dry_run[1].stdout

@@ -31,6 +31,9 @@ so:
   (``h200_perf.attention_part``).
 - ``stack_mfu``: a 744B-width GLM-5 layer stack's tokens/s and MFU (``h200_perf.stack_part``;
   TE specs where TE imports).
+- ``calibrate``: tools/calibrate_cluster.py's spec of this device, and the step-time model's
+  compute term checked against the stack measured above (``stack_vs_model``: the planner's
+  FLOPs of that stack at the measured rate, predicted / measured seconds per step).
 
 JSON (``--out``): ``schema`` ("gpu_check/1"), ``dry_run``, ``device``, ``budget_s``, ``order``
 (the parts in run order), ``parts``: per part ``status`` (pending / ok / failed / skipped),
@@ -77,7 +80,8 @@ import job_check
 import kernel_parity
 import memory_checks
 
-from glm5_train.plan.step_time import load_cluster
+from glm5_train.job_config import compose_job
+from glm5_train.plan.step_time import load_cluster, model_flops_per_step
 from parallel import mcore_compat
 
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -102,6 +106,7 @@ class Context:
     budget: h200_perf.Budget = None
     not_measured: dict = field(default_factory=dict)
     problems: list = field(default_factory=list)
+    earlier: dict = field(default_factory=dict)  # the results of the parts run before, by name
 
     def cuda_only(self, name: str) -> None:
         """``name`` is a CUDA figure: not measured on this (CPU) run."""
@@ -207,8 +212,37 @@ def part_calibrate(ctx: Context) -> dict:
         ctx.problems.append(f"calibrate_cluster: cuda_names {spec.cuda_names} miss the device")
     if ctx.device.type != "cuda":
         ctx.cuda_only("compute_tflops (bf16)")
+        ctx.cuda_only("stack_vs_model (GPU figures)")
     return {"compute_tflops": spec.compute_tflops, "memory_gbs": spec.memory_gbs,
-            "device": spec.device}
+            "device": spec.device, "stack_vs_model": stack_vs_model(ctx, spec)}
+
+
+def stack_vs_model(ctx: Context, spec) -> list[dict]:
+    """The step-time model's compute term (glm5_train/plan/step_time.py: the planner's FLOPs
+    at the spec's measured matmul rate) against ``stack_mfu``'s measured forward + backward of
+    the same layer stack, one sequence per step: per measured length, predicted and measured
+    seconds and their ratio (#39's check of the model against a GPU, on its largest term).
+    The stack has no optimizer step and no MTP, so neither has the job it is priced as."""
+    stack = (ctx.earlier.get("stack_mfu") or {}).get("stack", [])
+    if not stack:
+        ctx.not_measured["stack_vs_model"] = "stack_mfu did not run or measured nothing"
+        return []
+    model = os.path.splitext(os.path.basename(h200_perf_args(ctx).stack_model))[0]
+    rows = []
+    for run in stack:
+        job = compose_job([f"model={model}", f"model.num_hidden_layers={run['layers']}",
+                           f"model.first_k_dense_replace={run['dense_layers']}",
+                           "model.mtp_num_steps=0",
+                           f"model.n_routed_experts={run['experts']}",
+                           f"train.seq_length={run['seq']}", "train.global_batch_size=1",
+                           "train.micro_batch_size=1", "parallel=single"])
+        flops = model_flops_per_step(job)
+        predicted = flops / (spec.compute_tflops * 1e12)
+        rows.append({"seq": run["seq"], "model_flops": flops, "predicted_s": predicted,
+                     "measured_s": run["step_s"], "ratio": predicted / run["step_s"]})
+        print(f"gpu_check: step-time model vs stack seq {run['seq']}: ours={predicted:.4g} "
+              f"baseline={run['step_s']:.4g} ratio={predicted / run['step_s']:.3f}", flush=True)
+    return rows
 
 
 def h200_perf_args(ctx: Context, **changes) -> argparse.Namespace:
@@ -262,10 +296,13 @@ PARTS: tuple[Part, ...] = (
 # ---------------------------------------------------------------------------------- runner
 
 
-def run_part(part: Part, args, device: torch.device, left: float) -> dict:
-    """One part under its cap: its record for the JSON."""
+def run_part(part: Part, args, device: torch.device, left: float,
+             earlier: dict | None = None) -> dict:
+    """One part under its cap: its record for the JSON. ``earlier``: the results of the
+    parts run before it, by name."""
     cap = max(1.0, min(part.cap_s, left))
-    ctx = Context(device, args.dry_run, cap, args, budget=h200_perf.Budget(cap))
+    ctx = Context(device, args.dry_run, cap, args, budget=h200_perf.Budget(cap),
+                  earlier=earlier or {})
     record = {"status": "failed", "covers": list(part.covers), "cap_s": round(cap, 1)}
     start = time.perf_counter()
     previous = signal.signal(signal.SIGALRM, _alarm)
@@ -368,7 +405,8 @@ def main(argv=None) -> int:
                 f"at least {part.min_s:.0f} s")
         else:
             print(f"gpu_check: {part.name} (cap {min(part.cap_s, left):.0f} s)", flush=True)
-            report["parts"][part.name] = run_part(part, args, device, left)
+            earlier = {name: r.get("result") for name, r in report["parts"].items()}
+            report["parts"][part.name] = run_part(part, args, device, left, earlier)
             print(f"gpu_check: {part.name} {report['parts'][part.name]['status']} in "
                   f"{report['parts'][part.name]['seconds']:.1f} s", flush=True)
         report["wall_s"] = round(time.perf_counter() - start, 1)

@@ -443,7 +443,8 @@ def record_stack(cfg, seq, seconds, variant, peak, device, results) -> None:
     per_token = sum(terms.values())
     tokens_per_s = seq / seconds
     mfu = per_token * tokens_per_s / (peak * 1e12) if peak else None
-    run = {"seq": seq, "layers": cfg.num_hidden_layers, "experts": cfg.n_routed_experts,
+    run = {"seq": seq, "layers": cfg.num_hidden_layers,
+           "dense_layers": cfg.first_k_dense_replace, "experts": cfg.n_routed_experts,
            "use_te": variant[0], "grouped_gemm": variant[1], "step_s": seconds,
            "tokens_per_s": tokens_per_s, "flops_per_token": per_token,
            "flops_per_token_terms": terms, "peak_tflops": peak, "mfu": mfu}
