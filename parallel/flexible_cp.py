@@ -58,6 +58,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -279,16 +280,19 @@ class PlanError(ValueError):
 
 
 def plan_batch(lengths: list[int], ranks: int, rank_tokens: int, max_units: int,
-               workload: Workload) -> FlexiblePlan:
+               workload: Workload, even_members: bool = True) -> FlexiblePlan:
     """The slots of a global batch of documents with these ``lengths`` (module docstring).
     ``ranks`` need not reach ``max_units``: a bin of more units than ranks runs on all ranks,
-    each holding units x rank_tokens / ranks tokens (no pipeline parallelism then)."""
+    each holding units x rank_tokens / ranks tokens (no pipeline parallelism then).
+    ``even_members=False`` skips step 5 (documents first in every bin: the bench's
+    baseline)."""
     _check_plan_args(lengths, ranks, rank_tokens, max_units)
     need = [units_needed(n, rank_tokens) for n in lengths]
     slots = _fewest_slots(lengths, need, ranks, rank_tokens)
     while True:
         for balance in (True, False):
-            plan = _try_plan(lengths, need, ranks, rank_tokens, slots, workload, balance)
+            plan = _try_plan(lengths, need, ranks, rank_tokens, slots, workload, balance,
+                             even_members)
             if plan is not None:
                 return plan
         slots += 1
@@ -315,7 +319,8 @@ def _check_plan_args(lengths: list[int], ranks: int, rank_tokens: int, max_units
                         f"longest sequence) or parallel.flexible_cp_max_size")
 
 
-def _try_plan(lengths, need, ranks, rank_tokens, num_slots, workload, balance):
+def _try_plan(lengths, need, ranks, rank_tokens, num_slots, workload, balance,
+              even_members=True):
     """One attempt with ``num_slots`` slots; None when some document finds no room. A bin's
     ranks start loaded with its cells' work as padding (``member_terms``); a document adds
     to each member what it changes there. ``balance``: short documents go where the busiest
@@ -354,13 +359,23 @@ def _try_plan(lengths, need, ranks, rank_tokens, num_slots, workload, balance):
         for r in range(ranks):
             if free[slot][r]:
                 open_bin(1, slot, r)
+    alone = _AloneBins(bins, ranks, rank_tokens, workload)
+    grouped = [i for i, b in enumerate(bins) if _width(b, ranks) > 1]
     for doc in (i for i in order if need[i] == 1):
-        target = (_best_bin(bins, terms, load, lengths[doc], rank_tokens, workload) if balance
-                  else _tightest_bin(bins, lengths[doc], rank_tokens))
+        if balance:
+            best = alone.best(lengths[doc], load)
+            key = _best_bin(bins, grouped, terms, load, lengths[doc], rank_tokens, workload,
+                            best)
+            keys = [k for k in (best, key) if k is not None]
+            target = min(keys)[2] if keys else None
+        else:
+            target = _tightest_bin(bins, lengths[doc], rank_tokens)
         if target is None:
             return None
         add(target, doc)
-    _even_members(bins, terms, load, lengths, ranks, rank_tokens, workload)
+        alone.added(target, lengths[doc])
+    if even_members:
+        _even_members(bins, terms, load, lengths, ranks, rank_tokens, workload)
     work = [[workload.cost(t) for t in member] for member in terms]
     return _finish(lengths, ranks, rank_tokens, bins, work, num_slots, workload)
 
@@ -446,20 +461,83 @@ def _least_loaded_block(free, load, width):
     return best
 
 
-def _best_bin(bins, terms, load, n, rank_tokens, workload):
-    """Index of the bin with room for ``n`` tokens after which its busiest member is least
-    loaded; ties: the fullest bin (packs tightly), then the lowest index."""
-    best, best_key = None, None
-    for i, b in enumerate(bins):
+def _best_bin(bins, candidates, terms, load, n, rank_tokens, workload, bound=None):
+    """Of the bins ``candidates`` (indices) with room for ``n`` tokens, the key (busiest
+    member's load after it, -used, index) of the one after which its busiest member is least
+    loaded; ties: the fullest bin (packs tightly), then the lowest index. None: no room, or
+    none can beat ``bound`` (a key found elsewhere): a bin is skipped when even its members'
+    mean after the document (the busiest is at least that) lies above ``bound``'s load."""
+    best_key = None
+    for i in candidates:
+        b = bins[i]
         if b.used + n > b.units * rank_tokens:
             continue
+        if bound is not None:
+            width = len(terms[i])
+            padding = b.units * rank_tokens - b.used
+            change = (workload.pair * float(_triangles(n) + _triangles(padding - n)
+                                            - _triangles(padding))
+                      + workload.selected * float(_selected(n, workload.topk)
+                                                  + _selected(padding - n, workload.topk)
+                                                  - _selected(padding, workload.topk)))
+            mean = (sum(load[b.first:b.first + width]) + change) / width
+            if mean > bound[0] * (1 + 1e-9) + 1e-12:
+                continue
         after = _with_document(b, terms[i], n, rank_tokens, workload)
         busiest = max(load[b.first + m] + workload.cost(new) - workload.cost(old)
                       for m, (old, new) in enumerate(zip(terms[i], after)))
-        key = (busiest, -b.used, i)
+        key = (float(busiest), -b.used, i)
         if best_key is None or key < best_key:
-            best, best_key = i, key
-    return best
+            best_key = key
+    return best_key
+
+
+class _AloneBins:
+    """The bins of a plan attempt that run on one rank, as arrays, so a short document's best
+    among them (``_best_bin``'s key) is one vectorised pass instead of a Python loop over
+    every cell of every slot (thousands at hundreds of ranks). A document of n tokens taking
+    the front of p padding tokens changes a rank alone's counts by closed forms
+    (``_alone_with_document``): pairs T(n) + T(p - n) - T(p), T(k) = k (k + 1) / 2, and
+    selected keys likewise; integers, exact in int64."""
+
+    def __init__(self, bins: list[Bin], ranks: int, rank_tokens: int, workload: Workload):
+        chosen = [i for i, b in enumerate(bins) if _width(b, ranks) == 1]
+        self.workload = workload
+        self.index = numpy.array(chosen, dtype=numpy.int64)
+        self.rank = numpy.array([bins[i].first for i in chosen], dtype=numpy.int64)
+        self.capacity = numpy.array([bins[i].units * rank_tokens for i in chosen],
+                                    dtype=numpy.int64)
+        self.used = numpy.array([bins[i].used for i in chosen], dtype=numpy.int64)
+        self.position = {i: p for p, i in enumerate(chosen)}
+
+    def best(self, n: int, load) -> tuple[float, int, int] | None:
+        padding = self.capacity - self.used
+        room = numpy.nonzero(padding >= n)[0]
+        if len(room) == 0:
+            return None
+        p = padding[room]
+        pairs = _triangles(n) + _triangles(p - n) - _triangles(p)
+        selected = (_selected(n, self.workload.topk) + _selected(p - n, self.workload.topk)
+                    - _selected(p, self.workload.topk))
+        change = self.workload.pair * pairs + self.workload.selected * selected
+        busiest = numpy.asarray(load, dtype=numpy.float64)[self.rank[room]] + change
+        ties = room[busiest == busiest.min()]
+        fullest = ties[self.used[ties] == self.used[ties].max()]
+        pick = fullest[numpy.argmin(self.index[fullest])]
+        return float(busiest.min()), -int(self.used[pick]), int(self.index[pick])
+
+    def added(self, i: int, n: int) -> None:
+        if i in self.position:
+            self.used[self.position[i]] += n
+
+
+def _triangles(k):
+    return k * (k + 1) // 2
+
+
+def _selected(k, topk: int):
+    """Selected keys of the first k queries of a document: sum of min(topk, j), j = 1..k."""
+    return _triangles(numpy.minimum(k, topk)) + topk * numpy.maximum(k - topk, 0)
 
 
 def _tightest_bin(bins, n, rank_tokens):

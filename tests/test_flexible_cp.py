@@ -18,8 +18,11 @@ from glm5_train.chat_data import ChatSFTDataset, PackSource
 from glm5_train.flexible_batches import FlexibleBatches
 from glm5_train.job_config import compose_job
 from parallel.flexible_cp import (
+    Bin,
     PlanError,
     Workload,
+    _AloneBins,
+    _best_bin,
     fit_workload,
     member_terms,
     plan_batch,
@@ -83,6 +86,36 @@ def test_workload_aware_placement_beats_dealing_samples_to_fixed_groups():
     for i, n in enumerate(lengths):  # each fixed group takes half the batch, as it comes
         fixed[i * 2 // len(lengths)] += WORK.document(n)
     assert plan.imbalance() < 1.05 < max(fixed) / (sum(fixed) / 2)
+
+
+def test_the_vectorised_search_over_ranks_alone_matches_the_per_bin_search():
+    """Short documents' placement among the bins of one rank (``_AloneBins``, closed forms
+    in arrays) finds the bin the per-bin search (``_best_bin`` over those bins) finds, with
+    the same busiest load to rounding, for lengths around the top-k and up to a full bin;
+    the per-bin search's pruning by a bound keeps every bin that could beat it."""
+    rng = random.Random(5)
+    lengths = [int(rng.uniform(8, 700)) for _ in range(40)] + [900, 600]
+    plan = plan_batch(lengths, 8, 256, 4, WORK)
+    bins = [Bin(b.units, b.slot, b.first, list(b.documents), b.used, b.lead) for b in plan.bins]
+    terms = [member_terms([lengths[d] for d in b.documents], b.units * 256, plan.group_size(b),
+                          32, b.lead) for b in bins]
+    load = list(plan.rank_work)
+    alone = _AloneBins(bins, 8, 256, WORK)
+    singles = [i for i, b in enumerate(bins) if plan.group_size(b) == 1]
+    found = 0
+    for n in (1, 5, 31, 32, 33, 64, 100, 200, 256):
+        fast, slow = alone.best(n, load), _best_bin(bins, singles, terms, load, n, 256, WORK)
+        assert (fast is None) == (slow is None), n
+        if fast is not None:
+            found += 1
+            assert fast[0] == pytest.approx(slow[0], rel=1e-12, abs=1e-15), n
+            assert bins[fast[2]].used + n <= 256
+        grouped = [i for i, b in enumerate(bins) if plan.group_size(b) > 1]
+        unpruned = _best_bin(bins, grouped, terms, load, n, 256, WORK)
+        if unpruned is not None:
+            pruned = _best_bin(bins, grouped, terms, load, n, 256, WORK, bound=unpruned)
+            assert pruned == unpruned, n
+    assert found >= 5
 
 
 def test_workload_fit_recovers_the_coefficients_of_measured_times():
