@@ -138,7 +138,11 @@ def main() -> None:
         raise SystemExit(f"--measured {args.measured}: measure 1 .. steps - 3 = "
                          f"{args.steps - 3} steps (the refit plans from the fourth step on)")
     window = 4 * args.rank_tokens
-    if args.keep:
+    if args.keep:  # absolute: the tools and the runs start in the repository
+        args.keep = os.path.abspath(args.keep)
+        if os.path.isdir(args.keep) and os.listdir(args.keep):
+            raise SystemExit(f"--keep {args.keep}: the directory is not empty (the runs would "
+                             "append to its metrics.jsonl files); name a new or empty one")
         os.makedirs(args.keep, exist_ok=True)
     with (contextlib.nullcontext(args.keep) if args.keep
           else tempfile.TemporaryDirectory()) as workdir:

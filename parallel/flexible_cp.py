@@ -312,6 +312,9 @@ def _check_plan_args(lengths: list[int], ranks: int, rank_tokens: int, max_units
     if not is_power_of_two(ranks) or not is_power_of_two(max_units):
         raise PlanError(f"flexible CP needs power-of-two ranks and group sizes, got {ranks} "
                         f"ranks and a largest group of {max_units}")
+    if rank_tokens % 2:
+        raise PlanError(f"flexible CP needs an even number of tokens per rank, got "
+                        f"{rank_tokens}: each rank keeps two zigzag chunks of its bin")
     longest = max(lengths, default=0)
     if longest > max_units * rank_tokens:
         raise PlanError(f"a {longest}-token sequence exceeds the largest CP group's "
@@ -385,9 +388,9 @@ EVEN_PASSES = 4  # sweeps over the groups' bins; each stops early when nothing i
 
 
 def _even_members(bins, terms, load, lengths, ranks, rank_tokens, workload) -> None:
-    """Lay out each group's bin so its busiest member ends least loaded: its documents in
-    the order placed or reversed, with k / LEAD_STEPS of its padding before them (k = 0 ..
-    LEAD_STEPS) and the rest after. Zigzag evens out one causal document that fills its bin,
+    """Lay out each group's bin so the busiest of its ranks (their work over the whole batch)
+    ends least loaded: its documents in the order placed or reversed, with k / LEAD_STEPS of
+    its padding before them (k = 0 .. LEAD_STEPS) and the rest after. Zigzag evens out one causal document that fills its bin,
     not a bin of packed documents and padding: a document at the front of the bin puts its
     heavy (late) queries in the middle chunks, so the members holding those chunks do up to
     several times the pairs of the others; moving part of the padding in front shifts the

@@ -227,7 +227,12 @@ def stack_vs_model(ctx: Context, spec) -> list[dict]:
     if not stack:
         ctx.not_measured["stack_vs_model"] = "stack_mfu did not run or measured nothing"
         return []
-    model = os.path.splitext(os.path.basename(h200_perf_args(ctx).stack_model))[0]
+    path = os.path.abspath(h200_perf_args(ctx).stack_model)
+    if os.path.dirname(path) != os.path.join(REPO, "configs", "model"):
+        ctx.not_measured["stack_vs_model"] = (f"the stack's model {path} is not a config of "
+                                              "configs/model, which the planner composes")
+        return []
+    model = os.path.splitext(os.path.basename(path))[0]
     rows = []
     for run in stack:
         job = compose_job([f"model={model}", f"model.num_hidden_layers={run['layers']}",
