@@ -85,6 +85,55 @@ def test_blockwise_topk_with_document_starts_equals_the_bool_mask_path():
         assert all(torch.equal(w, g) for w, g in zip(want, got))
 
 
+def test_the_indexer_scans_each_query_block_from_its_earliest_document():
+    """With document starts a query block scores keys from its rows' earliest document start
+    (rounded down to ``KEY_ALIGN``), not from key 0: on 1,024 tokens of 150-token documents
+    in query blocks of 64 rows, far fewer scored pairs, and bit for bit the same keys and
+    scores as the scan from key 0 (a real indexer's projections, fillers included: top-k 32
+    exceeds some rows' documents)."""
+    from glm5_train.model import dsa
+
+    class Cfg:
+        params_dtype, hidden_size, q_lora_rank = torch.float32, 64, 32
+
+    gen = torch.Generator().manual_seed(0)
+    indexer = DSAIndexer(Cfg(), 4, 16, 32, 8, 1e4)
+    seq = 1024
+    x, qr = torch.randn(1, seq, 64, generator=gen), torch.randn(1, seq, 32, generator=gen)
+    starts = DocumentStarts((torch.arange(seq) // 150 * 150)[None])
+
+    def scan(monkeypatch_zero: bool):
+        scored = [0]
+        rows_of = indexer._block_scores
+
+        def counting(q_rows, k_BSD, w_BSH):
+            rows = rows_of(q_rows, k_BSD, w_BSH)
+
+            def block(t0, t1):
+                against = rows(t0, t1)
+
+                def scores(s0, s1):
+                    scored[0] += (t1 - t0) * (s1 - s0)
+                    return against(s0, s1)
+                return scores
+            return block
+
+        indexer._block_scores, first = counting, dsa._first_visible_key
+        if monkeypatch_zero:
+            dsa._first_visible_key = lambda allowed, t0, t1: 0
+        try:
+            with torch.no_grad():
+                return indexer.select_blockwise(x, qr, starts, query_block=64), scored[0]
+        finally:
+            indexer._block_scores, dsa._first_visible_key = rows_of, first
+
+    (index, score), pairs = scan(False)
+    (index0, score0), pairs0 = scan(True)
+    assert torch.equal(index, index0) and torch.equal(score, score0)
+    assert (score == float("-inf")).any()  # rows with fewer than 32 keys in their document
+    assert pairs < 0.45 * pairs0, (pairs, pairs0)
+
+
 @pytest.mark.parametrize("stage", ["sparse", "dense_warmup"])
 def test_core_attention_with_document_starts_equals_the_bool_mask(stage):
     """DSACoreAttention forward + backward (output, query/latent/weight gradients, the indexer
