@@ -88,9 +88,9 @@ def test_blockwise_topk_with_document_starts_equals_the_bool_mask_path():
 def test_the_indexer_scans_each_query_block_from_its_earliest_document():
     """With document starts a query block scores keys from its rows' earliest document start
     (rounded down to ``KEY_ALIGN``), not from key 0: on 1,024 tokens of 150-token documents
-    in query blocks of 64 rows, far fewer scored pairs, and bit for bit the same keys and
-    scores as the scan from key 0 (a real indexer's projections, fillers included: top-k 32
-    exceeds some rows' documents)."""
+    in query blocks of 64 rows, far fewer scored pairs, and the same keys (and here the same
+    score bits) as the scan from key 0 (a real indexer's projections, fillers included:
+    top-k 32 exceeds some rows' documents)."""
     from glm5_train.model import dsa
 
     class Cfg:
@@ -118,20 +118,50 @@ def test_the_indexer_scans_each_query_block_from_its_earliest_document():
                 return scores
             return block
 
-        indexer._block_scores, first = counting, dsa._first_visible_key
+        indexer._block_scores, earliest = counting, dsa._earliest_starts
         if monkeypatch_zero:
-            dsa._first_visible_key = lambda allowed, t0, t1: 0
+            dsa._earliest_starts = lambda allowed, rows, block: [0] * len(range(0, rows, block))
         try:
             with torch.no_grad():
                 return indexer.select_blockwise(x, qr, starts, query_block=64), scored[0]
         finally:
-            indexer._block_scores, dsa._first_visible_key = rows_of, first
+            indexer._block_scores, dsa._earliest_starts = rows_of, earliest
 
     (index, score), pairs = scan(False)
     (index0, score0), pairs0 = scan(True)
     assert torch.equal(index, index0) and torch.equal(score, score0)
     assert (score == float("-inf")).any()  # rows with fewer than 32 keys in their document
     assert pairs < 0.45 * pairs0, (pairs, pairs0)
+
+
+@pytest.mark.parametrize("align", [1, 4, 128])
+def test_scans_from_each_blocks_earliest_document_equal_the_full_row(monkeypatch, align):
+    """Exact synthetic scores with many ties, 2 samples with different documents, top-k
+    larger than some blocks' first scanned key and than the first rows' keys, several key
+    blocks, whole sequences and a zigzag context-parallel share: the document-starts scan
+    (from each query block's earliest start, ``KEY_ALIGN`` = ``align``) selects the same
+    indices and scores as the bool mask's scan from key 0."""
+    from glm5_train.model import dsa
+
+    monkeypatch.setattr(dsa, "KEY_ALIGN", align)
+    seq = 40
+    starts = document_starts_from_boundaries([[7, 19, 23, 33], [12, 30]], seq)
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.randint(0, 3, (2, seq, seq), generator=gen).float()
+    zigzag = torch.cat([torch.arange(0, 10), torch.arange(30, 40)])  # rank 0 of CP2
+    for positions in (None, zigzag):
+        rows_at = torch.arange(seq) if positions is None else positions
+        local = starts[:, rows_at]
+        allowed = ~_bool_mask(starts)[:, 0][:, rows_at]
+
+        def rows(t0, t1):
+            return lambda s0, s1: scores[:, rows_at[t0:t1]][:, :, s0:s1].clone()
+
+        for k, qb, kb in ((4, 5, 3), (9, 8, 7), (16, 6, 16), (2, 40, 40)):
+            want = causal_topk(rows, 2, seq, k, allowed, qb, kb, positions_T=positions)
+            got = causal_topk(rows, 2, seq, k, DocumentStarts(local), qb, kb,
+                              positions_T=positions)
+            assert all(torch.equal(w, g) for w, g in zip(want, got)), (align, k, qb, kb)
 
 
 @pytest.mark.parametrize("stage", ["sparse", "dense_warmup"])

@@ -113,11 +113,12 @@ def causal_topk(block_scores, batch: int, seq: int, topk: int,
     [S, S]-sized exists: memory is O(B x query_block x (topk + key_block)) plus the [B, T, K]
     results. Returns the key indices [B, T, K] and their scores (-inf where a query has fewer
     than K allowed keys), equal to ``DSAIndexer.select`` over the full masked row, ties and
-    -inf fillers included: keys past the diagonal are scanned (as -inf, not scored) up to
-    index K so that the fillers are the same lowest-index forbidden keys the full row ranks
-    first. With packed documents (``DocumentStarts``) a query block scans from its rows'
-    earliest document start, the keys before it standing in as -inf fillers unscored, so the
-    work follows each document's causal pairs, not positions in the sequence.
+    -inf fillers included (the lowest-index forbidden keys the full row ranks first). Each
+    query block scores only keys from its rows' earliest document start (with
+    packed documents, ``DocumentStarts``; else 0) to its last row's diagonal; the forbidden
+    keys outside that range that a full row would take as fillers join unscored
+    (``_fillers``). So the work follows each document's causal pairs, at the granularity of
+    query blocks, not positions in the sequence.
     ``positions_T``: the global positions of the query rows, increasing (a context-
     parallel rank's share of the ``seq`` keys); default 0..seq-1.
     """
@@ -128,46 +129,57 @@ def causal_topk(block_scores, batch: int, seq: int, topk: int,
     last_key = (positions_T + 1).tolist()  # keys 0..last_key[t]-1 are causal for row t
     index_BTK = torch.empty(batch, rows, k, dtype=torch.long, device=device)
     score_BTK = torch.empty(batch, rows, k, dtype=torch.float32, device=device)
-    for t0 in range(0, rows, query_block):
+    earliest = _earliest_starts(allowed_BSS, rows, query_block)
+    for block, t0 in enumerate(range(0, rows, query_block)):
         t1 = min(rows, t0 + query_block)
         against = block_scores(t0, t1)
-        first = _first_visible_key(allowed_BSS, t0, t1)
-        best = _fillers(batch, t1 - t0, min(k, first), device)
-        scanned = max(last_key[t1 - 1], k)
-        for s0 in range(first, scanned, key_block):
-            s1 = min(scanned, s0 + key_block)
+        first = earliest[block] // KEY_ALIGN * KEY_ALIGN  # no row sees a key before it
+        visible = last_key[t1 - 1]  # nor one from here on
+        best = _fillers(batch, t1 - t0, 0, min(k, first), device)
+        for s0 in range(first, visible, key_block):
+            s1 = min(visible, s0 + key_block)
             scores = _masked_block(against, batch, positions_T[t0:t1], (t0, t1), (s0, s1),
-                                   allowed_BSS, device)
-            merged = torch.cat([best, _block_candidates(scores, s0, k)], dim=-1)
-            best = merged.topk(min(k, merged.shape[-1]), dim=-1).values
+                                   allowed_BSS, device, unseen=earliest[block] >= s1)
+            best = _merge(best, _block_candidates(scores, s0, k), k)
+        if visible < k:  # too few keys: the first future ones fill, forbidden to every row
+            best = _merge(best, _fillers(batch, t1 - t0, visible, k, device), k)
         index_BTK[:, t0:t1], score_BTK[:, t0:t1] = unrank_keys(best)
     return index_BTK, score_BTK
 
 
-# A scan that skips keys starts at a multiple of this: the scores of an unaligned key slice
-# differ in the last bits from the same keys scored in a slice from key 0 (measured on this
-# CPU at offsets not a multiple of 16; equal at multiples of 16 and 64), and selections must
-# not depend on where a scan started.
+def _merge(best: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
+    merged = torch.cat([best, candidates], dim=-1)
+    return merged.topk(min(k, merged.shape[-1]), dim=-1).values
+
+
+# A scan that skips keys starts at a multiple of this, so its slices line up as a scan from
+# key 0 would: the scores of a key slice can differ in the last bits with where it starts
+# (measured on this CPU at offsets not a multiple of 16) and with its width (at small head
+# widths). The selected keys are the same either way (a score near a tie could flip, as a
+# different key block size always could).
 KEY_ALIGN = 128
 
 
-def _first_visible_key(allowed_BSS, t0: int, t1: int) -> int:
-    """Where rows t0..t1-1 start scanning keys: with packed documents, the earliest document
-    start among them rounded down to ``KEY_ALIGN`` (0 otherwise); no row sees a key before
-    it. Keys before it are not scored: in a sequence of short documents that is most of the
-    causal triangle (8,192 tokens of 600-token conversations at GLM-5's query blocks: 6.6x
-    fewer scored pairs, ``bench/dsa_packed_topk.py``)."""
-    if isinstance(allowed_BSS, DocumentStarts):
-        return int(allowed_BSS.start_BT[:, t0:t1].min()) // KEY_ALIGN * KEY_ALIGN
-    return 0
+def _earliest_starts(allowed_BSS, rows: int, query_block: int) -> list[int]:
+    """Per block of ``query_block`` rows, the earliest document start among its rows (over the
+    batch too), in one transfer from the device; all 0 without packed documents. Keys before
+    it are not scored: in a sequence of short documents that is most of the causal triangle
+    (8,192 tokens of 600-token conversations at GLM-5's query blocks: 10x fewer scored
+    pairs, ``bench/dsa_packed_topk.py``)."""
+    blocks = range(0, rows, query_block)
+    if not isinstance(allowed_BSS, DocumentStarts):
+        return [0] * len(blocks)
+    starts_T = allowed_BSS.start_BT.min(dim=0).values
+    return torch.stack([starts_T[t0:t0 + query_block].min() for t0 in blocks]).tolist()
 
 
-def _fillers(batch: int, rows: int, n: int, device) -> torch.Tensor:
-    """Ranked keys 0..n-1 at -inf for every row: what the unscanned keys before
-    ``_first_visible_key`` (forbidden to every row) contribute to a full row's top-k, whose
-    -inf fillers are its lowest-index forbidden keys."""
-    scores = torch.full((batch, rows, n), float("-inf"), device=device)
-    return rank_keys(scores, torch.arange(n, device=device))
+def _fillers(batch: int, rows: int, start: int, stop: int, device) -> torch.Tensor:
+    """Ranked keys start..stop-1 at -inf for every row: what keys forbidden to every row of a
+    query block contribute to a full row's top-k, whose -inf fillers are its lowest-index
+    forbidden keys (the keys before the block's earliest document start, and with fewer than
+    k keys the first future ones)."""
+    scores = torch.full((batch, rows, max(0, stop - start)), float("-inf"), device=device)
+    return rank_keys(scores, torch.arange(start, max(start, stop), device=device))
 
 
 def _block_candidates(scores_BTS: torch.Tensor, s0: int, k: int) -> torch.Tensor:
@@ -192,13 +204,12 @@ def _block_candidates(scores_BTS: torch.Tensor, s0: int, k: int) -> torch.Tensor
 
 def _masked_block(against, batch: int, positions_T: torch.Tensor, rows: tuple[int, int],
                   cols: tuple[int, int], allowed_BSS: torch.Tensor | None,
-                  device) -> torch.Tensor:
+                  device, unseen: bool = False) -> torch.Tensor:
     """One block's scores, -inf at keys after the query (by its position) or not allowed;
-    blocks wholly past every query's diagonal are not scored."""
+    blocks wholly past every query's diagonal, or (``unseen``) wholly before every query's
+    document, are not scored."""
     (t0, t1), (s0, s1) = rows, cols
     first, last = int(positions_T[0]), int(positions_T[-1])
-    unseen = (isinstance(allowed_BSS, DocumentStarts)
-              and allowed_BSS.before_every_row(t0, t1, s1))  # earlier documents only
     if s0 > last or unseen:
         return torch.full((batch, t1 - t0, s1 - s0), float("-inf"), device=device)
     scores = against(s0, s1)

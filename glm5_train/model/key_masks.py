@@ -31,10 +31,6 @@ class DocumentStarts:
         keys = torch.arange(s0, s1, device=self.start_BT.device)
         return keys[None, None, :] >= self.start_BT[:, t0:t1, None]
 
-    def before_every_row(self, t0: int, t1: int, s1: int) -> bool:
-        """Whether keys ..s1-1 lie before every row's document (a block nobody sees)."""
-        return bool((self.start_BT[:, t0:t1] >= s1).all())
-
 
 KeyMask = torch.Tensor | DocumentStarts | None
 
