@@ -166,11 +166,12 @@ def _earliest_starts(allowed_BSS, rows: int, query_block: int) -> list[int]:
     it are not scored: in a sequence of short documents that is most of the causal triangle
     (8,192 tokens of 600-token conversations at GLM-5's query blocks: 10x fewer scored
     pairs, ``bench/dsa_packed_topk.py``)."""
-    blocks = range(0, rows, query_block)
     if not isinstance(allowed_BSS, DocumentStarts):
-        return [0] * len(blocks)
+        return [0] * len(range(0, rows, query_block))
     starts_T = allowed_BSS.start_BT.min(dim=0).values
-    return torch.stack([starts_T[t0:t0 + query_block].min() for t0 in blocks]).tolist()
+    # the last block padded with a start past every row, then one min per block
+    padded = F.pad(starts_T, (0, -rows % query_block), value=rows)
+    return padded.view(-1, query_block).min(dim=1).values.tolist()
 
 
 def _fillers(batch: int, rows: int, start: int, stop: int, device) -> torch.Tensor:
