@@ -58,7 +58,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy
 import torch
 import torch.distributed as dist
 
@@ -496,38 +495,40 @@ def _best_bin(bins, candidates, terms, load, n, rank_tokens, workload, bound=Non
 
 
 class _AloneBins:
-    """The bins of a plan attempt that run on one rank, as arrays, so a short document's best
+    """The bins of a plan attempt that run on one rank, as tensors, so a short document's best
     among them (``_best_bin``'s key) is one vectorised pass instead of a Python loop over
     every cell of every slot (thousands at hundreds of ranks). A document of n tokens taking
     the front of p padding tokens changes a rank alone's counts by closed forms
     (``_alone_with_document``): pairs T(n) + T(p - n) - T(p), T(k) = k (k + 1) / 2, and
-    selected keys likewise; integers, exact in int64."""
+    selected keys likewise; integers, exact in int64; element-wise float64 after that, so
+    every rank computes the same bits."""
 
     def __init__(self, bins: list[Bin], ranks: int, rank_tokens: int, workload: Workload):
         chosen = [i for i, b in enumerate(bins) if _width(b, ranks) == 1]
         self.workload = workload
-        self.index = numpy.array(chosen, dtype=numpy.int64)
-        self.rank = numpy.array([bins[i].first for i in chosen], dtype=numpy.int64)
-        self.capacity = numpy.array([bins[i].units * rank_tokens for i in chosen],
-                                    dtype=numpy.int64)
-        self.used = numpy.array([bins[i].used for i in chosen], dtype=numpy.int64)
+        self.index = torch.tensor(chosen, dtype=torch.int64)
+        self.rank = torch.tensor([bins[i].first for i in chosen], dtype=torch.int64)
+        self.capacity = torch.tensor([bins[i].units * rank_tokens for i in chosen],
+                                     dtype=torch.int64)
+        self.used = torch.tensor([bins[i].used for i in chosen], dtype=torch.int64)
         self.position = {i: p for p, i in enumerate(chosen)}
 
     def best(self, n: int, load) -> tuple[float, int, int] | None:
         padding = self.capacity - self.used
-        room = numpy.nonzero(padding >= n)[0]
+        room = torch.nonzero(padding >= n).flatten()
         if len(room) == 0:
             return None
-        p = padding[room]
+        p, topk = padding[room], self.workload.topk
         pairs = _triangles(n) + _triangles(p - n) - _triangles(p)
-        selected = (_selected(n, self.workload.topk) + _selected(p - n, self.workload.topk)
-                    - _selected(p, self.workload.topk))
-        change = self.workload.pair * pairs + self.workload.selected * selected
-        busiest = numpy.asarray(load, dtype=numpy.float64)[self.rank[room]] + change
-        ties = room[busiest == busiest.min()]
+        selected = _selected(n, topk) + _selected_of(p - n, topk) - _selected_of(p, topk)
+        change = (self.workload.pair * pairs.to(torch.float64)
+                  + self.workload.selected * selected.to(torch.float64))
+        busiest = torch.tensor(load, dtype=torch.float64)[self.rank[room]] + change
+        lowest = busiest.min()
+        ties = room[busiest == lowest]
         fullest = ties[self.used[ties] == self.used[ties].max()]
-        pick = fullest[numpy.argmin(self.index[fullest])]
-        return float(busiest.min()), -int(self.used[pick]), int(self.index[pick])
+        pick = fullest[torch.argmin(self.index[fullest])]
+        return float(lowest), -int(self.used[pick]), int(self.index[pick])
 
     def added(self, i: int, n: int) -> None:
         if i in self.position:
@@ -538,9 +539,14 @@ def _triangles(k):
     return k * (k + 1) // 2
 
 
-def _selected(k, topk: int):
+def _selected(k: int, topk: int) -> int:
     """Selected keys of the first k queries of a document: sum of min(topk, j), j = 1..k."""
-    return _triangles(numpy.minimum(k, topk)) + topk * numpy.maximum(k - topk, 0)
+    return _triangles(min(k, topk)) + topk * max(k - topk, 0)
+
+
+def _selected_of(k: torch.Tensor, topk: int) -> torch.Tensor:
+    """``_selected`` of each element of an int64 tensor."""
+    return _triangles(torch.clamp(k, max=topk)) + topk * torch.clamp(k - topk, min=0)
 
 
 def _tightest_bin(bins, n, rank_tokens):
