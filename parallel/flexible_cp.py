@@ -437,13 +437,20 @@ def _with_document(b: Bin, terms, n: int, rank_tokens: int, workload: Workload):
 
 def _alone_with_document(terms: list[float], padding: int, n: int, topk: int) -> list[float]:
     """A rank alone's terms once an n-token document takes the front of its ``padding``
-    tokens: the document's pairs and selected keys added, the padding's recounted. Integer
-    counts (exact in float64), so equal to ``_add_document``'s piece by piece."""
+    tokens. Integer counts (exact in float64), so equal to ``_add_document``'s piece by
+    piece."""
+    pairs, selected = _padding_taken(padding, n, topk)
+    return [terms[0] + pairs, terms[1] + selected, *terms[2:]]
+
+
+def _padding_taken(padding: int, n: int, topk: int) -> tuple[int, int]:
+    """How a bin's (causal pairs, selected keys) change, summed over its members, when an
+    n-token document takes the front of its ``padding`` tokens: the document's counts
+    added, the padding's recounted."""
     pairs, selected = span_terms(0, n, topk)
     rest_pairs, rest_selected = span_terms(0, padding - n, topk)
     old_pairs, old_selected = span_terms(0, padding, topk)
-    return [terms[0] - old_pairs + pairs + rest_pairs,
-            terms[1] - old_selected + selected + rest_selected, *terms[2:]]
+    return pairs + rest_pairs - old_pairs, selected + rest_selected - old_selected
 
 
 def _width(b: Bin, ranks: int) -> int:
@@ -476,12 +483,8 @@ def _best_bin(bins, candidates, terms, load, n, rank_tokens, workload, bound=Non
             continue
         if bound is not None:
             width = len(terms[i])
-            padding = b.units * rank_tokens - b.used
-            change = (workload.pair * float(_triangles(n) + _triangles(padding - n)
-                                            - _triangles(padding))
-                      + workload.selected * float(_selected(n, workload.topk)
-                                                  + _selected(padding - n, workload.topk)
-                                                  - _selected(padding, workload.topk)))
+            pairs, selected = _padding_taken(b.units * rank_tokens - b.used, n, workload.topk)
+            change = workload.pair * pairs + workload.selected * selected
             mean = (sum(load[b.first:b.first + width]) + change) / width
             if mean > bound[0] * (1 + 1e-9) + 1e-12:
                 continue
@@ -520,7 +523,7 @@ class _AloneBins:
             return None
         p, topk = padding[room], self.workload.topk
         pairs = _triangles(n) + _triangles(p - n) - _triangles(p)
-        selected = _selected(n, topk) + _selected_of(p - n, topk) - _selected_of(p, topk)
+        selected = _selected_of(n, topk) + _selected_of(p - n, topk) - _selected_of(p, topk)
         change = (self.workload.pair * pairs.to(torch.float64)
                   + self.workload.selected * selected.to(torch.float64))
         busiest = torch.tensor(load, dtype=torch.float64)[self.rank[room]] + change
@@ -539,13 +542,10 @@ def _triangles(k):
     return k * (k + 1) // 2
 
 
-def _selected(k: int, topk: int) -> int:
-    """Selected keys of the first k queries of a document: sum of min(topk, j), j = 1..k."""
-    return _triangles(min(k, topk)) + topk * max(k - topk, 0)
-
-
-def _selected_of(k: torch.Tensor, topk: int) -> torch.Tensor:
-    """``_selected`` of each element of an int64 tensor."""
+def _selected_of(k, topk: int) -> torch.Tensor:
+    """Selected keys of the first k queries of a document, sum of min(topk, j) for j = 1..k,
+    for each element of ``k`` (an int64 tensor, or an int)."""
+    k = torch.as_tensor(k, dtype=torch.int64)
     return _triangles(torch.clamp(k, max=topk)) + topk * torch.clamp(k - topk, min=0)
 
 
