@@ -2,12 +2,14 @@
 of the parity matrix: how far the prediction is from this machine's step, and why.
 
     python bench/step_time_vs_measured.py [--steps 6] [--repeats 2] [--layouts single,tp2,...]
+        [--width tiny|compute_bound] [--seq-length 64]
 
 1. A cluster spec for this machine, measured by ``tools/calibrate_cluster.py`` on 2 gloo
    ranks (micro-benchmarks: a matmul rate, copy bandwidth, an all-gather's bandwidth and an
    all-reduce's latency; never the layouts below).
 2. Each layout (the tiny GLM-5, 4 sequences of 64 tokens per step, as tests/parity.py runs
-   it) trained ``--steps`` steps, ``--repeats`` times; its step time is the median of each
+   it; ``--width compute_bound`` widens it to hidden 1024, enough at ``--seq-length 512`` for
+   a CPU step to be bound by its matmuls rather than by operator dispatch) trained ``--steps`` steps, ``--repeats`` times; its step time is the median of each
    run's steps after the first two (warm-up), and the spread is the range over the runs.
 3. The model's prediction for the same job on the measured spec.
 
@@ -51,7 +53,16 @@ from glm5_train.plan.step_time import (
 )
 
 BASE = ["model=glm5_tiny", "train.warmup_iters=0", "train.global_batch_size=4",
-        "train.micro_batch_size=1", "train.seq_length=64", "checkpoint.save=null"]
+        "train.micro_batch_size=1", "checkpoint.save=null"]
+# A GLM-5 of the tiny one's depth at widths where a CPU step is bound by its matmuls (about
+# 0.8 TFLOP per step at 512 tokens), not by operator dispatch: the regime the model prices.
+COMPUTE_BOUND = ["model.hidden_size=1024", "model.intermediate_size=2048",
+                 "model.moe_intermediate_size=512", "model.q_lora_rank=512",
+                 "model.kv_lora_rank=256", "model.num_attention_heads=8",
+                 "model.num_key_value_heads=8", "model.qk_nope_head_dim=64",
+                 "model.qk_rope_head_dim=32", "model.v_head_dim=64", "model.index_n_heads=8",
+                 "model.index_head_dim=64", "model.index_topk=128"]
+WIDTHS = {"tiny": [], "compute_bound": COMPUTE_BOUND}
 DISTRIBUTED = "parallel.use_distributed_optimizer=true"
 # name -> (ranks, overrides): the parity matrix's layouts and the README's main-job layout
 LAYOUTS = {
@@ -113,6 +124,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--width", choices=sorted(WIDTHS), default="tiny")
+    parser.add_argument("--seq-length", type=int, default=64)
     args = parser.parse_args()
     names = args.layouts.split(",")
     unknown = [n for n in names if n not in LAYOUTS]
@@ -128,7 +141,8 @@ def main() -> None:
         splits = []
         for name in names:
             ranks, overrides = LAYOUTS[name]
-            job_overrides = [*BASE, f"train.train_iters={args.steps}", *overrides]
+            job_overrides = [*BASE, f"train.seq_length={args.seq_length}", *WIDTHS[args.width],
+                             f"train.train_iters={args.steps}", *overrides]
             runs = [run_training(ranks, job_overrides, os.path.join(workdir, f"{name}_{i}"), name)
                     for i in range(args.repeats)]
             steps = [measured_step(r) for r in runs]
