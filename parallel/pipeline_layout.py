@@ -164,6 +164,11 @@ class StageCosts:
     # Device buffers held for the whole run besides parameters, gradients and optimizer state
     # (e.g. quantised copies of weights).
     buffer_bytes: int = 0
+    # Kernels bound by memory rather than by their FLOPs, per micro-batch: the bytes they move
+    # (of which the forward's), and their FLOPs (counted in flops_per_microbatch too).
+    streamed_bytes_per_microbatch: int = 0
+    streamed_forward_bytes_per_microbatch: int = 0
+    streamed_flops_per_microbatch: int = 0
 
     @cached_property  # read in the balancer's inner loop
     def static_bytes(self) -> int:

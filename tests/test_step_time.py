@@ -93,6 +93,40 @@ def test_every_ranks_parts_add_up_to_the_step(parallel):
     assert busiest.comm["pipeline"] > 0
 
 
+def _streamed(job, dp: int = 1, **changes) -> tuple[int, int]:
+    """(bytes, FLOPs) of the memory-bound kernels in one micro-batch, over every stage."""
+    stages = job_plan(job, dp, **changes).stages
+    return (sum(s.costs.streamed_bytes_per_microbatch for s in stages),
+            sum(s.costs.streamed_flops_per_microbatch for s in stages))
+
+
+def test_the_sparse_attentions_torch_path_is_priced_at_the_memory_rate_where_that_is_slower():
+    """Its picked latent rows (measured: the CPU step's largest non-matmul time, and not
+    shrunk by TP) cost 12 fp32 passes per micro-batch; the step prices them at the slower of
+    memory and compute, on top of the other FLOPs."""
+    job = _tiny("parallel=single", "train.seq_length=256")
+    cfg, inputs = job.model, inputs_from_job(job, 1)
+    assert cfg.index_topk < 256  # the sparse stage runs the absorbed path
+    applications = cfg.num_hidden_layers + job.model.mtp_num_steps
+    rows = 256 * cfg.index_topk * inputs.micro_batch_size
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    streamed, flops = _streamed(job)
+    assert streamed == applications * rows * width * 4 * 12
+    # TP splits the heads, not the rows every head reads; CP splits the query rows.
+    assert _streamed(_tiny("parallel=tp2", "train.seq_length=256"))[0] == streamed
+    assert _streamed(_tiny("parallel=single", "parallel.context_parallel_size=2",
+                           "train.seq_length=256"))[0] == streamed // 2
+    # A GPU plan runs the Triton kernels, priced by their FLOPs until they are measured.
+    assert _streamed(job, fused_attention=True) == (0, 0)
+    fast = predict_step_time(job, 1, EASY).ranks[0].compute
+    slow_memory = dataclasses.replace(EASY, memory_gbs=1.0)
+    slow = predict_step_time(job, 1, slow_memory).ranks[0].compute
+    mb = inputs.num_microbatches
+    assert streamed / 1e9 > flops / 1e12  # memory-bound on the slow spec
+    assert slow - fast == pytest.approx(mb * (streamed / 1e9 - flops / 1e12)
+                                        - mb * max(0.0, streamed / 1e12 - flops / 1e12))
+
+
 def test_recompute_costs_compute_but_not_model_flops():
     plain = predict_step_time(_tiny("parallel=single"), 1, EASY)
     redone = predict_step_time(_tiny("parallel=single", "activations.recompute_granularity=full",

@@ -17,7 +17,7 @@ which places them on stages and replays the pipeline schedule to find each rank'
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 from glm5_train.model.config import GLM5Config
@@ -52,6 +52,29 @@ TP_SPLIT = frozenset({"q_up", "kv_up", "o_proj", "dense_mlp", "shared_expert"})
 
 
 @dataclass(frozen=True)
+class Streamed:
+    """Kernels bound by memory rather than by their FLOPs: the bytes they move per
+    micro-batch (forward + backward) and their FLOPs (also counted in ``Part.flops``). The
+    step-time model prices them at the slower of the two rates (``StageCosts.streamed_*``)."""
+
+    bytes: int = 0
+    flops: int = 0
+    forward_bytes: int = 0  # of ``bytes``, what one forward moves
+
+    def __add__(self, other: Streamed) -> Streamed:
+        return Streamed(self.bytes + other.bytes, self.flops + other.flops,
+                        self.forward_bytes + other.forward_bytes)
+
+    def times(self, k: int) -> Streamed:
+        return Streamed(k * self.bytes, k * self.flops, k * self.forward_bytes)
+
+    def forward_again(self) -> Streamed:
+        """What recompute's second forward adds: its bytes and a third of the FLOPs (as
+        ``Part.flops`` counts a recomputed forward), all in the backward."""
+        return Streamed(self.forward_bytes, self.flops // 3, 0)
+
+
+@dataclass(frozen=True)
 class Part:
     """One piece of a stage per rank: dense and expert parameters (they shard over different
     data-parallel groups), activation bytes and flops (forward + backward) per micro-batch,
@@ -71,6 +94,7 @@ class Part:
     adamw_params: int = 0
     forward_comm: Comm = ()
     frozen_params: int = 0
+    streamed: Streamed = field(default_factory=Streamed)
 
     def __add__(self, other: Part) -> Part:
         return Part(self.dense_params + other.dense_params,
@@ -79,13 +103,13 @@ class Part:
                     max(self.transient_bytes, other.transient_bytes),
                     comm_sum(self.comm, other.comm), self.adamw_params + other.adamw_params,
                     comm_sum(self.forward_comm, other.forward_comm),
-                    self.frozen_params + other.frozen_params)
+                    self.frozen_params + other.frozen_params, self.streamed + other.streamed)
 
     def times(self, k: int) -> Part:
         return Part(k * self.dense_params, k * self.expert_params, k * self.activation_bytes,
                     k * self.flops, self.transient_bytes if k else 0, comm_times(self.comm, k),
                     k * self.adamw_params, comm_times(self.forward_comm, k),
-                    k * self.frozen_params)
+                    k * self.frozen_params, self.streamed.times(k))
 
     @property
     def trained_dense_params(self) -> int:
@@ -104,6 +128,51 @@ def adamw_elements(term: Term) -> int:
     return term.repeat * sum(math.prod(s) for s in term.shapes if len(s) != 2)
 
 
+def absorbed_core_flops(cfg: GLM5Config, inp: MemoryInputs) -> int:
+    """The absorbed sparse attention's FLOPs per micro-batch and rank (forward + backward):
+    K picks per query over the D = C + R latent; multiply-adds per pick and head: forward D
+    (logits) + C (output), backward D (recomputed logits) + C (dp) + D (dq) + 2D (key/value
+    gradients, one matmul over 2N). The absorption and the W_UV up-projection cost what the
+    key/value up-projection did (counted with the weights)."""
+    width, latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    picks = inp.micro_batch_size * inp.seq_length * min(cfg.index_topk, inp.seq_length)
+    return 2 * picks * cfg.num_attention_heads * (5 * width + 2 * latent) // (inp.tp * inp.cp)
+
+
+# Passes the torch path of the absorbed sparse attention (glm5_train/model/sparse_mla.py: CPUs,
+# dsa.sparse_kernel=torch) makes over its picked latent rows [query rows, K, C + R] in fp32 per
+# micro-batch, counted from its code: forward 4 (the row gather reads and writes, the logits
+# and output matmuls read); backward 8 (the gather again: 2; the logits/dp and dq matmuls
+# read, the key-gradient matmul writes: 3; index_add reads those gradients and adds them into
+# the key rows: 3).
+TORCH_PATH_PASSES = (4, 8)
+
+
+def absorbed_core_streamed(cfg: GLM5Config, inp: MemoryInputs) -> tuple[int, int]:
+    """(forward, backward) bytes the torch path of the absorbed sparse attention moves over
+    its picked latent rows per micro-batch and rank. The latent is shared by every head, so
+    TP does not shrink them (each TP rank runs its heads over every query); CP splits the
+    queries."""
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    rows = inp.micro_batch_size * inp.seq_length * min(cfg.index_topk, inp.seq_length) // inp.cp
+    forward, backward = TORCH_PATH_PASSES
+    return rows * width * 4 * forward, rows * width * 4 * backward
+
+
+def attention_streamed(cfg: GLM5Config, inp: MemoryInputs) -> Streamed:
+    """The absorbed sparse attention's torch path as a memory-bound kernel, its forward again
+    where ``core_attn`` is recomputed. Nothing for the other paths, priced by their FLOPs;
+    nor for the Triton kernels (CUDA): they read each picked row in place, neighbouring
+    queries share many picks through the L2 cache, and how much reaches HBM is not measured
+    yet (the bound, every pick from HBM, would be about 23x their FLOPs' time at GLM-5's widths
+    with 8 heads per rank)."""
+    if not (dsa_sparse(cfg, inp) and inp.absorbed_attention) or inp.fused_attention:
+        return Streamed()
+    forward, backward = absorbed_core_streamed(cfg, inp)
+    once = Streamed(forward + backward, absorbed_core_flops(cfg, inp), forward)
+    return once + once.forward_again() if inp.recompute.selects("core_attn") else once
+
+
 def _attention_flops(cfg: GLM5Config, inp: MemoryInputs) -> int:
     b, s, sparse = inp.micro_batch_size, inp.seq_length, dsa_sparse(cfg, inp)
     # The masked-dense sparse path runs dense SDPA under a top-k mask: every pair costs.
@@ -111,13 +180,7 @@ def _attention_flops(cfg: GLM5Config, inp: MemoryInputs) -> int:
     dims = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
     core = 6 * pairs * cfg.num_attention_heads * dims // (inp.tp * inp.cp)
     if sparse and inp.absorbed_attention:
-        # Absorbed: K picks per query over the D = C + R latent; multiply-adds per pick and
-        # head: forward D (logits) + C (output), backward D (recomputed logits) + C (dp) +
-        # D (dq) + 2D (key/value gradients, one matmul over 2N). The absorption and the W_UV
-        # up-projection cost what the key/value up-projection did (counted with the weights).
-        width, latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank
-        picks = b * s * min(cfg.index_topk, s)
-        core = 2 * picks * cfg.num_attention_heads * (5 * width + 2 * latent) // (inp.tp * inp.cp)
+        core = absorbed_core_flops(cfg, inp)
     if not sparse:
         return core
     # The indexer (replicated over TP) scores the causal pairs for the blockwise selection;
@@ -148,7 +211,8 @@ def layer_part(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> Part:
     tp, tp_again = layer_comm(cfg, moe, inp)
     return Part(dense, expert, decoder_layer_activation_bytes(cfg, moe, inp), flops,
                 local_kl_transient_bytes(cfg, inp), comm_sum(cp, tp), adamw,
-                comm_sum(recomputed_forward_comm(cp), tp_again), frozen)
+                comm_sum(recomputed_forward_comm(cp), tp_again), frozen,
+                attention_streamed(cfg, inp))
 
 
 def local_kl_transient_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
@@ -195,13 +259,16 @@ def mtp_part(cfg: GLM5Config, inp: MemoryInputs) -> Part:
     projection = mtp_projection_comm(cfg, inp)  # its embedding lookup is not recomputed
     comm = comm_sum(layer.comm, mtp_roll_comm(inp), *projection,
                     embedding_comm(cfg, inp, trains=not dense_warmup(inp)))
+    streamed = layer.streamed
     if inp.recompute.mtp_steps_recomputed:  # each step's forward once more in backward
         flops += flops // 3
         comm = comm_sum(comm, layer.forward_comm, projection[0])
+        streamed += streamed.forward_again()
     if not inp.mtp_runs:  # a zero loss weight: the steps do not run (zeros sent instead)
         return params
     return params + Part(activation_bytes=mtp_step_activation_bytes(cfg, inp), flops=flops,
-                         transient_bytes=layer.transient_bytes, comm=comm).times(steps)
+                         transient_bytes=layer.transient_bytes, comm=comm,
+                         streamed=streamed).times(steps)
 
 
 def head_part(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> Part:
@@ -233,7 +300,8 @@ def chunk_layers_part(cfg: GLM5Config, layer: dict[bool, Part], moe_flags: list[
     dropped = sum(p.activation_bytes for p in redone)
     return part + Part(activation_bytes=units * recompute_unit_input_bytes(cfg, inp) - dropped,
                        flops=sum(p.flops for p in redone) // 3,
-                       comm=comm_sum(*(p.forward_comm for p in redone)))
+                       comm=comm_sum(*(p.forward_comm for p in redone)),
+                       streamed=sum((p.streamed.forward_again() for p in redone), Streamed()))
 
 
 # Host-resident optimizer state per parameter element (parallel/host_optimizer.py): the fp32
@@ -260,7 +328,10 @@ def stage_costs(part: Part, inp: MemoryInputs) -> StageCosts:
                       part.transient_bytes, part.comm, dense_params=d, expert_params=e,
                       host_bytes=host,
                       # train.int4_qat: each routed expert weight's dequantised INT4 copy
-                      buffer_bytes=inp.weight_bytes * e if inp.int4_qat else 0)
+                      buffer_bytes=inp.weight_bytes * e if inp.int4_qat else 0,
+                      streamed_bytes_per_microbatch=part.streamed.bytes,
+                      streamed_forward_bytes_per_microbatch=part.streamed.forward_bytes,
+                      streamed_flops_per_microbatch=part.streamed.flops)
 
 
 def zero2_accumulated_bytes(dense: int, expert: int, inp: MemoryInputs) -> int:

@@ -319,6 +319,13 @@ def predict_step_time(job: JobConfig, dp: int, cluster: ClusterSpec,
                     model_flops_per_step(job, **changes), hidden)
 
 
+def memory_bound_seconds(streamed: float, flops: float, cluster: ClusterSpec) -> float:
+    """What kernels that move ``streamed`` bytes for ``flops`` FLOPs take beyond their
+    FLOPs' time: they run at the slower of the compute and memory rates (a roofline)."""
+    return max(0.0, streamed / (cluster.memory_gbs * 1e9)
+               - flops / (cluster.compute_tflops * 1e12))
+
+
 def _stage_times(job: JobConfig, inputs: MemoryInputs, layout: PipelineLayout, stage: int,
                  costs, plain, cluster: ClusterSpec, overlaps: Overlaps) -> _StageTimes:
     """One micro-batch's forward and backward on ``stage``: compute at the cluster's rate
@@ -326,8 +333,11 @@ def _stage_times(job: JobConfig, inputs: MemoryInputs, layout: PipelineLayout, s
     plus the exposed collectives (the forward sends half of what a step without recompute
     sends, the backward the rest) and the pipeline message each one sends."""
     pp, rate = layout.pp, cluster.compute_tflops * 1e12
-    forward_compute = plain.flops_per_microbatch / 3 / rate
-    compute = costs.flops_per_microbatch / rate
+    forward_compute = (plain.flops_per_microbatch / 3 / rate
+                       + memory_bound_seconds(plain.streamed_forward_bytes_per_microbatch,
+                                              plain.streamed_flops_per_microbatch / 3, cluster))
+    compute = costs.flops_per_microbatch / rate + memory_bound_seconds(
+        costs.streamed_bytes_per_microbatch, costs.streamed_flops_per_microbatch, cluster)
     total = comm_seconds(costs.comm_bytes_per_microbatch, inputs, pp, cluster)
     once = comm_seconds(plain.comm_bytes_per_microbatch, inputs, pp, cluster)
     in_forward = {kind: once.get(kind, 0.0) / 2 / seconds for kind, seconds in total.items()
