@@ -84,12 +84,12 @@ def main() -> None:
     qr = torch.randn(1, args.seq, Q_LORA, generator=gen)
     starts = document_starts(args.seq, args.conversation)
     ours_s, ours_pairs, ours = measure(indexer, x, qr, starts, args.repeats)
-    earliest = dsa._earliest_starts
-    dsa._earliest_starts = lambda allowed, rows, block: [0] * len(range(0, rows, block))
+    earliest = dsa.earliest_starts
+    dsa.earliest_starts = lambda allowed, rows, block: [0] * len(range(0, rows, block))
     try:  # every query block scanning from key 0, as before
         base_s, base_pairs, base = measure(indexer, x, qr, starts, args.repeats)
     finally:
-        dsa._earliest_starts = earliest
+        dsa.earliest_starts = earliest
     same = all(torch.equal(a, b) for a, b in zip(ours, base))
     conversations = -(-args.seq // args.conversation)
     print(f"{args.seq} tokens in {conversations} conversations of {args.conversation}: scored "

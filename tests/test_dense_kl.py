@@ -10,8 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from glm5_train.model import dsa_loss
 from glm5_train.model.dsa import DSAIndexer
 from glm5_train.model.dsa_loss import _DenseKL, _DenseKLPlan, _kl, dense_indexer_kl
+from glm5_train.model.key_masks import DocumentStarts, document_starts_from_boundaries
 from tests.spawn import run_ranks
 
 BATCH, HEADS, WIDTH = 2, 4, 8  # main attention: batch, heads, query/key width
@@ -132,6 +134,49 @@ def test_chunked_dense_kl_equals_the_full_row_kl_in_fp64(rows, masked):
     assert torch.allclose(new_kl, old_kl, rtol=1e-12)
     for new, old in zip(new_grads, old_grads):
         assert torch.allclose(new, old, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 13])
+def test_packed_documents_score_each_chunk_from_its_earliest_document(rows, monkeypatch):
+    """With document starts a chunk of query rows is scored from its rows' earliest document
+    start, not from key 0: fewer pairs, and in fp64 the same KL and gradients (to 1e-12) as
+    the full-row math under the same documents as a bool mask."""
+    seq, hi, di, scale = 13, 3, 5, 5 ** -0.5
+    gen = torch.Generator().manual_seed(5)
+    q, k, w = (torch.randn(*shape, generator=gen, dtype=torch.float64)
+               for shape in ((BATCH, seq, hi, di), (BATCH, seq, di), (BATCH, seq, hi)))
+    _, _, query, key = _inputs(seq, torch.float64)
+    starts = DocumentStarts(document_starts_from_boundaries([[4, 9], [2, 8]], seq))
+    plan = _DenseKLPlan(SOFTMAX_SCALE, scale, None, rows, torch.arange(seq))
+    scored = []  # (query rows, keys) of every chunk the forward and backward score
+    logits = dsa_loss._index_logits
+
+    def counted(q_BSHD, k_BSD, t0, t1, s0, s1, index_scale):
+        scored.append((t1 - t0) * (s1 - s0))
+        return logits(q_BSHD, k_BSD, t0, t1, s0, s1, index_scale)
+
+    monkeypatch.setattr(dsa_loss, "_index_logits", counted)
+    results = []
+    for fn in (lambda *t: _DenseKL.apply(*t, query, key, starts, plan),
+               lambda *t: _fp64_reference(*t, query, key, starts.block(0, seq, 0, seq),
+                                          scale)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, w)]
+        kl = fn(*leaves)
+        kl.backward()
+        results.append((kl.detach(), [t.grad for t in leaves]))
+    (new_kl, new_grads), (old_kl, old_grads) = results
+    assert torch.allclose(new_kl, old_kl, rtol=1e-12)
+    for new, old in zip(new_grads, old_grads):
+        assert old.abs().max() > 0
+        assert torch.allclose(new, old, rtol=1e-10, atol=1e-12)
+    from_key_0 = 2 * sum((min(seq, t0 + rows) - t0) * min(seq, t0 + rows)
+                         for t0 in range(0, seq, rows))  # forward + backward
+    if rows < seq:  # one chunk of every row starts at key 0 anyway
+        assert sum(scored) < from_key_0
+    assert sum(scored) <= from_key_0
+    if rows == 1:  # each row from its own document's start (the earlier one of the batch)
+        firsts = [0, 0, 0, 0, 2, 2, 2, 2, 4, 8, 8, 8, 8]
+        assert sum(scored) == 2 * sum(t + 1 - first for t, first in enumerate(firsts))
 
 
 def test_dense_kl_backward_passes_gradcheck_and_skips_queries_without_keys():

@@ -118,14 +118,14 @@ def test_the_indexer_scans_each_query_block_from_its_earliest_document():
                 return scores
             return block
 
-        indexer._block_scores, earliest = counting, dsa._earliest_starts
+        indexer._block_scores, earliest = counting, dsa.earliest_starts
         if monkeypatch_zero:
-            dsa._earliest_starts = lambda allowed, rows, block: [0] * len(range(0, rows, block))
+            dsa.earliest_starts = lambda allowed, rows, block: [0] * len(range(0, rows, block))
         try:
             with torch.no_grad():
                 return indexer.select_blockwise(x, qr, starts, query_block=64), scored[0]
         finally:
-            indexer._block_scores, dsa._earliest_starts = rows_of, earliest
+            indexer._block_scores, dsa.earliest_starts = rows_of, earliest
 
     (index, score), pairs = scan(False)
     (index0, score0), pairs0 = scan(True)

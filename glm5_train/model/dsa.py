@@ -50,6 +50,7 @@ from glm5_train.model.key_masks import (
     KeyMask,
     allowed_block,
     document_bounds,
+    earliest_starts,
     key_mask,
 )
 from glm5_train.model.layers import MLACoreAttention, attention_at_positions
@@ -129,7 +130,7 @@ def causal_topk(block_scores, batch: int, seq: int, topk: int,
     last_key = (positions_T + 1).tolist()  # keys 0..last_key[t]-1 are causal for row t
     index_BTK = torch.empty(batch, rows, k, dtype=torch.long, device=device)
     score_BTK = torch.empty(batch, rows, k, dtype=torch.float32, device=device)
-    earliest = _earliest_starts(allowed_BSS, rows, query_block)
+    earliest = earliest_starts(allowed_BSS, rows, query_block)
     for block, t0 in enumerate(range(0, rows, query_block)):
         t1 = min(rows, t0 + query_block)
         against = block_scores(t0, t1)
@@ -158,20 +159,6 @@ def _merge(best: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor
 # widths). The selected keys are the same either way (a score near a tie could flip, as a
 # different key block size always could).
 KEY_ALIGN = 128
-
-
-def _earliest_starts(allowed_BSS, rows: int, query_block: int) -> list[int]:
-    """Per block of ``query_block`` rows, the earliest document start among its rows (over the
-    batch too), in one transfer from the device; all 0 without packed documents. Keys before
-    it are not scored: in a sequence of short documents that is most of the causal triangle
-    (8,192 tokens of 600-token conversations at GLM-5's query blocks: 10x fewer scored
-    pairs, ``bench/dsa_packed_topk.py``)."""
-    if not isinstance(allowed_BSS, DocumentStarts):
-        return [0] * len(range(0, rows, query_block))
-    starts_T = allowed_BSS.start_BT.min(dim=0).values
-    # the last block padded with a start past every row, then one min per block
-    padded = F.pad(starts_T, (0, -rows % query_block), value=rows)
-    return padded.view(-1, query_block).min(dim=1).values.tolist()
 
 
 def _fillers(batch: int, rows: int, start: int, stop: int, device) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from glm5_train.model import triton_sparse_mla
-from glm5_train.model.key_masks import DocumentStarts, KeyMask, allowed_block
+from glm5_train.model.key_masks import DocumentStarts, KeyMask, allowed_block, earliest_starts
 from glm5_train.model.picked_rows import compute_dtype, fp32_at_least
 from parallel.comm_purpose import collective_purpose
 from parallel.context_parallel import ContextShard, context_shard
@@ -189,12 +189,15 @@ class _DenseKLPlan:
     rows: int  # query rows per chunk
     positions: torch.Tensor  # the query rows' global positions (increasing)
 
-    def chunks(self, rows: int):
-        """(t0, t1, s1): query rows t0..t1-1 and the keys 0..s1-1 they may see."""
+    def chunks(self, rows: int, allowed_BSS: KeyMask):
+        """(t0, t1, s0, s1): query rows t0..t1-1 and the keys s0..s1-1 they may see: none
+        past the last row, none before the rows' earliest document start (packed documents:
+        most of the causal triangle is skipped, as the indexer's top-k skips it)."""
         last_key = (self.positions + 1).tolist()
-        for t0 in range(0, rows, self.rows):
+        earliest = earliest_starts(allowed_BSS, rows, self.rows)
+        for block, t0 in enumerate(range(0, rows, self.rows)):
             t1 = min(rows, t0 + self.rows)
-            yield t0, t1, last_key[t1 - 1]
+            yield t0, t1, earliest[block], last_key[t1 - 1]
 
 
 class _DenseKL(torch.autograd.Function):
@@ -204,10 +207,11 @@ class _DenseKL(torch.autograd.Function):
 
     Inputs: the indexer's q [B, S, Hi, Di], k [B, S, Di], fp32 w [B, S, Hi] (``project``), the
     detached main-attention query and key [S, B, N, D], the allowed mask [B, S, S] or None.
-    Only these are saved. Chunk rows t0..t1-1 see keys 0..t1-1 only (the rest are causally
-    masked). Backward recomputes each chunk: dKL/dI = softmax(I) x (target mass) - target,
-    zero on rows without any allowed key, then through the ReLU and the two contractions.
-    Every TP rank runs the same chunks, so the per-chunk all-reduces pair up.
+    Only these are saved. Chunk rows t0..t1-1 are scored against keys from their earliest
+    document start to the last row's position (the rest are masked for every row).
+    Backward recomputes each chunk: dKL/dI = softmax(I) x (target mass) - target, zero on
+    rows without any allowed key, then through the ReLU and the two contractions. Every TP
+    rank runs the same chunks (same documents), so the per-chunk all-reduces pair up.
     """
 
     @staticmethod
@@ -217,10 +221,11 @@ class _DenseKL(torch.autograd.Function):
                               allowed_BSS.start_BT if documents else allowed_BSS)
         ctx.plan, ctx.documents = plan, documents
         total = torch.zeros((), dtype=compute_dtype(q_BSHD), device=q_BSHD.device)
-        for t0, t1, s1 in plan.chunks(q_BSHD.shape[1]):
-            forbidden_BTS = _forbidden(allowed_BSS, plan.positions, t0, t1, s1)
-            heads_sum_BTS = _target_rows(query, key, forbidden_BTS, t0, t1, s1, plan)
-            relu_BTHS = _index_logits(q_BSHD, k_BSD, t0, t1, s1, plan.index_scale).relu_()
+        for t0, t1, s0, s1 in plan.chunks(q_BSHD.shape[1], allowed_BSS):
+            forbidden_BTS = _forbidden(allowed_BSS, plan.positions, t0, t1, s0, s1)
+            heads_sum_BTS = _target_rows(query, key, forbidden_BTS, t0, t1, s0, s1, plan)
+            relu_BTHS = _index_logits(q_BSHD, k_BSD, t0, t1, s0, s1,
+                                      plan.index_scale).relu_()
             index_BTS = _index_scores(w_BSH[:, t0:t1], relu_BTHS, forbidden_BTS)
             total += _kl(heads_sum_BTS, index_BTS)
         return total
@@ -232,10 +237,10 @@ class _DenseKL(torch.autograd.Function):
         if ctx.documents:
             allowed_BSS = DocumentStarts(allowed_BSS)
         dq, dk, dw = (torch.zeros_like(t, dtype=compute_dtype(t)) for t in (q_BSHD, k_BSD, w_BSH))
-        for t0, t1, s1 in plan.chunks(q_BSHD.shape[1]):
-            forbidden_BTS = _forbidden(allowed_BSS, plan.positions, t0, t1, s1)
-            heads_sum_BTS = _target_rows(query, key, forbidden_BTS, t0, t1, s1, plan)
-            logits_BTHS = _index_logits(q_BSHD, k_BSD, t0, t1, s1, plan.index_scale)
+        for t0, t1, s0, s1 in plan.chunks(q_BSHD.shape[1], allowed_BSS):
+            forbidden_BTS = _forbidden(allowed_BSS, plan.positions, t0, t1, s0, s1)
+            heads_sum_BTS = _target_rows(query, key, forbidden_BTS, t0, t1, s0, s1, plan)
+            logits_BTHS = _index_logits(q_BSHD, k_BSD, t0, t1, s0, s1, plan.index_scale)
             positive_BTHS = logits_BTHS > 0
             relu_BTHS = logits_BTHS.relu_()
             w_BTH = w_BSH[:, t0:t1].to(relu_BTHS.dtype)
@@ -246,31 +251,31 @@ class _DenseKL(torch.autograd.Function):
             dlogits_BTHS = (dindex_BTS[:, :, None, :] * w_BTH[..., None]).mul_(positive_BTHS)
             dlogits_BTHS.mul_(plan.index_scale)
             dq[:, t0:t1] = torch.einsum("bths,bsd->bthd", dlogits_BTHS,
-                                        fp32_at_least(k_BSD[:, :s1]))
-            dk[:, :s1] += torch.einsum("bths,bthd->bsd", dlogits_BTHS,
-                                       fp32_at_least(q_BSHD[:, t0:t1]))
+                                        fp32_at_least(k_BSD[:, s0:s1]))
+            dk[:, s0:s1] += torch.einsum("bths,bthd->bsd", dlogits_BTHS,
+                                         fp32_at_least(q_BSHD[:, t0:t1]))
         return (dq.to(q_BSHD.dtype), dk.to(k_BSD.dtype), dw.to(w_BSH.dtype),
                 None, None, None, None)
 
 
-def _forbidden(allowed_BSS: KeyMask, positions: torch.Tensor, t0: int, t1: int,
+def _forbidden(allowed_BSS: KeyMask, positions: torch.Tensor, t0: int, t1: int, s0: int,
                s1: int) -> torch.Tensor:
-    """True at keys 0..s1-1 that query rows t0..t1-1 may not see: [1 or B, T, s1]."""
-    future_TS = (torch.arange(s1, device=positions.device)[None, :]
+    """True at keys s0..s1-1 that query rows t0..t1-1 may not see: [1 or B, T, s1 - s0]."""
+    future_TS = (torch.arange(s0, s1, device=positions.device)[None, :]
                  > positions[t0:t1, None])
-    allowed = allowed_block(allowed_BSS, t0, t1, 0, s1)
+    allowed = allowed_block(allowed_BSS, t0, t1, s0, s1)
     if allowed is None:
         return future_TS[None]
     return future_TS[None] | ~allowed
 
 
 def _target_rows(query: torch.Tensor, key: torch.Tensor, forbidden_BTS: torch.Tensor,
-                 t0: int, t1: int, s1: int, plan: _DenseKLPlan) -> torch.Tensor:
-    """The main attention's probabilities of query rows t0..t1-1 over keys 0..s1-1 summed
-    over every TP rank's heads, [B, T, s1], not normalised; zero on rows without any allowed
-    key."""
+                 t0: int, t1: int, s0: int, s1: int, plan: _DenseKLPlan) -> torch.Tensor:
+    """The main attention's probabilities of query rows t0..t1-1 over keys s0..s1-1 summed
+    over every TP rank's heads, [B, T, s1 - s0], not normalised; zero on rows without any
+    allowed key."""
     logits_BNTS = torch.einsum("tbnd,sbnd->bnts", fp32_at_least(query[t0:t1]),
-                               fp32_at_least(key[:s1]))
+                               fp32_at_least(key[s0:s1]))
     logits_BNTS = logits_BNTS.mul_(plan.softmax_scale).masked_fill_(forbidden_BTS[:, None],
                                                                     float("-inf"))
     heads_sum_BTS = logits_BNTS.softmax(-1).sum(1)
@@ -279,11 +284,11 @@ def _target_rows(query: torch.Tensor, key: torch.Tensor, forbidden_BTS: torch.Te
     return _sum_over_tp_heads(heads_sum_BTS, plan.tp_group)
 
 
-def _index_logits(q_BSHD: torch.Tensor, k_BSD: torch.Tensor, t0: int, t1: int, s1: int,
-                  scale: float) -> torch.Tensor:
-    """scale x q[t, h] . k[s] for query rows t0..t1-1 and keys 0..s1-1, [B, T, Hi, s1]."""
+def _index_logits(q_BSHD: torch.Tensor, k_BSD: torch.Tensor, t0: int, t1: int, s0: int,
+                  s1: int, scale: float) -> torch.Tensor:
+    """scale x q[t, h] . k[s] for query rows t0..t1-1 and keys s0..s1-1, [B, T, Hi, s1 - s0]."""
     logits_BTHS = torch.einsum("bthd,bsd->bths", fp32_at_least(q_BSHD[:, t0:t1]),
-                               fp32_at_least(k_BSD[:, :s1]))
+                               fp32_at_least(k_BSD[:, s0:s1]))
     return logits_BTHS.mul_(scale)
 
 
