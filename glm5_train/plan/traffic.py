@@ -61,6 +61,9 @@ def tensor_parallel_unmodelled(job: JobConfig) -> str | None:
     par, dsa = job.parallel, job.dsa
     if par.cp_groups == "flexible":
         return "flexible context-parallel groups re-form per batch"
+    packed = job.data.reset_attention_mask or job.data.format == "chat_sft"
+    if dsa.stage == "dense_warmup" and packed:
+        return "the dense warm-up's KL chunks follow the packed documents"
     return tensor_parallel_comm.unmodelled(
         job.model, dsa.stage, dsa.sparse_attention == "absorbed", job.train.seq_length,
         par.context_parallel_size, job.activations.recompute().granularity is not None)
