@@ -9,7 +9,9 @@ What goes in:
   latency of the links inside a node and between nodes (``configs/cluster/*.yaml``).
 
 How the parts combine:
-- Compute: FLOPs at the spec's rate.
+- Compute: FLOPs at the spec's rate; kernels the planner marks memory-bound (its ``Streamed``
+  parts: the sparse attention's torch path) at the slower of that and their bytes at the
+  spec's memory rate (``memory_bound_seconds``).
 - A collective: its bytes at the rate of the links it crosses. The group's ranks are placed as
   megatron-core places them (order tp-cp-ep-dp-pp; experts etp-ep-edp-pp), on nodes of
   ``gpus_per_node`` consecutive ranks. Bytes inside a node go at the intra-node rate, bytes
@@ -36,8 +38,8 @@ rank's milliseconds by the same parts, measured from metrics.jsonl's ``comm_by_p
 ``tools/plan_vs_measured.py --cluster`` and ``bench/step_time_vs_measured.py``.
 
 Not modelled: expert load imbalance (the router spreads tokens evenly), kernel launch and
-Python overhead, memory-bound activation work beyond the one compute rate, and congestion
-between collectives that run at once.
+Python overhead, memory-bound element-wise work (beyond the one compute rate), the cost of
+each collective call, and congestion between collectives that run at once.
 """
 
 from __future__ import annotations
