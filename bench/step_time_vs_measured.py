@@ -99,7 +99,7 @@ def shared_cores(cluster: ClusterSpec, ranks: int) -> ClusterSpec:
     """The spec as each of ``ranks`` processes sees it when they outnumber the cores: the
     calibration measured one rank per core, so k ranks per core each get 1/k of its compute
     and memory rates (the main job's 4 ranks on this machine's 2 cores)."""
-    shared = max(1.0, ranks / (os.cpu_count() or 1))
+    shared = max(1.0, ranks / len(os.sched_getaffinity(0)))
     return dataclasses.replace(cluster, compute_tflops=cluster.compute_tflops / shared,
                                memory_gbs=cluster.memory_gbs / shared)
 

@@ -13,7 +13,11 @@ import torch.distributed as dist
 from glm5_train.model import dsa_loss
 from glm5_train.model.dsa import DSAIndexer
 from glm5_train.model.dsa_loss import _DenseKL, _DenseKLPlan, _kl, dense_indexer_kl
-from glm5_train.model.key_masks import DocumentStarts, document_starts_from_boundaries
+from glm5_train.model.key_masks import (
+    DocumentStarts,
+    document_starts_from_boundaries,
+    earliest_starts,
+)
 from tests.spawn import run_ranks
 
 BATCH, HEADS, WIDTH = 2, 4, 8  # main attention: batch, heads, query/key width
@@ -177,6 +181,44 @@ def test_packed_documents_score_each_chunk_from_its_earliest_document(rows, monk
     if rows == 1:  # each row from its own document's start (the earlier one of the batch)
         firsts = [0, 0, 0, 0, 2, 2, 2, 2, 4, 8, 8, 8, 8]
         assert sum(scored) == 2 * sum(t + 1 - first for t, first in enumerate(firsts))
+
+
+def test_earliest_starts_are_per_block_minima_of_global_starts():
+    """Global starts past the local row count (a CP shard) and a last block shorter than the
+    others; no document starts: every block from key 0."""
+    starts = torch.tensor([[12, 12, 12, 14, 14], [10, 13, 13, 13, 13]])
+    assert earliest_starts(DocumentStarts(starts), 5, 2) == [10, 12, 13]
+    assert earliest_starts(None, 5, 2) == [0, 0, 0]
+    assert earliest_starts(torch.ones(2, 5, 5, dtype=torch.bool), 5, 2) == [0, 0, 0]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_a_zigzag_shard_with_document_starts_equals_its_bool_mask(rows):
+    """A CP rank's zigzag rows (global positions 0-3 and 12-15 of 16, documents' starts
+    global): chunks scored from their earliest start give, in fp64, the KL and gradients of
+    the same rows under the equivalent bool mask, which scans from key 0."""
+    seq, hi, di, scale = 16, 3, 5, 5 ** -0.5
+    positions = torch.tensor([0, 1, 2, 3, 12, 13, 14, 15])
+    local = len(positions)
+    full = document_starts_from_boundaries([[3, 10, 13], [6, 14]], seq)
+    starts = DocumentStarts(full[:, positions])
+    gen = torch.Generator().manual_seed(6)
+    q, k, w = (torch.randn(*shape, generator=gen, dtype=torch.float64)
+               for shape in ((BATCH, local, hi, di), (BATCH, seq, di), (BATCH, local, hi)))
+    query = torch.randn(local, BATCH, HEADS, WIDTH, generator=gen, dtype=torch.float64)
+    key = torch.randn(seq, BATCH, HEADS, WIDTH, generator=gen, dtype=torch.float64)
+    plan = _DenseKLPlan(SOFTMAX_SCALE, scale, None, rows, positions)
+    results = []
+    for mask in (starts, starts.block(0, local, 0, seq)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, w)]
+        kl = _DenseKL.apply(*leaves, query, key, mask, plan)
+        kl.backward()
+        results.append((kl.detach(), [t.grad for t in leaves]))
+    (doc_kl, doc_grads), (bool_kl, bool_grads) = results
+    assert torch.allclose(doc_kl, bool_kl, rtol=1e-12)
+    for doc, full_scan in zip(doc_grads, bool_grads):
+        assert full_scan.abs().max() > 0
+        assert torch.allclose(doc, full_scan, rtol=1e-10, atol=1e-12)
 
 
 def test_dense_kl_backward_passes_gradcheck_and_skips_queries_without_keys():

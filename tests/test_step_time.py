@@ -127,6 +127,29 @@ def test_the_sparse_attentions_torch_path_is_priced_at_the_memory_rate_where_tha
                                         - mb * max(0.0, streamed / 1e12 - flops / 1e12))
 
 
+@pytest.mark.parametrize("extra, passes", [
+    ((), lambda layers, steps: 12 * (layers + steps)),
+    # the core attention's forward (4 passes) once more, in its backward, in every layer
+    (("activations.recompute_granularity=selective", "activations.recompute_modules=[core_attn]"),
+     lambda layers, steps: 16 * (layers + steps)),
+    # full uniform: every decoder layer and MTP step forward once more
+    (("activations.recompute_granularity=full", "activations.recompute_method=uniform",
+      "activations.recompute_num_layers=1"), lambda layers, steps: 16 * (layers + steps)),
+    # full block of 1 layer: that layer only (megatron-core skips the MTP steps)
+    (("activations.recompute_granularity=full", "activations.recompute_method=block",
+      "activations.recompute_num_layers=1"), lambda layers, steps: 12 * (layers + steps) + 4),
+    # no MTP loss: the steps do not run
+    (("model.mtp_loss_weight=0",), lambda layers, steps: 12 * layers),
+])
+def test_the_memory_bound_passes_follow_recompute_and_the_mtp_steps(extra, passes):
+    job = _tiny("parallel=single", "train.seq_length=256", *extra)
+    cfg = job.model
+    per_pass = 256 * cfg.index_topk * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    streamed, flops = _streamed(job)
+    assert streamed == passes(cfg.num_hidden_layers, cfg.mtp_num_steps) * per_pass
+    assert flops > 0
+
+
 def test_recompute_costs_compute_but_not_model_flops():
     plain = predict_step_time(_tiny("parallel=single"), 1, EASY)
     redone = predict_step_time(_tiny("parallel=single", "activations.recompute_granularity=full",

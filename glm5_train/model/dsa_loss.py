@@ -294,7 +294,7 @@ def _index_logits(q_BSHD: torch.Tensor, k_BSD: torch.Tensor, t0: int, t1: int, s
 
 def _index_scores(w_BTH: torch.Tensor, relu_BTHS: torch.Tensor,
                   forbidden_BTS: torch.Tensor) -> torch.Tensor:
-    """I = sum_h w ReLU(...), -inf where forbidden, [B, T, t1]."""
+    """I = sum_h w ReLU(...), -inf where forbidden, [B, T, keys of the chunk]."""
     index_BTS = torch.einsum("bth,bths->bts", w_BTH.to(relu_BTHS.dtype), relu_BTHS)
     return index_BTS.masked_fill_(forbidden_BTS, float("-inf"))
 

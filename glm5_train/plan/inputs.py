@@ -88,6 +88,9 @@ class MemoryInputs:
     # dsa.sparse_attention=absorbed: the sparse stage attends over the selected latent keys
     # (glm5_train.model.sparse_mla); False: masked dense SDPA (the reference path).
     absorbed_attention: bool = True
+    # dsa.sparse_kernel: which absorbed sparse attention runs ("torch": its torch path;
+    # "triton": the Triton kernels; "auto": the kernels on a CUDA plan, the torch path else)
+    sparse_kernel: str = "auto"
     # activations.loss_chunk_tokens: > 0 runs each head + loss chunked over tokens
     # (parallel.chunked_cross_entropy, no [n, V] logits kept); 0: megatron's whole-logits head.
     loss_chunk_tokens: int = 0
@@ -200,6 +203,7 @@ def _model_path_inputs(job: JobConfig) -> dict:
             "frozen_indexer": dsa.freeze_indexer,
             "fused_attention": torch.cuda.is_available(),
             "absorbed_attention": dsa.sparse_attention == "absorbed",
+            "sparse_kernel": dsa.sparse_kernel,
             "document_mask": bool(job.data.reset_attention_mask),
             "loss_chunk_tokens": job.activations.loss_chunk_tokens,
             "mtp_runs": job.runs_mtp,

@@ -142,19 +142,29 @@ def absorbed_core_flops(cfg: GLM5Config, inp: MemoryInputs) -> int:
 # Passes the torch path of the absorbed sparse attention (glm5_train/model/sparse_mla.py: CPUs,
 # dsa.sparse_kernel=torch) makes over its picked latent rows [query rows, K, C + R] in fp32 per
 # micro-batch, counted from its code: forward 4 (the row gather reads and writes, the logits
-# and output matmuls read); backward 8 (the gather again: 2; the logits/dp and dq matmuls
-# read, the key-gradient matmul writes: 3; index_add reads those gradients and adds them into
-# the key rows: 3).
+# and output matmuls read; the output's reads only the C value columns, counted whole);
+# backward 8 (the gather again: 2; the logits/dp and dq matmuls read, the key-gradient matmul
+# writes: 3; index_add reads those gradients and adds them into the key rows: 3).
 TORCH_PATH_PASSES = (4, 8)
+
+
+def runs_torch_sparse_attention(inp: MemoryInputs) -> bool:
+    """Whether the plan's absorbed sparse attention is the torch path: ``dsa.sparse_kernel``
+    torch, or auto on a plan without CUDA (``fused_attention``: the device the plan is for;
+    a CUDA machine without Triton also falls back to it, which the plan cannot see)."""
+    return inp.sparse_kernel == "torch" or (inp.sparse_kernel == "auto"
+                                            and not inp.fused_attention)
 
 
 def absorbed_core_streamed(cfg: GLM5Config, inp: MemoryInputs) -> tuple[int, int]:
     """(forward, backward) bytes the torch path of the absorbed sparse attention moves over
     its picked latent rows per micro-batch and rank. The latent is shared by every head, so
-    TP does not shrink them (each TP rank runs its heads over every query); CP splits the
-    queries."""
+    neither TP nor head-parallel CP shrinks them (a rank runs its heads over every query);
+    all-gather CP splits the queries."""
     width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    rows = inp.micro_batch_size * inp.seq_length * min(cfg.index_topk, inp.seq_length) // inp.cp
+    rows = inp.micro_batch_size * inp.seq_length * min(cfg.index_topk, inp.seq_length)
+    if inp.cp_comm != "head_parallel":
+        rows //= inp.cp
     forward, backward = TORCH_PATH_PASSES
     return rows * width * 4 * forward, rows * width * 4 * backward
 
@@ -164,9 +174,10 @@ def attention_streamed(cfg: GLM5Config, inp: MemoryInputs) -> Streamed:
     where ``core_attn`` is recomputed. Nothing for the other paths, priced by their FLOPs;
     nor for the Triton kernels (CUDA): they read each picked row in place, neighbouring
     queries share many picks through the L2 cache, and how much reaches HBM is not measured
-    yet (the bound, every pick from HBM, would be about 23x their FLOPs' time at GLM-5's widths
-    with 8 heads per rank)."""
-    if not (dsa_sparse(cfg, inp) and inp.absorbed_attention) or inp.fused_attention:
+    yet. The bound, every pick from HBM (8,064 bytes per pick at GLM-5's 576-wide latent:
+    two bf16 reads forward with the KL's probabilities, one backward, an fp32 atomic add),
+    would be about 23x their FLOPs' time with 8 heads per rank on the H100 preset."""
+    if not (dsa_sparse(cfg, inp) and inp.absorbed_attention and runs_torch_sparse_attention(inp)):
         return Streamed()
     forward, backward = absorbed_core_streamed(cfg, inp)
     once = Streamed(forward + backward, absorbed_core_flops(cfg, inp), forward)

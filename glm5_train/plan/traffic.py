@@ -35,7 +35,8 @@ def traffic_modelled(job: JobConfig) -> tuple[str, ...]:
     parameter all-gather not under distributed Muon (its pieces travel to their owners; plain
     Muon reduces its gradients as AdamW does), flexible CP groups or frozen parameters; the
     pipeline's sends with PP > 1; the tensor-parallel, expert-tensor-parallel and expert
-    all-to-all exchanges where ``tensor_parallel_unmodelled`` gives no reason."""
+    all-to-all exchanges where ``tensor_parallel_unmodelled`` gives no reason (the
+    tensor-parallel ones not where ``dense_kl_follows_documents``)."""
     par = job.parallel
     fields = []
     distributed_muon = job.train.optimizer == "muon" and par.use_distributed_optimizer
@@ -46,7 +47,7 @@ def traffic_modelled(job: JobConfig) -> tuple[str, ...]:
     if par.pipeline_model_parallel_size > 1:
         fields.append("p2p")
     if tensor_parallel_unmodelled(job) is None:
-        if par.tensor_model_parallel_size > 1:
+        if par.tensor_model_parallel_size > 1 and not dense_kl_follows_documents(job):
             fields.append("tensor_parallel")
         moe = any(job.model.moe_layer_pattern)
         if par.expert_tp * par.expert_model_parallel_size > 1 and moe:
@@ -56,14 +57,19 @@ def traffic_modelled(job: JobConfig) -> tuple[str, ...]:
     return tuple(fields)
 
 
+def dense_kl_follows_documents(job: JobConfig) -> bool:
+    """The dense warm-up on packed documents: its KL's chunks start at their rows' earliest
+    document, so its TP all-reduces are smaller than the planner's one-document figure (an
+    upper bound, not checked exactly)."""
+    packed = job.data.reset_attention_mask or job.data.format == "chat_sft"
+    return job.dsa.stage == "dense_warmup" and packed
+
+
 def tensor_parallel_unmodelled(job: JobConfig) -> str | None:
     """Why the planner does not model this job's tensor-parallel traffic (None: it does)."""
     par, dsa = job.parallel, job.dsa
     if par.cp_groups == "flexible":
         return "flexible context-parallel groups re-form per batch"
-    packed = job.data.reset_attention_mask or job.data.format == "chat_sft"
-    if dsa.stage == "dense_warmup" and packed:
-        return "the dense warm-up's KL chunks follow the packed documents"
     return tensor_parallel_comm.unmodelled(
         job.model, dsa.stage, dsa.sparse_attention == "absorbed", job.train.seq_length,
         par.context_parallel_size, job.activations.recompute().granularity is not None)
