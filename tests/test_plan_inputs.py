@@ -64,6 +64,7 @@ CHANGES = [
     Change("dsa.trains_indexer", {"dsa.indexer_loss_coeff": 0.0}, {"dsa_kl": False}),
     _set("dsa.freeze_indexer", True, frozen_indexer=True, dsa_kl=False),
     _set("dsa.sparse_attention", "masked_dense", absorbed_attention=False),
+    _set("dsa.sparse_kernel", "torch", sparse_kernel="torch"),
     _set("data.reset_attention_mask", True, document_mask=True),
     _set("activations.loss_chunk_tokens", 0, loss_chunk_tokens=0),
     # a property of the whole job: the MTP steps run only when trained with a loss weight
