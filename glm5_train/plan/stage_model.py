@@ -1,5 +1,6 @@
 """GLM-5's costs per pipeline stage, per rank and micro-batch, in closed form: ``Part`` (one
-piece of a stage: parameters, activations, flops, transient bytes, bytes sent), the parts of a
+piece of a stage: parameters, activations, flops, memory-bound kernels' bytes, transient
+bytes, bytes sent), the parts of a
 decoder layer, an MTP step, the embedding and the output heads, full recompute over a chunk of
 layers, and ``stage_costs``: a part's bytes for weights, gradients and optimizer state (AdamW,
 Muon, host offload, Pipeline ZeRO2, INT4 QAT's copies).
@@ -142,7 +143,7 @@ def absorbed_core_flops(cfg: GLM5Config, inp: MemoryInputs) -> int:
 # Passes the torch path of the absorbed sparse attention (glm5_train/model/sparse_mla.py: CPUs,
 # dsa.sparse_kernel=torch) makes over its picked latent rows [query rows, K, C + R] in fp32 per
 # micro-batch, counted from its code: forward 4 (the row gather reads and writes, the logits
-# and output matmuls read; the output's reads only the C value columns, counted whole);
+# and output matmuls read; the output matmul reads only the C value columns, counted whole);
 # backward 8 (the gather again: 2; the logits/dp and dq matmuls read, the key-gradient matmul
 # writes: 3; index_add reads those gradients and adds them into the key rows: 3).
 TORCH_PATH_PASSES = (4, 8)
