@@ -1,8 +1,8 @@
 """GLM-5's costs per pipeline stage, per rank and micro-batch, in closed form: ``Part`` (one
 piece of a stage: parameters, activations, flops, memory-bound kernels' bytes, transient
 bytes, bytes sent), the parts of a decoder layer, an MTP step, the embedding and the output
-heads, full recompute over a chunk of layers, and ``stage_costs``: a part's bytes for weights, gradients and optimizer state (AdamW,
-Muon, host offload, Pipeline ZeRO2, INT4 QAT's copies).
+heads, full recompute over a chunk of layers, and ``stage_costs``: a part's bytes for weights,
+gradients and optimizer state (AdamW, Muon, host offload, Pipeline ZeRO2, INT4 QAT's copies).
 
 Parameters come from ``glm5_train.plan.param_count``'s formula, sharded as our model shards them
 (TP-split projections, replicated down projections / norms / DSA indexer / router, routed
