@@ -17,7 +17,11 @@ relative to the largest reference value, at the bf16 tolerance of tests/test_tri
 (measured <= 7.4e-3 there at CP rows against fp64; 2e-2). Timed on CUDA (median of 2 after a
 warm-up): the kernel's forward (with the probabilities) and forward + backward, the torch path's
 forward + backward on the same bf16 inputs (128 query rows per chunk: its fastest on a GPU; the
-model's default chunking is for CPU caches).
+model's default chunking is for CPU caches). Each case records the bytes the kernels would move
+if every pick came from HBM (``pick_bytes_if_all_from_hbm``), and on CUDA those bytes over the
+kernels' forward + backward time (``pick_gbs_if_all_from_hbm``): above the device's HBM
+bandwidth, the L2 cache serves picks, and the step-time model's FLOPs pricing of the kernels
+stands; near it, they are memory-bound.
 """
 
 from __future__ import annotations
@@ -117,6 +121,15 @@ def relative_errors(got: dict, ref: dict) -> dict[str, float]:
                    / ref[name].abs().max().clamp_min(1e-30)).item() for name in ref}
 
 
+def bytes_if_every_pick_from_hbm(valid_picks: int, width: int, element: int = 2) -> int:
+    """What the kernels would move if no picked latent row came from cache: the forward reads
+    each picked row twice (once more for the head-summed probabilities), the backward once,
+    and adds the row's gradient with fp32 atomics (a 4-byte read and write per element). The
+    step-time model's open question on GPUs (docs/step_time.md): the kernels' time against
+    these bytes at HBM bandwidth says how much the L2 cache serves."""
+    return valid_picks * width * (3 * element + 2 * 4)
+
+
 def timings(x: dict, case: Case, device: torch.device, rows: int) -> dict[str, float]:
     picks = triton_sparse_mla.picks_from(x["idx"], x["valid"])
     q, kv = (x[k].detach().requires_grad_() for k in ("q", "kv"))
@@ -143,6 +156,10 @@ def timings(x: dict, case: Case, device: torch.device, rows: int) -> dict[str, f
     flops = 3 * 2 * case.heads * picked * (2 * case.value + case.rope)  # h200_perf's count
     seconds["kernel_fwd_bwd_tflops"] = flops / seconds["kernel_fwd_bwd_s"] / 1e12
     seconds["torch_over_kernel"] = seconds["torch_fwd_bwd_s"] / seconds["kernel_fwd_bwd_s"]
+    # above the device's HBM bandwidth: picks served from cache
+    seconds["pick_gbs_if_all_from_hbm"] = (
+        bytes_if_every_pick_from_hbm(picked, case.value + case.rope)
+        / seconds["kernel_fwd_bwd_s"] / 1e9)
     return seconds
 
 
@@ -154,6 +171,8 @@ def run_case(case: Case, ctx, dtype: torch.dtype, seed: int) -> dict:
               "rank": case.rank, "heads": case.heads, "topk": case.topk,
               "width": case.value + case.rope, "valid_picks": int(x["valid"].sum()),
               "rows_short_of_k": int((~x["valid"]).any(-1).sum()),
+              "pick_bytes_if_all_from_hbm": bytes_if_every_pick_from_hbm(
+                  int(x["valid"].sum()), case.value + case.rope),
               "kernel_supported_here": triton_sparse_mla.supports(x["q"], x["kv"])}
     tolerance = TOLERANCE[dtype]
     for form in ("masked", "positions"):
