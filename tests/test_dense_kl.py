@@ -116,6 +116,14 @@ def _fp64_reference(q_BSHD, k_BSD, w_BSH, query, key, allowed_BSS, index_scale):
     return _kl(target, index)
 
 
+def _value_and_grads(fn, *tensors):
+    """fn's value and its gradients with respect to copies of ``tensors``."""
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    value = fn(*leaves)
+    value.backward()
+    return value.detach(), [t.grad for t in leaves]
+
+
 @pytest.mark.parametrize("rows", [1, 3, 13])
 @pytest.mark.parametrize("masked", [False, True])
 def test_chunked_dense_kl_equals_the_full_row_kl_in_fp64(rows, masked):
@@ -130,10 +138,7 @@ def test_chunked_dense_kl_equals_the_full_row_kl_in_fp64(rows, masked):
     results = []
     for fn in (lambda *t: _DenseKL.apply(*t, query, key, allowed, plan),
                lambda *t: _fp64_reference(*t, query, key, allowed, scale)):
-        leaves = [t.clone().requires_grad_() for t in (q, k, w)]
-        kl = fn(*leaves)
-        kl.backward()
-        results.append((kl.detach(), [t.grad for t in leaves]))
+        results.append(_value_and_grads(fn, q, k, w))
     (new_kl, new_grads), (old_kl, old_grads) = results
     assert torch.allclose(new_kl, old_kl, rtol=1e-12)
     for new, old in zip(new_grads, old_grads):
@@ -164,10 +169,7 @@ def test_packed_documents_score_each_chunk_from_its_earliest_document(rows, monk
     for fn in (lambda *t: _DenseKL.apply(*t, query, key, starts, plan),
                lambda *t: _fp64_reference(*t, query, key, starts.block(0, seq, 0, seq),
                                           scale)):
-        leaves = [t.clone().requires_grad_() for t in (q, k, w)]
-        kl = fn(*leaves)
-        kl.backward()
-        results.append((kl.detach(), [t.grad for t in leaves]))
+        results.append(_value_and_grads(fn, q, k, w))
     (new_kl, new_grads), (old_kl, old_grads) = results
     assert torch.allclose(new_kl, old_kl, rtol=1e-12)
     for new, old in zip(new_grads, old_grads):
@@ -210,10 +212,8 @@ def test_a_zigzag_shard_with_document_starts_equals_its_bool_mask(rows):
     plan = _DenseKLPlan(SOFTMAX_SCALE, scale, None, rows, positions)
     results = []
     for mask in (starts, starts.block(0, local, 0, seq)):
-        leaves = [t.clone().requires_grad_() for t in (q, k, w)]
-        kl = _DenseKL.apply(*leaves, query, key, mask, plan)
-        kl.backward()
-        results.append((kl.detach(), [t.grad for t in leaves]))
+        results.append(_value_and_grads(
+            lambda *t, mask=mask: _DenseKL.apply(*t, query, key, mask, plan), q, k, w))
     (doc_kl, doc_grads), (bool_kl, bool_grads) = results
     assert torch.allclose(doc_kl, bool_kl, rtol=1e-12)
     for doc, full_scan in zip(doc_grads, bool_grads):

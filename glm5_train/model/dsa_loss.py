@@ -220,8 +220,10 @@ class _DenseKL(torch.autograd.Function):
         ctx.save_for_backward(q_BSHD, k_BSD, w_BSH, query, key,
                               allowed_BSS.start_BT if documents else allowed_BSS)
         ctx.plan, ctx.documents = plan, documents
+        # the chunks' key ranges, read from the device once for forward and backward
+        ctx.chunks = list(plan.chunks(q_BSHD.shape[1], allowed_BSS))
         total = torch.zeros((), dtype=compute_dtype(q_BSHD), device=q_BSHD.device)
-        for t0, t1, s0, s1 in plan.chunks(q_BSHD.shape[1], allowed_BSS):
+        for t0, t1, s0, s1 in ctx.chunks:
             forbidden_BTS = _forbidden(allowed_BSS, plan.positions, t0, t1, s0, s1)
             heads_sum_BTS = _target_rows(query, key, forbidden_BTS, t0, t1, s0, s1, plan)
             relu_BTHS = _index_logits(q_BSHD, k_BSD, t0, t1, s0, s1,
@@ -237,7 +239,7 @@ class _DenseKL(torch.autograd.Function):
         if ctx.documents:
             allowed_BSS = DocumentStarts(allowed_BSS)
         dq, dk, dw = (torch.zeros_like(t, dtype=compute_dtype(t)) for t in (q_BSHD, k_BSD, w_BSH))
-        for t0, t1, s0, s1 in plan.chunks(q_BSHD.shape[1], allowed_BSS):
+        for t0, t1, s0, s1 in ctx.chunks:
             forbidden_BTS = _forbidden(allowed_BSS, plan.positions, t0, t1, s0, s1)
             heads_sum_BTS = _target_rows(query, key, forbidden_BTS, t0, t1, s0, s1, plan)
             logits_BTHS = _index_logits(q_BSHD, k_BSD, t0, t1, s0, s1, plan.index_scale)
