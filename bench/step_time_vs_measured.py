@@ -5,8 +5,10 @@ of the parity matrix: how far the prediction is from this machine's step, and wh
         [--width tiny|compute_bound] [--seq-length 64]
 
 1. A cluster spec for this machine, measured by ``tools/calibrate_cluster.py`` on 2 gloo
-   ranks (micro-benchmarks: a matmul rate, copy bandwidth, an all-gather's bandwidth and an
-   all-reduce's latency; never the layouts below).
+   ranks right before each layout's runs (micro-benchmarks: a matmul rate, a batched small
+   matmul's at the sparse attention's shape, copy bandwidth, an all-gather's bandwidth and an
+   all-reduce's latency; never the layouts below). This machine's speed drifts by tens of
+   percent over minutes, so each layout is predicted on the spec measured beside it.
 2. Each layout (the tiny GLM-5, 4 sequences of 64 tokens per step, as tests/parity.py runs
    it; ``--width compute_bound`` widens it to hidden 1024, enough at ``--seq-length 512`` for
    a CPU step to be bound by its matmuls rather than by operator dispatch) trained
@@ -84,15 +86,27 @@ LAYOUTS = {
 WARMUP_STEPS = 2
 
 
-def calibrated_spec(workdir: str) -> str:
-    out = os.path.join(workdir, "cpu.yaml")
+def calibrated_spec(workdir: str, name: str, job) -> str:
+    """A spec measured now, its batched matmul at the job's sparse attention shape (queries
+    per micro-batch, heads, latent width, picks)."""
+    cfg = job.model
+    shape = (job.train.seq_length, cfg.num_attention_heads,
+             cfg.kv_lora_rank + cfg.qk_rope_head_dim, min(cfg.index_topk, job.train.seq_length))
+    out = os.path.join(workdir, f"{name}.yaml")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(REPO, "tools", "calibrate_cluster.py"), "--out", out]
+           os.path.join(REPO, "tools", "calibrate_cluster.py"), "--out", out,
+           "--bmm-shape", ",".join(map(str, shape))]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=False)
     if proc.returncode:
         raise SystemExit(f"calibration failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     return out
+
+
+def spec_text(cluster: ClusterSpec) -> str:
+    return (f"{cluster.compute_tflops:.3f}/{cluster.batched_matmul_tflops:.3f} TFLOP/s, "
+            f"{cluster.memory_gbs:.1f} GB/s, {cluster.intra_node.gbs:.2f} GB/s at "
+            f"{cluster.intra_node.latency_us:.0f} us")
 
 
 def shared_cores(cluster: ClusterSpec, ranks: int) -> ClusterSpec:
@@ -101,6 +115,7 @@ def shared_cores(cluster: ClusterSpec, ranks: int) -> ClusterSpec:
     and memory rates (the main job's 4 ranks on this machine's 2 cores)."""
     shared = max(1.0, ranks / len(os.sched_getaffinity(0)))
     return dataclasses.replace(cluster, compute_tflops=cluster.compute_tflops / shared,
+                               batched_matmul_tflops=cluster.batched_matmul_tflops / shared,
                                memory_gbs=cluster.memory_gbs / shared)
 
 
@@ -147,23 +162,21 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--layouts: unknown {unknown}; choose from {', '.join(LAYOUTS)}")
     with tempfile.TemporaryDirectory(prefix="glm5_step_time_") as workdir:
-        cluster = load_cluster(calibrated_spec(workdir))
-        print(f"spec: {cluster.compute_tflops:.3f} TFLOP/s, {cluster.memory_gbs:.1f} GB/s memory, "
-              f"links {cluster.intra_node.gbs:.2f} GB/s at {cluster.intra_node.latency_us:.0f} us")
         print(f"{'layout':>22} {'measured s':>10} {'spread':>7} {'predicted s':>11} "
-              f"{'ratio':>7} {'fwd-bwd/sync/opt ms':>22} {'calls':>6}")
+              f"{'ratio':>7} {'fwd-bwd/sync/opt ms':>22} {'calls':>6}  spec")
         worst = 1.0  # the ratio farthest from 1, either way
         splits = []
         for name in names:
             ranks, overrides = LAYOUTS[name]
             job_overrides = [*BASE, f"train.seq_length={args.seq_length}", *WIDTHS[args.width],
                              f"train.train_iters={args.steps}", *overrides]
+            job = compose_job(job_overrides)
+            cluster = load_cluster(calibrated_spec(workdir, name, job))
             runs = [run_training(ranks, job_overrides, os.path.join(workdir, f"{name}_{i}"), name)
                     for i in range(args.repeats)]
             steps = [measured_step(r) for r in runs]
             measured = statistics.median(steps)
             spread = (max(steps) - min(steps)) / measured
-            job = compose_job(job_overrides)
             dp = ranks // job.parallel.world_size_needed(1)
             step = predict_step_time(job, dp, shared_cores(cluster, ranks))
             predicted = step.step_seconds
@@ -174,8 +187,8 @@ def main() -> None:
                 worst = ratio
             metered = [r for r in runs[-1] if "comm_by_group" in r][-1]
             print(f"{name:>22} {measured:>10.3f} {spread:>7.1%} {predicted:>11.4f} "
-                  f"{ratio:>7.3f} {phase_ms(runs[-1]):>22} {calls_per_step(metered):>6}",
-                  flush=True)
+                  f"{ratio:>7.3f} {phase_ms(runs[-1]):>22} {calls_per_step(metered):>6}  "
+                  f"{spec_text(cluster)}", flush=True)
         print("where the busiest rank's step went, ms measured/predicted (last run):")
         for line in splits:
             print(line)

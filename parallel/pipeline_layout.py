@@ -169,6 +169,10 @@ class StageCosts:
     streamed_bytes_per_microbatch: int = 0
     streamed_forward_bytes_per_microbatch: int = 0
     streamed_flops_per_microbatch: int = 0
+    # Element-wise operators' bytes per micro-batch (no FLOPs), of which the forward's: the
+    # step-time model prices them at the memory rate.
+    elementwise_bytes_per_microbatch: int = 0
+    elementwise_forward_bytes_per_microbatch: int = 0
 
     @cached_property  # read in the balancer's inner loop
     def static_bytes(self) -> int:

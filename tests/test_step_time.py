@@ -10,6 +10,7 @@ import pytest
 
 from glm5_train.job_config import compose_job
 from glm5_train.plan import inputs_from_job, job_plan
+from glm5_train.plan.elementwise import sparse_attention_bytes
 from glm5_train.plan.step_time import (
     ClusterSpec,
     Link,
@@ -61,7 +62,8 @@ def _tiny(*overrides: str):
 
 
 def test_one_process_step_is_its_compute_comm_and_optimizer():
-    """One rank, no pipeline: no bubble, and compute is the planner's FLOPs at the rate."""
+    """One rank, no pipeline: no bubble, and compute is the planner's FLOPs at the rate, and
+    its memory work at the memory rate."""
     job = _tiny("parallel=single")
     result = predict_step_time(job, 1, EASY)
     (rank,) = result.ranks
@@ -70,7 +72,9 @@ def test_one_process_step_is_its_compute_comm_and_optimizer():
     assert rank.total == pytest.approx(result.step_seconds)
     inputs = inputs_from_job(job, 1)
     from_plan = result.model_flops  # without recompute (tiny runs none): the executed FLOPs
-    assert rank.compute == pytest.approx(from_plan / 1e12)
+    # and, on this CPU plan, the sparse attention's and the element-wise bytes at the memory
+    # rate (the batched matmuls at the compute rate: EASY has no batched rate of its own)
+    assert rank.compute == pytest.approx(from_plan / 1e12 + _memory_bytes(job) / 1e12)
     assert result.tflops_per_gpu == pytest.approx(from_plan / result.step_seconds / 1e12)
     assert result.mfu == pytest.approx(result.tflops_per_gpu / EASY.peak_tflops)
     assert inputs.num_microbatches >= 1
@@ -100,53 +104,67 @@ def _streamed(job, dp: int = 1, **changes) -> tuple[int, int]:
             sum(s.costs.streamed_flops_per_microbatch for s in stages))
 
 
-def test_the_sparse_attentions_torch_path_is_priced_at_the_memory_rate_where_that_is_slower():
-    """Its picked latent rows (measured: the CPU step's largest non-matmul time, and not
-    shrunk by TP) cost 12 fp32 passes per micro-batch; the step prices them at the slower of
-    memory and compute, on top of the other FLOPs."""
+def _memory_bytes(job, dp: int = 1) -> int:
+    """Bytes per step the step-time model prices at the memory rate during the micro-batches
+    (the sparse attention's torch path and the element-wise work), over every stage."""
+    stages = job_plan(job, dp).stages
+    return inputs_from_job(job, dp).num_microbatches * sum(
+        s.costs.streamed_bytes_per_microbatch + s.costs.elementwise_bytes_per_microbatch
+        for s in stages)
+
+
+def test_the_sparse_attentions_torch_path_is_priced_at_the_batched_matmul_and_memory_rates():
+    """Its matmuls are one small product per query (on this CPU about a third of a square
+    matmul's rate), its gathers and element-wise work bound by memory: the step prices them
+    on top of the other FLOPs, each at its rate."""
     job = _tiny("parallel=single", "train.seq_length=256")
     cfg, inputs = job.model, inputs_from_job(job, 1)
     assert cfg.index_topk < 256  # the sparse stage runs the absorbed path
     applications = cfg.num_hidden_layers + job.model.mtp_num_steps
-    rows = 256 * cfg.index_topk * inputs.micro_batch_size
-    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    forward, backward = sparse_attention_bytes(cfg, inputs)
     streamed, flops = _streamed(job)
-    assert streamed == applications * rows * width * 4 * 12
-    # TP splits the heads, not the rows every head reads; CP splits the query rows.
-    assert _streamed(_tiny("parallel=tp2", "train.seq_length=256"))[0] == streamed
-    assert _streamed(_tiny("parallel=single", "parallel.context_parallel_size=2",
-                           "train.seq_length=256"))[0] == streamed // 2
+    assert streamed == applications * (forward + backward) and flops > 0
+    # The picked rows are shared by every head and the indexer is replicated: TP splits only
+    # the per-head work. All-gather CP splits the queries: everything halves.
+    tp2 = _streamed(_tiny("parallel=tp2", "train.seq_length=256"))[0]
+    assert streamed / 2 < tp2 < streamed
+    cp2 = _streamed(_tiny("parallel=single", "parallel.context_parallel_size=2",
+                          "train.seq_length=256"))[0]
+    assert cp2 == pytest.approx(streamed / 2, rel=1e-3)
     # A GPU plan runs the Triton kernels, priced by their FLOPs until they are measured.
     assert _streamed(job, fused_attention=True) == (0, 0)
-    fast = predict_step_time(job, 1, EASY).ranks[0].compute
-    slow_memory = dataclasses.replace(EASY, memory_gbs=1.0)
-    slow = predict_step_time(job, 1, slow_memory).ranks[0].compute
     mb = inputs.num_microbatches
-    assert streamed / 1e9 > flops / 1e12  # memory-bound on the slow spec
-    assert slow - fast == pytest.approx(mb * (streamed / 1e9 - flops / 1e12)
-                                        - mb * max(0.0, streamed / 1e12 - flops / 1e12))
+    fast = predict_step_time(job, 1, EASY).ranks[0].compute
+    slow_memory = predict_step_time(job, 1, dataclasses.replace(EASY, memory_gbs=1.0))
+    assert slow_memory.ranks[0].compute - fast == pytest.approx(
+        _memory_bytes(job) * (1 / 1e9 - 1 / 1e12))
+    slow_batched = predict_step_time(job, 1, dataclasses.replace(EASY,
+                                                                 batched_matmul_tflops=0.1))
+    assert slow_batched.ranks[0].compute - fast == pytest.approx(mb * flops * (1 / 1e11 - 1 / 1e12))
 
 
-@pytest.mark.parametrize("extra, passes", [
-    ((), lambda layers, steps: 12 * (layers + steps)),
-    # the core attention's forward (4 passes) once more, in its backward, in every layer
+@pytest.mark.parametrize("extra, applications", [
+    ((), lambda layers, steps, f, b: (f + b) * (layers + steps)),
+    # the core attention's forward once more, in its backward, in every layer
     (("activations.recompute_granularity=selective", "activations.recompute_modules=[core_attn]"),
-     lambda layers, steps: 16 * (layers + steps)),
+     lambda layers, steps, f, b: (2 * f + b) * (layers + steps)),
     # full uniform: every decoder layer and MTP step forward once more
     (("activations.recompute_granularity=full", "activations.recompute_method=uniform",
-      "activations.recompute_num_layers=1"), lambda layers, steps: 16 * (layers + steps)),
+      "activations.recompute_num_layers=1"), lambda layers, steps, f, b: (2 * f + b) * (
+        layers + steps)),
     # full block of 1 layer: that layer only (megatron-core skips the MTP steps)
     (("activations.recompute_granularity=full", "activations.recompute_method=block",
-      "activations.recompute_num_layers=1"), lambda layers, steps: 12 * (layers + steps) + 4),
+      "activations.recompute_num_layers=1"), lambda layers, steps, f, b: (f + b) * (
+        layers + steps) + f),
     # no MTP loss: the steps do not run
-    (("model.mtp_loss_weight=0",), lambda layers, steps: 12 * layers),
+    (("model.mtp_loss_weight=0",), lambda layers, steps, f, b: (f + b) * layers),
 ])
-def test_the_memory_bound_passes_follow_recompute_and_the_mtp_steps(extra, passes):
+def test_the_sparse_attentions_bytes_follow_recompute_and_the_mtp_steps(extra, applications):
     job = _tiny("parallel=single", "train.seq_length=256", *extra)
     cfg = job.model
-    per_pass = 256 * cfg.index_topk * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4
+    forward, backward = sparse_attention_bytes(cfg, inputs_from_job(job, 1))
     streamed, flops = _streamed(job)
-    assert streamed == passes(cfg.num_hidden_layers, cfg.mtp_num_steps) * per_pass
+    assert streamed == applications(cfg.num_hidden_layers, cfg.mtp_num_steps, forward, backward)
     assert flops > 0
 
 
@@ -267,7 +285,7 @@ def test_a_measured_cluster_spec_loads_and_prices_a_plan(tmp_path):
     out = tmp_path / "cpu.yaml"
     proc = run_script(2, "tools/calibrate_cluster.py", ["--out", str(out), "--matmul-size",
                                                         "128", "--message-mib", "1",
-                                                        "--repeats", "3"])
+                                                        "--repeats", "3", "--seconds", "0.3"])
     assert proc.returncode == 0, proc.stdout[-3000:]
     spec = load_cluster(str(out))
     assert spec.gpus_per_node == 2 and spec.device == "CPU"

@@ -5,15 +5,22 @@ machines you will train on, in place of the presets' assumed rates.
     python tools/plan_step_time.py +experiment=glm5_sft_202k --cluster my_cluster.yaml
 
 What it measures (micro-benchmarks, never the layouts the model then predicts):
-- ``compute_tflops``: a square matmul's rate on rank 0's device (bf16 on GPUs, fp32 on CPUs);
-- ``memory_gbs``: a large tensor copy's bytes read + written per second;
+- ``compute_tflops``: a square matmul's rate (bf16 on GPUs, fp32 on CPUs), the mean over the
+  ranks of each one's median;
+- ``memory_gbs``: a large tensor copy's bytes read + written per second, the same way;
+- ``batched_matmul_tflops``: one batched call of many small matmuls (``--bmm-shape``; the
+  sparse attention's torch path runs one [heads, D] x [D, K] product per query), the same way;
 - ``intra_node``: bytes per second one rank sends in an all-gather among the ranks of its node
   (its bus bandwidth), and one small all-reduce's time as the latency;
 - ``inter_node``: the same among one rank per node (with one node: the intra-node figures,
   said in the note).
 
 ``peak_tflops`` (MFU's denominator) is ``--peak-tflops`` when given, else the measured rate.
-Rank 0 prints each figure and writes the YAML; ``--out`` is required. Exit status 0; 2 for a
+Each figure is timed for at least ``--repeats`` calls and ``--seconds`` of wall time: on a
+shared or virtual machine a few calls catch the cores at one moment (five 512-wide matmuls
+gave 0.06-0.11 TFLOP/s on this 2-core machine from run to run; two seconds of them,
+averaged over the ranks, 0.113-0.127). Rank 0 prints each figure and writes the YAML;
+``--out`` is required. Exit status 0; 2 for a
 bad command line.
 """
 
@@ -48,19 +55,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the device's dense peak for MFU (default: the measured matmul rate)")
     p.add_argument("--matmul-size", type=int, default=None,
                    help="square matmul side (default: 8192 on GPUs, 512 on CPUs)")
+    p.add_argument("--bmm-shape", default="512,8,576,128",
+                   help="the batched matmul: batch,rows,inner,cols (default 512,8,576,128: "
+                        "queries, heads, GLM-5's latent width, picks)")
     p.add_argument("--message-mib", type=float, default=None,
                    help="all-gather bytes per rank in MiB (default: 256 on GPUs, 8 on CPUs)")
-    p.add_argument("--repeats", type=int, default=5, help="timed repetitions of each (default 5)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed repetitions of each, at least (default 5)")
+    p.add_argument("--seconds", type=float, default=None,
+                   help="wall seconds each compute and memory figure is timed for, at least "
+                        "(default: 2 on CPUs, 0.5 on GPUs)")
     return p.parse_args(argv)
 
 
-def timed(fn, repeats: int, device: torch.device) -> float:
-    """The median wall seconds of ``fn`` over ``repeats`` calls, after one warm-up call."""
+def timed(fn, repeats: int, device: torch.device, seconds: float = 0.0) -> float:
+    """The median wall seconds of ``fn`` over at least ``repeats`` calls and ``seconds`` of
+    calls, after one warm-up call."""
     wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
     wait()
     times = []
-    for _ in range(repeats):
+    while len(times) < repeats or sum(times) < seconds:
         started = time.perf_counter()
         fn()
         wait()
@@ -68,17 +83,34 @@ def timed(fn, repeats: int, device: torch.device) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def matmul_tflops(device: torch.device, size: int, repeats: int) -> float:
+def mean_over_ranks(value: float, device: torch.device) -> float:
+    """Every rank's figure averaged: the rates the layouts' ranks see, not one core's."""
+    total = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
+def matmul_tflops(device: torch.device, size: int, repeats: int, seconds: float = 0.0) -> float:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    return 2 * size ** 3 / timed(lambda: a @ b, repeats, device) / 1e12
+    return 2 * size ** 3 / timed(lambda: a @ b, repeats, device, seconds) / 1e12
 
 
-def copy_gbs(device: torch.device, nbytes: int, repeats: int) -> float:
+def batched_matmul_tflops(device: torch.device, shape: str, repeats: int,
+                          seconds: float = 0.0) -> float:
+    batch, rows, inner, cols = (int(x) for x in shape.split(","))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(batch, rows, inner, device=device, dtype=dtype)
+    b = torch.randn(batch, inner, cols, device=device, dtype=dtype)
+    flops = 2 * batch * rows * inner * cols
+    return flops / timed(lambda: torch.bmm(a, b), repeats, device, seconds) / 1e12
+
+
+def copy_gbs(device: torch.device, nbytes: int, repeats: int, seconds: float = 0.0) -> float:
     src = torch.empty(nbytes // 4, device=device, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    return 2 * nbytes / timed(lambda: dst.copy_(src), repeats, device) / 1e9
+    return 2 * nbytes / timed(lambda: dst.copy_(src), repeats, device, seconds) / 1e9
 
 
 def link(group, device: torch.device, nbytes: int, repeats: int) -> dict[str, float]:
@@ -130,8 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     world, per_node = dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     size = args.matmul_size or (8192 if cuda else 512)
     nbytes = int((args.message_mib or (256 if cuda else 8)) * 2**20)
-    spec = {"compute_tflops": round(matmul_tflops(device, size, args.repeats), 3),
-            "memory_gbs": round(copy_gbs(device, 16 * nbytes, args.repeats), 1)}
+    seconds = args.seconds if args.seconds is not None else (0.5 if cuda else 2.0)
+    rate = matmul_tflops(device, size, args.repeats, seconds)
+    memory = copy_gbs(device, 16 * nbytes, args.repeats, seconds)
+    batched = batched_matmul_tflops(device, args.bmm_shape, args.repeats, seconds)
+    spec = {"compute_tflops": round(mean_over_ranks(rate, device), 3),
+            "memory_gbs": round(mean_over_ranks(memory, device), 1),
+            "batched_matmul_tflops": round(mean_over_ranks(batched, device), 4)}
     mine, across = node_groups(world, per_node)
     zero_link = {"gbs": 1e9, "latency_us": 0.0}  # one rank per node: no link to measure
     spec["intra_node"] = link(mine, device, nbytes, args.repeats) if per_node > 1 else zero_link
@@ -155,6 +192,7 @@ def write_spec(args, spec: dict, device: torch.device, world: int, per_node: int
              f"peak_tflops: {args.peak_tflops or spec['compute_tflops']}",
              f"compute_tflops: {spec['compute_tflops']}",
              f"memory_gbs: {spec['memory_gbs']}",
+             f"batched_matmul_tflops: {spec['batched_matmul_tflops']}",
              f"gpus_per_node: {per_node}"]
     for level in ("intra_node", "inter_node"):
         lines += [f"{level}:", f"  gbs: {spec[level]['gbs']}",

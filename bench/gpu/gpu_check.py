@@ -197,7 +197,8 @@ def part_calibrate(ctx: Context) -> dict:
     measured (bf16 matmul at 8192, a 4 GiB copy; dry run: fp32 at 128, 16 MiB); the spec
     loads, its rates are positive, and on CUDA it names the device for MFU."""
     out = os.path.join(tempfile.mkdtemp(prefix="calibrate_"), "measured.yaml")
-    sizes = ["--matmul-size", "128", "--message-mib", "1"] if ctx.dry_run else []
+    sizes = (["--matmul-size", "128", "--message-mib", "1", "--seconds", "0.2"] if ctx.dry_run
+             else [])
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "calibrate_cluster.py"),
                            "--out", out, "--repeats", "3", *sizes], capture_output=True,
                           text=True, timeout=max(10.0, ctx.seconds - 5), check=False,

@@ -36,6 +36,13 @@ from glm5_train.plan.context_parallel_comm import (
     mtp_targets_comm,
     recomputed_forward_comm,
 )
+from glm5_train.plan.elementwise import (
+    grad_accumulation_bytes,
+    head_elementwise,
+    layer_elementwise,
+    mtp_step_elementwise,
+    sparse_attention_bytes,
+)
 from glm5_train.plan.inputs import MemoryInputs, dense_warmup, dsa_sparse, mtp_sets, mtp_steps
 from glm5_train.plan.param_count import Term, layer_terms, top_terms
 from glm5_train.plan.tensor_parallel_comm import (
@@ -53,9 +60,11 @@ TP_SPLIT = frozenset({"q_up", "kv_up", "o_proj", "dense_mlp", "shared_expert"})
 
 @dataclass(frozen=True)
 class Streamed:
-    """Kernels bound by memory rather than by their FLOPs: the bytes they move per
-    micro-batch (forward + backward) and their FLOPs (also counted in ``Part.flops``). The
-    step-time model prices them at the slower of the two rates (``StageCosts.streamed_*``)."""
+    """Work bound by memory rather than by FLOPs: the bytes it moves per micro-batch (forward
+    + backward, of which the forward's) and its FLOPs (also counted in ``Part.flops``). For
+    the sparse attention's torch path (``Part.streamed``) the FLOPs are its small batched
+    matmuls, which the step-time model prices at the spec's batched-matmul rate, and the
+    bytes its gathers and scatters; element-wise work (``Part.elementwise``) has no FLOPs."""
 
     bytes: int = 0
     flops: int = 0
@@ -83,7 +92,9 @@ class Part:
     ``glm5_train.plan.tensor_parallel_comm``) and of those what one more forward sends again
     (``forward_comm``: full recompute's). ``adamw_params``: the trained dense parameters Muon
     leaves to AdamW (``adamw_elements``). ``frozen_params``: dense parameters held (counted in
-    ``dense_params``) with no gradient or optimizer state (a frozen indexer)."""
+    ``dense_params``) with no gradient or optimizer state (a frozen indexer). ``streamed``:
+    the sparse attention's torch path; ``elementwise``: the element-wise operators' bytes on
+    CPUs (``glm5_train.plan.elementwise``; no FLOPs)."""
 
     dense_params: int = 0
     expert_params: int = 0
@@ -95,6 +106,7 @@ class Part:
     forward_comm: Comm = ()
     frozen_params: int = 0
     streamed: Streamed = field(default_factory=Streamed)
+    elementwise: Streamed = field(default_factory=Streamed)
 
     def __add__(self, other: Part) -> Part:
         return Part(self.dense_params + other.dense_params,
@@ -103,13 +115,14 @@ class Part:
                     max(self.transient_bytes, other.transient_bytes),
                     comm_sum(self.comm, other.comm), self.adamw_params + other.adamw_params,
                     comm_sum(self.forward_comm, other.forward_comm),
-                    self.frozen_params + other.frozen_params, self.streamed + other.streamed)
+                    self.frozen_params + other.frozen_params, self.streamed + other.streamed,
+                    self.elementwise + other.elementwise)
 
     def times(self, k: int) -> Part:
         return Part(k * self.dense_params, k * self.expert_params, k * self.activation_bytes,
                     k * self.flops, self.transient_bytes if k else 0, comm_times(self.comm, k),
                     k * self.adamw_params, comm_times(self.forward_comm, k),
-                    k * self.frozen_params, self.streamed.times(k))
+                    k * self.frozen_params, self.streamed.times(k), self.elementwise.times(k))
 
     @property
     def trained_dense_params(self) -> int:
@@ -139,15 +152,6 @@ def absorbed_core_flops(cfg: GLM5Config, inp: MemoryInputs) -> int:
     return 2 * picks * cfg.num_attention_heads * (5 * width + 2 * latent) // (inp.tp * inp.cp)
 
 
-# Passes the torch path of the absorbed sparse attention (glm5_train/model/sparse_mla.py: CPUs,
-# dsa.sparse_kernel=torch) makes over its picked latent rows [query rows, K, C + R] in fp32 per
-# micro-batch, counted from its code: forward 4 (the row gather reads and writes, the logits
-# and output matmuls read; the output matmul reads only the C value columns, counted whole);
-# backward 8 (the gather again: 2; the logits/dp and dq matmuls read, the key-gradient matmul
-# writes: 3; index_add reads those gradients and adds them into the key rows: 3).
-TORCH_PATH_PASSES = (4, 8)
-
-
 def runs_torch_sparse_attention(inp: MemoryInputs) -> bool:
     """Whether the plan's absorbed sparse attention is the torch path: ``dsa.sparse_kernel``
     torch, or auto on a plan without CUDA (``fused_attention``: the device the plan is for;
@@ -156,30 +160,19 @@ def runs_torch_sparse_attention(inp: MemoryInputs) -> bool:
                                             and not inp.fused_attention)
 
 
-def absorbed_core_streamed(cfg: GLM5Config, inp: MemoryInputs) -> tuple[int, int]:
-    """(forward, backward) bytes the torch path of the absorbed sparse attention moves over
-    its picked latent rows per micro-batch and rank. The latent is shared by every head, so
-    neither TP nor head-parallel CP shrinks them (a rank runs its heads over every query);
-    all-gather CP splits the queries."""
-    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    rows = inp.micro_batch_size * inp.seq_length * min(cfg.index_topk, inp.seq_length)
-    if inp.cp_comm != "head_parallel":
-        rows //= inp.cp
-    forward, backward = TORCH_PATH_PASSES
-    return rows * width * 4 * forward, rows * width * 4 * backward
-
-
 def attention_streamed(cfg: GLM5Config, inp: MemoryInputs) -> Streamed:
-    """The absorbed sparse attention's torch path as a memory-bound kernel, its forward again
-    where ``core_attn`` is recomputed. Nothing for the other paths, priced by their FLOPs;
-    nor for the Triton kernels (CUDA): they read each picked row in place, neighbouring
+    """The absorbed sparse attention's torch path: its element-wise bytes
+    (``elementwise.sparse_attention_bytes``) and its matmuls' FLOPs, one small
+    [heads, C + R] x [C + R, K] product per query, which the step-time model prices at the
+    spec's batched-matmul rate; its forward again where ``core_attn`` is recomputed.
+    Nothing for the other paths, priced by their FLOPs; nor for the Triton kernels (CUDA): they read each picked row in place, neighbouring
     queries share many picks through the L2 cache, and how much reaches HBM is not measured
     yet. The bound, every pick from HBM (8,064 bytes per pick at GLM-5's 576-wide latent:
     two bf16 reads forward with the KL's probabilities, one backward, an fp32 atomic add),
     would be about 23x their FLOPs' time with 8 heads per rank on the H100 preset."""
     if not (dsa_sparse(cfg, inp) and inp.absorbed_attention and runs_torch_sparse_attention(inp)):
         return Streamed()
-    forward, backward = absorbed_core_streamed(cfg, inp)
+    forward, backward = sparse_attention_bytes(cfg, inp)
     once = Streamed(forward + backward, absorbed_core_flops(cfg, inp), forward)
     return once + once.forward_again() if inp.recompute.selects("core_attn") else once
 
@@ -223,7 +216,12 @@ def layer_part(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> Part:
     return Part(dense, expert, decoder_layer_activation_bytes(cfg, moe, inp), flops,
                 local_kl_transient_bytes(cfg, inp), comm_sum(cp, tp), adamw,
                 comm_sum(recomputed_forward_comm(cp), tp_again), frozen,
-                attention_streamed(cfg, inp))
+                attention_streamed(cfg, inp), as_streamed(*layer_elementwise(cfg, moe, inp)))
+
+
+def as_streamed(forward: int, backward: int) -> Streamed:
+    """Element-wise bytes (forward, backward) as a ``Streamed`` with no FLOPs."""
+    return Streamed(forward + backward, 0, forward)
 
 
 def local_kl_transient_bytes(cfg: GLM5Config, inp: MemoryInputs) -> int:
@@ -271,15 +269,17 @@ def mtp_part(cfg: GLM5Config, inp: MemoryInputs) -> Part:
     comm = comm_sum(layer.comm, mtp_roll_comm(inp), *projection,
                     embedding_comm(cfg, inp, trains=not dense_warmup(inp)))
     streamed = layer.streamed
+    elementwise = layer.elementwise + as_streamed(*mtp_step_elementwise(cfg, inp))
     if inp.recompute.mtp_steps_recomputed:  # each step's forward once more in backward
         flops += flops // 3
         comm = comm_sum(comm, layer.forward_comm, projection[0])
         streamed += streamed.forward_again()
+        elementwise += elementwise.forward_again()
     if not inp.mtp_runs:  # a zero loss weight: the steps do not run (zeros sent instead)
         return params
     return params + Part(activation_bytes=mtp_step_activation_bytes(cfg, inp), flops=flops,
                          transient_bytes=layer.transient_bytes, comm=comm,
-                         streamed=streamed).times(steps)
+                         streamed=streamed, elementwise=elementwise).times(steps)
 
 
 def head_part(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> Part:
@@ -288,7 +288,8 @@ def head_part(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> Part:
     gemms = 4 if inp.loss_chunk_tokens > 0 else 3
     flops = 2 * gemms * cfg.vocab_size * cfg.hidden_size * inp.tokens // inp.tp
     head = Part(activation_bytes=loss_head_activation_bytes(cfg, inp), flops=flops)
-    main = head + Part(comm=head_comm(cfg, inp, entropy=inp.head_entropy))
+    main = head + Part(comm=head_comm(cfg, inp, entropy=inp.head_entropy),
+                       elementwise=as_streamed(*head_elementwise(cfg, inp, heads)))
     return vocab_part(cfg, inp, "output_head") + main + (
         head + Part(comm=head_comm(cfg, inp))).times(heads - 1) + Part(
         comm=mtp_targets_comm(inp) if heads > 1 else ())
@@ -312,7 +313,9 @@ def chunk_layers_part(cfg: GLM5Config, layer: dict[bool, Part], moe_flags: list[
     return part + Part(activation_bytes=units * recompute_unit_input_bytes(cfg, inp) - dropped,
                        flops=sum(p.flops for p in redone) // 3,
                        comm=comm_sum(*(p.forward_comm for p in redone)),
-                       streamed=sum((p.streamed.forward_again() for p in redone), Streamed()))
+                       streamed=sum((p.streamed.forward_again() for p in redone), Streamed()),
+                       elementwise=sum((p.elementwise.forward_again() for p in redone),
+                                       Streamed()))
 
 
 # Host-resident optimizer state per parameter element (parallel/host_optimizer.py): the fp32
@@ -342,7 +345,10 @@ def stage_costs(part: Part, inp: MemoryInputs) -> StageCosts:
                       buffer_bytes=inp.weight_bytes * e if inp.int4_qat else 0,
                       streamed_bytes_per_microbatch=part.streamed.bytes,
                       streamed_forward_bytes_per_microbatch=part.streamed.forward_bytes,
-                      streamed_flops_per_microbatch=part.streamed.flops)
+                      streamed_flops_per_microbatch=part.streamed.flops,
+                      elementwise_bytes_per_microbatch=part.elementwise.bytes
+                      + grad_accumulation_bytes(d + e, inp),
+                      elementwise_forward_bytes_per_microbatch=part.elementwise.forward_bytes)
 
 
 def zero2_accumulated_bytes(dense: int, expert: int, inp: MemoryInputs) -> int:

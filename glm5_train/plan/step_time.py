@@ -9,9 +9,10 @@ What goes in:
   latency of the links inside a node and between nodes (``configs/cluster/*.yaml``).
 
 How the parts combine:
-- Compute: FLOPs at the spec's rate; kernels the planner marks memory-bound (its ``Streamed``
-  parts: the sparse attention's torch path) at the slower of that and their bytes at the
-  spec's memory rate (``memory_bound_seconds``).
+- Compute: FLOPs at the spec's rate; the sparse attention's torch path (the planner's
+  ``Streamed`` parts) its matmuls at the spec's batched-matmul rate and its gathers and
+  scatters at the memory rate (``streamed_seconds``); on CPU plans, the element-wise operators'
+  bytes (``glm5_train.plan.elementwise``) at the memory rate.
 - A collective: its bytes at the rate of the links it crosses. The group's ranks are placed as
   megatron-core places them (order tp-cp-ep-dp-pp; experts etp-ep-edp-pp), on nodes of
   ``gpus_per_node`` consecutive ranks. Bytes inside a node go at the intra-node rate, bytes
@@ -38,8 +39,8 @@ rank's milliseconds by the same parts, measured from metrics.jsonl's ``comm_by_p
 ``tools/plan_vs_measured.py --cluster`` and ``bench/step_time_vs_measured.py``.
 
 Not modelled: expert load imbalance (the router spreads tokens evenly), kernel launch and
-Python overhead, memory-bound element-wise work (beyond the one compute rate), the cost of
-each collective call, and congestion between collectives that run at once.
+Python overhead, element-wise work on GPUs (fused there; left to the compute rate), the cost
+of each collective call, and congestion between collectives that run at once.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from omegaconf import OmegaConf
 
 from glm5_train.job_config import JobConfig
 from glm5_train.model.config import GLM5Config
+from glm5_train.plan.elementwise import TORCH_ADAMW_STEP_BYTES, runs_unfused
 from glm5_train.plan.inputs import MemoryInputs, inputs_from_job, mtp_sets
 from glm5_train.plan.param_count import Term, layer_terms, mtp_layer_terms
 from glm5_train.plan.pipeline import job_pipeline, plan_report
@@ -119,9 +121,16 @@ class ClusterSpec:
     note: str = ""
     # torch.cuda.get_device_name() of the devices this spec describes (MFU per step)
     cuda_names: tuple[str, ...] = ()
+    # many small matmuls in one batched call (the sparse attention's torch path: one
+    # [heads, D] x [D, K] product per query); 0: at compute_tflops
+    batched_matmul_tflops: float = 0.0
 
     def link(self, inter: bool) -> Link:
         return self.inter_node if inter else self.intra_node
+
+    @property
+    def batched_rate(self) -> float:
+        return (self.batched_matmul_tflops or self.compute_tflops) * 1e12
 
 
 def load_cluster(name: str) -> ClusterSpec:
@@ -321,11 +330,12 @@ def predict_step_time(job: JobConfig, dp: int, cluster: ClusterSpec,
                     model_flops_per_step(job, **changes), hidden)
 
 
-def memory_bound_seconds(streamed: float, flops: float, cluster: ClusterSpec) -> float:
-    """What kernels that move ``streamed`` bytes for ``flops`` FLOPs take beyond their
-    FLOPs' time: they run at the slower of the compute and memory rates (a roofline)."""
-    return max(0.0, streamed / (cluster.memory_gbs * 1e9)
-               - flops / (cluster.compute_tflops * 1e12))
+def streamed_seconds(streamed: float, flops: float, cluster: ClusterSpec) -> float:
+    """What the sparse attention's torch path takes beyond its FLOPs at the compute rate (they
+    are in the stage's FLOPs): its ``streamed`` gather and scatter bytes at the memory rate,
+    and its ``flops`` at the batched-matmul rate instead of the compute rate."""
+    return (streamed / (cluster.memory_gbs * 1e9)
+            + flops / cluster.batched_rate - flops / (cluster.compute_tflops * 1e12))
 
 
 def _stage_times(job: JobConfig, inputs: MemoryInputs, layout: PipelineLayout, stage: int,
@@ -334,12 +344,15 @@ def _stage_times(job: JobConfig, inputs: MemoryInputs, layout: PipelineLayout, s
     (the forward a third of the model's FLOPs, the backward the rest, recompute included)
     plus the exposed collectives (the forward sends half of what a step without recompute
     sends, the backward the rest) and the pipeline message each one sends."""
-    pp, rate = layout.pp, cluster.compute_tflops * 1e12
+    pp, rate, memory = layout.pp, cluster.compute_tflops * 1e12, cluster.memory_gbs * 1e9
     forward_compute = (plain.flops_per_microbatch / 3 / rate
-                       + memory_bound_seconds(plain.streamed_forward_bytes_per_microbatch,
-                                              plain.streamed_flops_per_microbatch / 3, cluster))
-    compute = costs.flops_per_microbatch / rate + memory_bound_seconds(
-        costs.streamed_bytes_per_microbatch, costs.streamed_flops_per_microbatch, cluster)
+                       + streamed_seconds(plain.streamed_forward_bytes_per_microbatch,
+                                          plain.streamed_flops_per_microbatch / 3, cluster)
+                       + plain.elementwise_forward_bytes_per_microbatch / memory)
+    compute = (costs.flops_per_microbatch / rate
+               + streamed_seconds(costs.streamed_bytes_per_microbatch,
+                                  costs.streamed_flops_per_microbatch, cluster)
+               + costs.elementwise_bytes_per_microbatch / memory)
     total = comm_seconds(costs.comm_bytes_per_microbatch, inputs, pp, cluster)
     once = comm_seconds(plain.comm_bytes_per_microbatch, inputs, pp, cluster)
     in_forward = {kind: once.get(kind, 0.0) / 2 / seconds for kind, seconds in total.items()
@@ -461,10 +474,12 @@ def _overlapped_gather(ops, chunk_seconds: list[float], buckets: list[int]) -> f
 def optimizer_seconds(cfg: GLM5Config, inputs: MemoryInputs, layout: PipelineLayout, rank: int,
                       cluster: ClusterSpec) -> float:
     """One optimizer step on one rank: the elements it updates at HBM speed, and under Muon
-    the Newton-Schulz iterations of the matrices it owns at the compute rate."""
+    the Newton-Schulz iterations of the matrices it owns at the compute rate. AdamW on a CPU
+    plan is torch's, one operator per update term (``TORCH_ADAMW_STEP_BYTES``)."""
     matrices, others, flops = _rank_parameters(cfg, inputs, layout, rank)
     if inputs.muon is None:
-        moved = ADAMW_STEP_BYTES * (matrices + others)
+        per_element = TORCH_ADAMW_STEP_BYTES if runs_unfused(inputs) else ADAMW_STEP_BYTES
+        moved = per_element * (matrices + others)
     else:
         moved = MUON_STEP_BYTES * matrices + ADAMW_STEP_BYTES * others
     on_device = 1.0 - inputs.optimizer_offload_fraction  # host state steps on the host

@@ -1,0 +1,113 @@
+"""The planner's element-wise bytes on CPUs (glm5_train/plan/elementwise.py) against the bytes
+a training step's operators move, counted by tests/elementwise_count.py; and where the
+step-time model takes them (CPU plans only, recompute, torch's AdamW)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from glm5_train.job_config import compose_job
+from glm5_train.plan import inputs_from_job, job_plan
+from glm5_train.plan.elementwise import (
+    TORCH_ADAMW_STEP_BYTES,
+    layer_elementwise,
+    sparse_attention_bytes,
+)
+from glm5_train.plan.step_time import ADAMW_STEP_BYTES, ClusterSpec, Link, optimizer_seconds
+from tests.parity import run_script
+
+# The bench's compute-bound widths (bench/step_time_vs_measured.py), at 256 tokens.
+COMPUTE_BOUND = ["model.hidden_size=1024", "model.intermediate_size=2048",
+                 "model.moe_intermediate_size=512", "model.q_lora_rank=512",
+                 "model.kv_lora_rank=256", "model.num_attention_heads=8",
+                 "model.num_key_value_heads=8", "model.qk_nope_head_dim=64",
+                 "model.qk_rope_head_dim=32", "model.v_head_dim=64", "model.index_n_heads=8",
+                 "model.index_head_dim=64", "model.index_topk=128"]
+BASE = ["model=glm5_tiny", "train.warmup_iters=0", "train.global_batch_size=4",
+        "train.micro_batch_size=1", "checkpoint.save=null", "train.train_iters=1"]
+MEMORY = ClusterSpec("memory", "test", peak_tflops=1.0, compute_tflops=1.0, memory_gbs=1.0,
+                     gpus_per_node=2, intra_node=Link(1.0, 0.0), inter_node=Link(1.0, 0.0))
+
+
+def _planned(overrides: list[str], ranks: int, **changes) -> tuple[int, int]:
+    """(element-wise, sparse attention) bytes per step the planner counts, over the stages of
+    one rank of each pipeline stage (one rank, without a pipeline)."""
+    job = compose_job(overrides)
+    dp = ranks // job.parallel.world_size_needed(1)
+    stages = job_plan(job, dp, **changes).stages
+    micro = inputs_from_job(job, dp, **changes).num_microbatches
+    return (micro * sum(s.costs.elementwise_bytes_per_microbatch for s in stages),
+            micro * sum(s.costs.streamed_bytes_per_microbatch for s in stages))
+
+
+def _counted(path) -> tuple[int, int]:
+    """(element-wise outside the sparse attention and the optimizer, the sparse attention's)
+    bytes of rank 0's step, from the worker's counts."""
+    counts = json.loads(path.read_text())
+    sparse = sum(b for key, (b, _) in counts.items() if ":DSACoreAttention:" in key)
+    rest = sum(b for key, (b, _) in counts.items()
+               if not key.startswith("optimizer:") and ":DSACoreAttention:" not in key)
+    return rest, sparse
+
+
+@pytest.mark.parametrize("name, ranks, overrides, within", [
+    # the widths the constants were counted at (a regression guard: 0.99 / 0.98 when written)
+    ("compute_bound", 1, [*COMPUTE_BOUND, "train.seq_length=256", "parallel=single"],
+     (0.95, 1.05)),
+    # other widths and TP2 + SP: 0.87 / 0.70 when written (the tiny shapes' fixed costs, the
+    # sparse path's masks over its first top-k queries, weigh more)
+    ("tiny_tp2", 2, ["train.seq_length=128", "parallel=tp2"], (0.6, 1.05)),
+])
+def test_the_planned_elementwise_bytes_match_a_counted_step(name, ranks, overrides, within,
+                                                             tmp_path):
+    out = tmp_path / "counts.json"
+    job_overrides = [*BASE, *overrides]
+    proc = run_script(ranks, "tests/elementwise_count.py",
+                      [str(out), str(tmp_path / "run"), *job_overrides])
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    planned, counted = _planned(job_overrides, ranks), _counted(out)
+    low, high = within
+    for what, plan, count in zip(("element-wise", "sparse attention"), planned, counted):
+        assert count > 0 and low <= plan / count <= high, (name, what, plan, count)
+
+
+def test_gpu_plans_leave_elementwise_work_to_the_compute_rate():
+    """Transformer Engine fuses it there (unmeasured): no element-wise bytes, and the fused
+    AdamW's bytes per element."""
+    job = compose_job(["model=glm5_tiny", "train=tiny", "parallel=single"])
+    cpu, gpu = inputs_from_job(job, 1, fused_attention=False), inputs_from_job(
+        job, 1, fused_attention=True)
+    assert layer_elementwise(job.model, True, cpu)[0] > 0
+    assert layer_elementwise(job.model, True, gpu) == (0, 0)
+    assert _planned(["model=glm5_tiny", "train=tiny", "parallel=single"], 1,
+                    fused_attention=True) == (0, 0)
+    plan = job_plan(job, 1, fused_attention=False)
+    params = sum(s.costs.dense_params + s.costs.expert_params for s in plan.stages)
+    layout = plan.layout
+    assert optimizer_seconds(job.model, cpu, layout, 0, MEMORY) == pytest.approx(
+        TORCH_ADAMW_STEP_BYTES * params / 1e9, rel=1e-6)
+    assert optimizer_seconds(job.model, gpu, layout, 0, MEMORY) == pytest.approx(
+        ADAMW_STEP_BYTES * params / 1e9, rel=1e-6)
+
+
+def test_recompute_moves_the_forward_bytes_again():
+    """Full recompute of every layer: each layer's and MTP step's forward element-wise bytes
+    once more (the MTP steps recompute with the layers)."""
+    base = ["model=glm5_tiny", "train=tiny", "parallel=single", "train.seq_length=256"]
+    full = ["activations.recompute_granularity=full", "activations.recompute_method=uniform",
+            "activations.recompute_num_layers=1"]
+    job = compose_job(base)
+    cfg, inputs = job.model, inputs_from_job(job, 1)
+    plain = _planned(base, 1)
+    redone = _planned([*base, *full], 1)
+    dense = layer_elementwise(cfg, False, inputs)[0]
+    moe = layer_elementwise(cfg, True, inputs)[0]
+    layers = cfg.first_k_dense_replace * dense + (
+        cfg.num_hidden_layers - cfg.first_k_dense_replace) * moe
+    assert redone[0] - plain[0] >= inputs.num_microbatches * layers
+    # the sparse attention's forward bytes once more per layer and MTP step
+    forward = sparse_attention_bytes(cfg, inputs)[0]
+    steps = cfg.num_hidden_layers + cfg.mtp_num_steps
+    assert redone[1] - plain[1] == inputs.num_microbatches * steps * forward
