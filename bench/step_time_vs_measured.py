@@ -5,10 +5,11 @@ of the parity matrix: how far the prediction is from this machine's step, and wh
         [--width tiny|compute_bound] [--seq-length 64]
 
 1. A cluster spec for this machine, measured by ``tools/calibrate_cluster.py`` on 2 gloo
-   ranks right before each layout's runs (micro-benchmarks: a matmul rate, a batched small
-   matmul's at the sparse attention's shape, copy bandwidth, an all-gather's bandwidth and an
-   all-reduce's latency; never the layouts below). This machine's speed drifts by tens of
-   percent over minutes, so each layout is predicted on the spec measured beside it.
+   ranks right before and right after each layout's runs, the two averaged (micro-benchmarks:
+   a matmul rate, a batched small matmul's at the sparse attention's shape, copy bandwidth,
+   an all-gather's bandwidth and an all-reduce's latency; never the layouts below). This
+   machine's speed drifts by tens of percent over minutes, so each layout is predicted on
+   the spec measured around it.
 2. Each layout (the tiny GLM-5, 4 sequences of 64 tokens per step, as tests/parity.py runs
    it; ``--width compute_bound`` widens it to hidden 1024, enough at ``--seq-length 512`` for
    a CPU step to be bound by its matmuls rather than by operator dispatch) trained
@@ -92,7 +93,7 @@ def calibrated_spec(workdir: str, name: str, job) -> str:
     cfg = job.model
     shape = (job.train.seq_length, cfg.num_attention_heads,
              cfg.kv_lora_rank + cfg.qk_rope_head_dim, min(cfg.index_topk, job.train.seq_length))
-    out = os.path.join(workdir, f"{name}.yaml")
+    out = os.path.join(workdir, f"{name}_{len(os.listdir(workdir))}.yaml")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(REPO, "tools", "calibrate_cluster.py"), "--out", out,
            "--bmm-shape", ",".join(map(str, shape))]
@@ -101,6 +102,23 @@ def calibrated_spec(workdir: str, name: str, job) -> str:
     if proc.returncode:
         raise SystemExit(f"calibration failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     return out
+
+
+def averaged(first: ClusterSpec, second: ClusterSpec) -> ClusterSpec:
+    """The two specs' rates averaged (links included), the first's other fields."""
+    def mean(a: float, b: float) -> float:
+        return (a + b) / 2
+
+    def link(a, b):
+        return dataclasses.replace(a, gbs=mean(a.gbs, b.gbs),
+                                   latency_us=mean(a.latency_us, b.latency_us))
+
+    return dataclasses.replace(
+        first, compute_tflops=mean(first.compute_tflops, second.compute_tflops),
+        batched_matmul_tflops=mean(first.batched_matmul_tflops, second.batched_matmul_tflops),
+        memory_gbs=mean(first.memory_gbs, second.memory_gbs),
+        intra_node=link(first.intra_node, second.intra_node),
+        inter_node=link(first.inter_node, second.inter_node))
 
 
 def spec_text(cluster: ClusterSpec) -> str:
@@ -171,9 +189,10 @@ def main() -> None:
             job_overrides = [*BASE, f"train.seq_length={args.seq_length}", *WIDTHS[args.width],
                              f"train.train_iters={args.steps}", *overrides]
             job = compose_job(job_overrides)
-            cluster = load_cluster(calibrated_spec(workdir, name, job))
+            before = load_cluster(calibrated_spec(workdir, name, job))
             runs = [run_training(ranks, job_overrides, os.path.join(workdir, f"{name}_{i}"), name)
                     for i in range(args.repeats)]
+            cluster = averaged(before, load_cluster(calibrated_spec(workdir, name, job)))
             steps = [measured_step(r) for r in runs]
             measured = statistics.median(steps)
             spread = (max(steps) - min(steps)) / measured

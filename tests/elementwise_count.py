@@ -9,8 +9,9 @@ FLOPs), views (no bytes of their own) and collectives (priced as communication).
 innermost module running it; a backward one by the module whose forward made its autograd
 node (nodes are tagged when each module's forward returns, walking back from its outputs to
 its inputs); ``optimizer`` for what runs outside both (the optimizer, gradient clipping and
-zeroing; model building before the first step is not counted). Rank 0 writes
-{"<phase>:<module>:<op>": [bytes, calls]} of its own operators to OUT.json.
+zeroing; model building before the first step is not counted). Matmuls (mm, bmm, addmm,
+baddbmm) are counted in FLOPs instead, keyed "matmul_flops:<phase>:<module>:<op>". Rank 0
+writes {"<phase>:<module>:<op>": [bytes or FLOPs, calls]} of its own operators to OUT.json.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from glm5_train.job_config import compose_job
 MATMULS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear",
                      "_scaled_dot_product_flash_attention_for_cpu",
                      "_scaled_dot_product_flash_attention_for_cpu_backward"})
+# matmuls whose FLOPs are counted: the argument holding the left factor
+MATMUL_INPUT = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1}
 # operators that return views or uninitialised memory: no bytes moved
 NO_BYTES = frozenset({"view", "_unsafe_view", "expand", "as_strided", "t", "transpose",
                       "permute", "unsqueeze", "squeeze", "slice", "select", "alias", "detach",
@@ -86,21 +89,26 @@ class ElementwiseBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if (not self.started or name in MATMULS or name in NO_BYTES
-                or func.namespace == "c10d"):  # collectives: priced as communication
-            return out
-        node = torch._C._current_autograd_node()
-        if node is not None:
-            where = "backward:" + node.metadata.get("module", "")
-        elif self.tags.current():
-            where = "forward:" + self.tags.current()
-        else:
-            where = "optimizer:"
-        key = f"{where}:{name}"
-        inputs = {k: v for k, v in (kwargs or {}).items() if k != "out"}  # written: in ``out``
-        self.counts[key] += tensor_bytes((args, inputs)) + tensor_bytes(out)
+        if not self.started or name in NO_BYTES or func.namespace == "c10d":
+            return out  # collectives: priced as communication
+        key = f"{self._where()}:{name}"
+        if name in MATMUL_INPUT:  # FLOPs: 2 x output elements x the inner dimension
+            left = args[MATMUL_INPUT[name]]
+            key = "matmul_flops:" + key
+            self.counts[key] += 2 * out.numel() * left.shape[-1]
+        elif name not in MATMULS:
+            inputs = {k: v for k, v in (kwargs or {}).items() if k != "out"}  # written: ``out``
+            self.counts[key] += tensor_bytes((args, inputs)) + tensor_bytes(out)
         self.calls[key] += 1
         return out
+
+    def _where(self) -> str:
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            return "backward:" + node.metadata.get("module", "")
+        if self.tags.current():
+            return "forward:" + self.tags.current()
+        return "optimizer:"
 
 
 def main() -> None:

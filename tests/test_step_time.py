@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from glm5_train.job_config import compose_job
+from glm5_train.phase_times import ModelRate
 from glm5_train.plan import inputs_from_job, job_plan
 from glm5_train.plan.elementwise import sparse_attention_bytes
 from glm5_train.plan.step_time import (
@@ -22,7 +23,6 @@ from glm5_train.plan.step_time import (
     newton_schulz_flops,
     predict_step_time,
 )
-from glm5_train.phase_times import ModelRate
 from tests.parity import run_script
 from tools import plan_step_time
 
