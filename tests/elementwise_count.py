@@ -5,13 +5,14 @@ for tests/test_elementwise.py, run under torchrun with the job's Hydra overrides
 
 Every aten operator the run's steps dispatch is counted (its tensor inputs' and outputs'
 bytes: what it reads and writes) except matmuls and attention kernels (priced by their
-FLOPs), views (no bytes of their own) and collectives (priced as communication). Each is keyed by phase and module: a forward operator by the
-innermost module running it; a backward one by the module whose forward made its autograd
-node (nodes are tagged when each module's forward returns, walking back from its outputs to
-its inputs); ``optimizer`` for what runs outside both (the optimizer, gradient clipping and
-zeroing; model building before the first step is not counted). Matmuls (mm, bmm, addmm,
-baddbmm) are counted in FLOPs instead, keyed "matmul_flops:<phase>:<module>:<op>". Rank 0
-writes {"<phase>:<module>:<op>": [bytes or FLOPs, calls]} of its own operators to OUT.json.
+FLOPs), views (no bytes of their own) and collectives (priced as communication). Each is
+keyed by phase and module: a forward operator by the innermost module running it; a backward
+one by the module whose forward made its autograd node (nodes are tagged when each module's
+forward returns, walking back from its outputs to its inputs); ``optimizer`` for what runs
+outside both (the optimizer, gradient clipping and zeroing; model building before the first
+step is not counted). Matmuls (mm, bmm, addmm, baddbmm) are counted in FLOPs instead, keyed
+"matmul_flops:<phase>:<module>:<op>". Rank 0 writes {"<phase>:<module>:<op>": [bytes or
+FLOPs, calls]} of its own operators to OUT.json.
 """
 
 from __future__ import annotations

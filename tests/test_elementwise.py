@@ -42,13 +42,15 @@ def _planned(overrides: list[str], ranks: int, **changes) -> tuple[int, int]:
             micro * sum(s.costs.streamed_bytes_per_microbatch for s in stages))
 
 
-def _counted(path) -> tuple[int, int]:
+def _counted(path) -> tuple[int, int, int]:
     """(element-wise outside the sparse attention and the optimizer, the sparse attention's)
-    bytes of rank 0's step, from the worker's counts."""
-    counts = {key: b for key, (b, _) in json.loads(path.read_text()).items()
+    bytes of rank 0's step and its matmul FLOPs, from the worker's counts."""
+    counts = json.loads(path.read_text())
+    flops = sum(b for key, (b, _) in counts.items() if key.startswith("matmul_flops:"))
+    counts = {key: b for key, (b, _) in counts.items()
               if not key.startswith(("optimizer:", "matmul_flops:"))}
     sparse = sum(b for key, b in counts.items() if ":DSACoreAttention:" in key)
-    return sum(counts.values()) - sparse, sparse
+    return sum(counts.values()) - sparse, sparse, flops
 
 
 @pytest.mark.parametrize("name, ranks, overrides, within", [
@@ -66,10 +68,19 @@ def test_the_planned_elementwise_bytes_match_a_counted_step(name, ranks, overrid
     proc = run_script(ranks, "tests/elementwise_count.py",
                       [str(out), str(tmp_path / "run"), *job_overrides])
     assert proc.returncode == 0, proc.stdout[-3000:]
-    planned, counted = _planned(job_overrides, ranks), _counted(out)
+    *counted, flops = _counted(out)
     low, high = within
-    for what, plan, count in zip(("element-wise", "sparse attention"), planned, counted):
+    for what, plan, count in zip(("element-wise", "sparse attention"),
+                                 _planned(job_overrides, ranks), counted):
         assert count > 0 and low <= plan / count <= high, (name, what, plan, count)
+    # The planner's FLOPs, which the step-time model prices at the compute rate, against the
+    # step's matmuls (compute-bound widths: 1.001 one process, 0.999 CP2, 0.967 TP2, whose
+    # replicated indexer the planner splits).
+    job = compose_job(job_overrides)
+    dp = ranks // job.parallel.world_size_needed(1)
+    planned_flops = inputs_from_job(job, dp).num_microbatches * sum(
+        s.costs.flops_per_microbatch for s in job_plan(job, dp).stages)
+    assert 0.9 <= planned_flops / flops <= 1.05, (name, planned_flops, flops)
 
 
 def test_gpu_plans_leave_elementwise_work_to_the_compute_rate():

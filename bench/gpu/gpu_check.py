@@ -207,7 +207,7 @@ def part_calibrate(ctx: Context) -> dict:
         ctx.problems.append(f"calibrate_cluster exit {proc.returncode}: {proc.stderr[-1500:]}")
         return {}
     spec = load_cluster(out)
-    if not (spec.compute_tflops > 0 and spec.memory_gbs > 0):
+    if not (spec.compute_tflops > 0 and spec.memory_gbs > 0 and spec.batched_matmul_tflops > 0):
         ctx.problems.append(f"calibrate_cluster: rates not positive: {spec}")
     if ctx.device.type == "cuda" and torch.cuda.get_device_name() not in spec.cuda_names:
         ctx.problems.append(f"calibrate_cluster: cuda_names {spec.cuda_names} miss the device")
@@ -215,6 +215,7 @@ def part_calibrate(ctx: Context) -> dict:
         ctx.cuda_only("compute_tflops (bf16)")
         ctx.cuda_only("stack_vs_model (GPU figures)")
     return {"compute_tflops": spec.compute_tflops, "memory_gbs": spec.memory_gbs,
+            "batched_matmul_tflops": spec.batched_matmul_tflops,
             "device": spec.device, "stack_vs_model": stack_vs_model(ctx, spec)}
 
 

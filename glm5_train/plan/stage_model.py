@@ -162,14 +162,15 @@ def runs_torch_sparse_attention(inp: MemoryInputs) -> bool:
 
 def attention_streamed(cfg: GLM5Config, inp: MemoryInputs) -> Streamed:
     """The absorbed sparse attention's torch path: its element-wise bytes
-    (``elementwise.sparse_attention_bytes``) and its matmuls' FLOPs, one small
-    [heads, C + R] x [C + R, K] product per query, which the step-time model prices at the
-    spec's batched-matmul rate; its forward again where ``core_attn`` is recomputed.
-    Nothing for the other paths, priced by their FLOPs; nor for the Triton kernels (CUDA): they read each picked row in place, neighbouring
-    queries share many picks through the L2 cache, and how much reaches HBM is not measured
-    yet. The bound, every pick from HBM (8,064 bytes per pick at GLM-5's 576-wide latent:
-    two bf16 reads forward with the KL's probabilities, one backward, an fp32 atomic add),
-    would be about 23x their FLOPs' time with 8 heads per rank on the H100 preset."""
+    (``elementwise.sparse_attention_bytes``) and its matmuls' FLOPs, one small [heads, C + R] x
+    [C + R, K] product per query, which the step-time model prices at the spec's batched-matmul
+    rate; its forward again where ``core_attn`` is recomputed. Nothing for the other paths,
+    priced by their FLOPs; nor for the Triton kernels (CUDA): they read each picked row in
+    place, neighbouring queries share many picks through the L2 cache, and how much reaches HBM
+    is not measured yet. The bound, every pick from HBM (8,064 bytes per pick at GLM-5's
+    576-wide latent: two bf16 reads forward with the KL's probabilities, one backward, an fp32
+    atomic add), would be about 23x their FLOPs' time with 8 heads per rank on the H100
+    preset."""
     if not (dsa_sparse(cfg, inp) and inp.absorbed_attention and runs_torch_sparse_attention(inp)):
         return Streamed()
     forward, backward = sparse_attention_bytes(cfg, inp)
