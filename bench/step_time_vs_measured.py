@@ -52,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from job import REPO, run_training
 
 from glm5_train.job_config import compose_job
+from glm5_train.plan import inputs_from_job
 from glm5_train.plan.step_time import (
     ClusterSpec,
     load_cluster,
@@ -87,12 +88,16 @@ LAYOUTS = {
 WARMUP_STEPS = 2
 
 
-def calibrated_spec(workdir: str, name: str, job) -> str:
-    """A spec measured now, its batched matmul at the job's sparse attention shape (queries
-    per micro-batch, heads, latent width, picks)."""
-    cfg = job.model
-    shape = (job.train.seq_length, cfg.num_attention_heads,
-             cfg.kv_lora_rank + cfg.qk_rope_head_dim, min(cfg.index_topk, job.train.seq_length))
+def calibrated_spec(workdir: str, name: str, job, ranks: int) -> str:
+    """A spec measured now, its batched matmul at the shape of the layout's sparse attention
+    on one rank (queries per micro-batch on the rank, heads on the rank, latent width,
+    picks)."""
+    cfg, inputs = job.model, inputs_from_job(job, ranks // job.parallel.world_size_needed(1))
+    head_parallel = inputs.cp_comm == "head_parallel"
+    queries = inputs.micro_batch_size * inputs.seq_length // (1 if head_parallel else inputs.cp)
+    heads = cfg.num_attention_heads // (inputs.tp * (inputs.cp if head_parallel else 1))
+    shape = (queries, heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+             min(cfg.index_topk, inputs.seq_length))
     out = os.path.join(workdir, f"{name}_{len(os.listdir(workdir))}.yaml")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(REPO, "tools", "calibrate_cluster.py"), "--out", out,
@@ -189,10 +194,10 @@ def main() -> None:
             job_overrides = [*BASE, f"train.seq_length={args.seq_length}", *WIDTHS[args.width],
                              f"train.train_iters={args.steps}", *overrides]
             job = compose_job(job_overrides)
-            before = load_cluster(calibrated_spec(workdir, name, job))
+            before = load_cluster(calibrated_spec(workdir, name, job, ranks))
             runs = [run_training(ranks, job_overrides, os.path.join(workdir, f"{name}_{i}"), name)
                     for i in range(args.repeats)]
-            cluster = averaged(before, load_cluster(calibrated_spec(workdir, name, job)))
+            cluster = averaged(before, load_cluster(calibrated_spec(workdir, name, job, ranks)))
             steps = [measured_step(r) for r in runs]
             measured = statistics.median(steps)
             spread = (max(steps) - min(steps)) / measured

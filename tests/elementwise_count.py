@@ -4,15 +4,16 @@ for tests/test_elementwise.py, run under torchrun with the job's Hydra overrides
     torchrun --nproc-per-node N tests/elementwise_count.py OUT.json RUN_DIR override...
 
 Every aten operator the run's steps dispatch is counted (its tensor inputs' and outputs'
-bytes: what it reads and writes) except matmuls and attention kernels (priced by their
-FLOPs), views (no bytes of their own) and collectives (priced as communication). Each is
-keyed by phase and module: a forward operator by the innermost module running it; a backward
-one by the module whose forward made its autograd node (nodes are tagged when each module's
-forward returns, walking back from its outputs to its inputs); ``optimizer`` for what runs
-outside both (the optimizer, gradient clipping and zeroing; model building before the first
-step is not counted). Matmuls (mm, bmm, addmm, baddbmm) are counted in FLOPs instead, keyed
-"matmul_flops:<phase>:<module>:<op>". Rank 0 writes {"<phase>:<module>:<op>": [bytes or
-FLOPs, calls]} of its own operators to OUT.json.
+bytes: what it reads and writes; ``copy_``, ``zero_``, ``fill_`` and the random fills only
+write their destination) except matmuls and attention kernels (priced by their FLOPs), views
+(no bytes of their own) and collectives (priced as communication). Each is keyed by phase
+and module: a forward operator by the innermost module running it; a backward one by the
+module whose forward made its autograd node (nodes are tagged when each module's forward
+returns, walking back from its outputs to its inputs); ``optimizer`` for what runs outside
+both (the optimizer, gradient clipping and zeroing; building, loading and logging around the
+steps are not counted). Matmuls (mm, bmm, addmm, baddbmm, and their in-place forms) are
+counted in FLOPs instead, keyed "matmul_flops:<phase>:<module>:<op>". Rank 0 writes
+{"<phase>:<module>:<op>": [bytes or FLOPs, calls]} of its own operators to OUT.json.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ MATMULS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linea
                      "_scaled_dot_product_flash_attention_for_cpu",
                      "_scaled_dot_product_flash_attention_for_cpu_backward"})
 # matmuls whose FLOPs are counted: the argument holding the left factor
-MATMUL_INPUT = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1}
+MATMUL_INPUT = {"mm": 0, "bmm": 0, "addmm": 1, "baddbmm": 1, "addmm_": 1, "baddbmm_": 1}
+# in-place operators that only write their destination (the first argument): not read
+WRITE_ONLY = frozenset({"copy_", "zero_", "fill_", "normal_", "uniform_", "random_"})
 # operators that return views or uninitialised memory: no bytes moved
 NO_BYTES = frozenset({"view", "_unsafe_view", "expand", "as_strided", "t", "transpose",
                       "permute", "unsqueeze", "squeeze", "slice", "select", "alias", "detach",
@@ -99,7 +102,8 @@ class ElementwiseBytes(TorchDispatchMode):
             self.counts[key] += 2 * out.numel() * left.shape[-1]
         elif name not in MATMULS:
             inputs = {k: v for k, v in (kwargs or {}).items() if k != "out"}  # written: ``out``
-            self.counts[key] += tensor_bytes((args, inputs)) + tensor_bytes(out)
+            read = args[1:] if name in WRITE_ONLY else args
+            self.counts[key] += tensor_bytes((read, inputs)) + tensor_bytes(out)
         self.calls[key] += 1
         return out
 
@@ -119,9 +123,12 @@ def main() -> None:
     counter = ElementwiseBytes(ModuleTags())
     first_step = training.train_step
 
-    def counted_step(*args, **kwargs):  # model building and loading are not counted
+    def counted_step(*args, **kwargs):  # only the steps: not building, loading or logging
         counter.started = True
-        return first_step(*args, **kwargs)
+        try:
+            return first_step(*args, **kwargs)
+        finally:
+            counter.started = False
 
     training.train_step = counted_step
     with counter:

@@ -8,14 +8,16 @@ process's step at the bench's ``compute_bound`` widths). On GPUs Transformer Eng
 norms and activations and the optimizer is a fused kernel: those bytes are unmeasured here
 and left to the compute rate, as before.
 
-The constants are bytes per element, each operator's tensor inputs and outputs (what it reads
-and writes), counted from a dispatch-level trace of one training step (every aten operator
-but matmuls, views and collectives, keyed by the module whose forward ran it or made its
-autograd node: ``tests/elementwise_count.py``), at the bench's ``compute_bound`` widths in
-fp32 (hidden 1,024, 8 heads, 512 tokens, top-k 128). The sparse attention's own element-wise
-work has four terms, solved from four counts (512 or 256 tokens, top-k 128 or 64, one
-process or TP2). ``tests/test_elementwise.py`` re-counts the tiny model (other widths, one
-process and TP2 + SP) against these formulas.
+The constants are bytes per element, what each operator reads and writes (its tensor inputs
+and outputs; an operator that only writes its destination, such as ``copy_``, is not counted
+as reading it), counted from a dispatch-level trace of one training step (every aten
+operator but matmuls, views and collectives, keyed by the module whose forward ran it or
+made its autograd node: ``tests/elementwise_count.py``), at the bench's ``compute_bound``
+widths in fp32 (hidden 1,024, 8 heads, 512 tokens, top-k 128, vocabulary 320). The sparse
+attention's picked rows were counted directly; its three other terms were fitted (non-negative
+least squares) to four counts: 512 or 256 tokens, top-k 128 or 64, one process or TP2, each
+within 5%. ``tests/test_elementwise.py`` re-counts a step at those widths (one process) and
+at the tiny model's (TP2 + SP, EP2) against these formulas.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ NORM = (28, 103)
 # SwiGLU per [tokens, ffn] element (the gate's SiLU, the product, fc1's split): dense MLPs,
 # shared and routed experts alike.
 SWIGLU = (32, 65)
-# MoE routing per [tokens x top-k, hidden] element: the router, the permutation's gather, the
-# combine's weighting and scatter-add, and their backward.
+# MoE routing per [tokens x top-k, hidden] element a rank's experts receive: the router, the
+# permutation's gather, the combine's weighting and scatter-add, and their backward.
 ROUTING = (54, 58)
 # MLA outside its core attention per [tokens, heads x (qk + v head width)] element: rotary,
 # the nope/rope concatenations and splits, the down projections' summed input gradients.
@@ -40,8 +42,11 @@ ATTENTION = (21, 50)
 # gradient through).
 RESIDUAL = (24, 0)
 # Per output head (the main one and each MTP step's) and [tokens, hidden] element: the
-# embedding lookup, MTP's concatenation and roll, the loss's element-wise work.
-HEAD = (36, 68)
+# embedding lookup, MTP's concatenation and roll.
+HEAD = (28, 44)
+# Per output head and [tokens, vocabulary / TP] element: the vocabulary-parallel cross
+# entropy's max, exponent, sums and gathers, and its gradient.
+LOSS = (28, 44)
 # The weight gradients' accumulation into the fp32 main gradients (no gradient-accumulation
 # fusion): bytes per trained parameter and micro-batch (counted 16.6).
 GRAD_ACCUMULATION = 17
@@ -49,27 +54,31 @@ GRAD_ACCUMULATION = 17
 # - its gathers and scatters per picked latent element [queries, K, C + R]: the forward's row
 #   gather writes them (5.1 counted), the backward gathers again and index_add reads their
 #   gradients (10.4);
-# - per [queries, K, heads on the rank]: the logits' mask, softmax and their gradients;
+# - per [queries, K, heads on the rank]: the logits' mask and softmax gradients (the forward's
+#   share fitted at 0);
 # - per [queries, K, index heads] (replicated over TP): the indexer's scores at the picks and
-#   its KL;
-# - per [queries, heads on the rank, C + R]: the absorbed queries' copies, casts and the
-#   backward's concatenations;
-# - per [queries, index heads, index head width] (replicated): the indexer's rotary and
-#   scaling.
+#   its KL, the picks' softmax;
+# - per [queries, heads on the rank, C + R]: the absorbed queries' copies and casts, the
+#   backward's concatenations.
 SPARSE_ROWS = (5, 10)
-SPARSE_PICK_HEADS = (7, 70)
-SPARSE_PICK_INDEX_HEADS = (146, 87)
-SPARSE_QUERY = (41, 93)
-SPARSE_INDEX_QUERY = (78, 29)
+SPARSE_PICK_HEADS = (0, 57)
+SPARSE_PICK_INDEX_HEADS = (170, 99)
+SPARSE_QUERY = (49, 95)
 # torch's AdamW, one tensor at a time (megatron-core's choice without apex or Transformer
 # Engine), with gradient clipping's norm and scale and the gradient buffer's zeroing: bytes
 # per parameter element and step (the first step's state allocation is not counted).
-TORCH_ADAMW_STEP_BYTES = 128
+TORCH_ADAMW_STEP_BYTES = 120
 
 
 def runs_unfused(inp: MemoryInputs) -> bool:
     """Whether the plan's element-wise work runs as separate torch operators (a CPU plan)."""
     return not inp.fused_attention
+
+
+def _total(parts: list[tuple[tuple[int, int], int]]) -> tuple[int, int]:
+    """(forward, backward) bytes of (bytes per element, elements) pairs."""
+    return (sum(f * count for (f, _), count in parts),
+            sum(b * count for (_, b), count in parts))
 
 
 def sparse_attention_bytes(cfg: GLM5Config, inp: MemoryInputs) -> tuple[int, int]:
@@ -82,36 +91,49 @@ def sparse_attention_bytes(cfg: GLM5Config, inp: MemoryInputs) -> tuple[int, int
     queries = inp.micro_batch_size * inp.seq_length
     rows = queries * picks // (1 if inp.cp_comm == "head_parallel" else inp.cp)
     split = inp.tp * inp.cp  # of queries x heads
-    parts = [(SPARSE_ROWS, rows * width),
-             (SPARSE_PICK_HEADS, queries * picks * cfg.num_attention_heads // split),
-             (SPARSE_PICK_INDEX_HEADS, queries * picks * cfg.index_n_heads // inp.cp),
-             (SPARSE_QUERY, queries * cfg.num_attention_heads * width // split),
-             (SPARSE_INDEX_QUERY, queries * cfg.index_n_heads * cfg.index_head_dim // inp.cp)]
-    return (sum(f * count for (f, _), count in parts),
-            sum(b * count for (_, b), count in parts))
+    return _total([(SPARSE_ROWS, rows * width),
+                   (SPARSE_PICK_HEADS, queries * picks * cfg.num_attention_heads // split),
+                   (SPARSE_PICK_INDEX_HEADS, queries * picks * cfg.index_n_heads // inp.cp),
+                   (SPARSE_QUERY, queries * cfg.num_attention_heads * width // split)])
 
 
-def layer_elementwise(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> tuple[int, int]:
-    """(forward, backward) element-wise bytes of one decoder layer per micro-batch and rank,
-    outside the sparse attention's torch path (``stage_model.attention_streamed``)."""
-    if not runs_unfused(inp):
-        return 0, 0
+def _layer_parts(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> dict[str, tuple]:
+    """A decoder layer's element-wise terms by kind: (bytes per element, elements)."""
     H, n, n_sp = cfg.hidden_size, inp.tokens, inp.sp_tokens
     heads = cfg.num_attention_heads // inp.tp
     head_width = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
     latents = (cfg.q_lora_rank or 0) + cfg.kv_lora_rank
-    parts = [(NORM, n_sp * (2 * H + latents)), (ATTENTION, n * heads * head_width),
-             (RESIDUAL, n_sp * H)]
-    if moe:
-        k = cfg.num_experts_per_tok
-        routed = n * k // inp.ep  # evenly routed tokens, the rank's experts' share
-        shared = n * cfg.moe_intermediate_size * cfg.n_shared_experts // inp.tp
-        parts += [(SWIGLU, routed * cfg.moe_intermediate_size // inp.expert_tp + shared),
-                  (ROUTING, n * k * H // inp.ep)]
-    else:
-        parts.append((SWIGLU, n * cfg.intermediate_size // inp.tp))
-    return (sum(f * count for (f, _), count in parts),
-            sum(b * count for (_, b), count in parts))
+    parts = {"norm": (NORM, n_sp * (2 * H + latents)),
+             "attention": (ATTENTION, n * heads * head_width),
+             "residual": (RESIDUAL, n_sp * H)}
+    if not moe:
+        parts["swiglu"] = (SWIGLU, n * cfg.intermediate_size // inp.tp)
+        return parts
+    # Each rank routes its own tokens (under SP, its expert-TP group's gathered ones); its
+    # experts receive as many rows on average, whatever the EP size.
+    routed = cfg.num_experts_per_tok * (n_sp * inp.expert_tp if inp.sequence_parallel else n)
+    parts["expert_swiglu"] = (SWIGLU, routed * cfg.moe_intermediate_size // inp.expert_tp)
+    parts["shared_swiglu"] = (SWIGLU, n * cfg.moe_intermediate_size * cfg.n_shared_experts
+                              // inp.tp)
+    parts["routing"] = (ROUTING, routed * H)
+    return parts
+
+
+# What selective recompute runs again (parallel.recompute's modules), by kind.
+RECOMPUTED = {"moe_act": ("expert_swiglu",), "mla_up_proj": ("attention",)}
+
+
+def layer_elementwise(cfg: GLM5Config, moe: bool, inp: MemoryInputs) -> tuple[int, int]:
+    """(forward, backward) element-wise bytes of one decoder layer per micro-batch and rank,
+    outside the sparse attention's torch path (``stage_model.attention_streamed``); the
+    backward's include the forward bytes selective recompute runs again."""
+    if not runs_unfused(inp):
+        return 0, 0
+    parts = _layer_parts(cfg, moe, inp)
+    forward, backward = _total(list(parts.values()))
+    again = {kind for module, kinds in RECOMPUTED.items() if inp.recompute.selects(module)
+             for kind in kinds if kind in parts}
+    return forward, backward + _total([parts[kind] for kind in again])[0]
 
 
 def mtp_step_elementwise(cfg: GLM5Config, inp: MemoryInputs) -> tuple[int, int]:
@@ -119,17 +141,18 @@ def mtp_step_elementwise(cfg: GLM5Config, inp: MemoryInputs) -> tuple[int, int]:
     embedding's, the hidden state's, its final one)."""
     if not runs_unfused(inp):
         return 0, 0
-    normed = 3 * inp.sp_tokens * cfg.hidden_size
-    return NORM[0] * normed, NORM[1] * normed
+    return _total([(NORM, 3 * inp.sp_tokens * cfg.hidden_size)])
 
 
 def head_elementwise(cfg: GLM5Config, inp: MemoryInputs, heads: int) -> tuple[int, int]:
     """The last stage's: the final norm, and per output head (``heads``: the main one and
-    each MTP step's) its embedding, concatenation and loss work."""
+    each MTP step's) its embedding, concatenation and loss work. (The main embedding's lookup
+    runs on the first stage; counted here with the heads, a small share.)"""
     if not runs_unfused(inp):
         return 0, 0
-    normed, per_head = inp.sp_tokens * cfg.hidden_size, heads * inp.tokens * cfg.hidden_size
-    return (NORM[0] * normed + HEAD[0] * per_head, NORM[1] * normed + HEAD[1] * per_head)
+    return _total([(NORM, inp.sp_tokens * cfg.hidden_size),
+                   (HEAD, heads * inp.tokens * cfg.hidden_size),
+                   (LOSS, heads * inp.tokens * cfg.vocab_size // inp.tp)])
 
 
 def grad_accumulation_bytes(trained_params: int, inp: MemoryInputs) -> int:

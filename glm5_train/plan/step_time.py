@@ -130,6 +130,7 @@ class ClusterSpec:
 
     @property
     def batched_rate(self) -> float:
+        """FLOP/s of the sparse attention's per-query matmuls."""
         return (self.batched_matmul_tflops or self.compute_tflops) * 1e12
 
 
@@ -477,11 +478,11 @@ def optimizer_seconds(cfg: GLM5Config, inputs: MemoryInputs, layout: PipelineLay
     the Newton-Schulz iterations of the matrices it owns at the compute rate. AdamW on a CPU
     plan is torch's, one operator per update term (``TORCH_ADAMW_STEP_BYTES``)."""
     matrices, others, flops = _rank_parameters(cfg, inputs, layout, rank)
+    adamw = TORCH_ADAMW_STEP_BYTES if runs_unfused(inputs) else ADAMW_STEP_BYTES
     if inputs.muon is None:
-        per_element = TORCH_ADAMW_STEP_BYTES if runs_unfused(inputs) else ADAMW_STEP_BYTES
-        moved = per_element * (matrices + others)
-    else:
-        moved = MUON_STEP_BYTES * matrices + ADAMW_STEP_BYTES * others
+        moved = adamw * (matrices + others)
+    else:  # Muon's own update on CPUs is not counted: its fused-kernel bytes
+        moved = MUON_STEP_BYTES * matrices + adamw * others
     on_device = 1.0 - inputs.optimizer_offload_fraction  # host state steps on the host
     return (moved * on_device / (cluster.memory_gbs * 1e9)
             + (flops / (cluster.compute_tflops * 1e12) if inputs.muon else 0.0))
