@@ -182,7 +182,9 @@ def _run_ranks(argv: list[str], nprocs: int, log_path: str, timeout: int,
                as_script: bool = False) -> list[int]:
     """Start ``nprocs`` ranks of the job (of the script ``argv[0]`` with ``as_script``)
     writing to ``log_path``; their exit codes. A rank that fails (or the timeout) terminates
-    the rest, which would otherwise wait on it."""
+    the rest, which would otherwise wait on it; its own code then comes first, so that a
+    slower rank stopped by SIGTERM (-15) does not hide the code the run failed with (every
+    rank refusing bad input with 1, the second stopped before its own exit)."""
     base = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", WORLD_SIZE=str(nprocs),
                 LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(free_port()))
@@ -201,9 +203,10 @@ def _run_ranks(argv: list[str], nprocs: int, log_path: str, timeout: int,
         if time.monotonic() > deadline:
             spawn.stop_processes(ranks, grace=RANK_STOP_GRACE)
             return [124]  # timeout(1)'s code
-        if any(rank.exitcode not in (None, 0) for rank in ranks):
+        failed = next((rank for rank in ranks if rank.exitcode not in (None, 0)), None)
+        if failed is not None:
             spawn.stop_processes(ranks, grace=RANK_STOP_GRACE)
-            break
+            return [failed.exitcode] + [rank.exitcode for rank in ranks if rank is not failed]
         time.sleep(0.1)
     for rank in ranks:
         rank.join()

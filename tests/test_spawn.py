@@ -1,5 +1,6 @@
 """tests/spawn.py itself: results come back in rank order over a real gloo group, a failing
-rank's traceback (file, line, source) reaches the test, a hung rank is named with its stack."""
+rank's traceback (file, line, source) reaches the test, a hung rank is named with its stack;
+and tests/parity.py's run_script reports the code its failing rank exited with."""
 
 from __future__ import annotations
 
@@ -79,3 +80,22 @@ def test_arguments_the_workers_cannot_use_are_refused():
         run_ranks(0, _rank_sum, 1.0)
     with pytest.raises(ValueError, match="<lambda> is not a module-level function"):
         run_ranks(2, lambda rank, world_size: rank)
+
+
+def test_a_script_run_reports_the_code_its_failing_rank_exited_with(tmp_path):
+    """tests/parity.py's run_script: rank 1 refuses at once with 1 while rank 0 is still
+    busy; rank 0 is stopped (SIGTERM), and the run reports 1, not rank 0's -15 (under load a
+    second rank refusing the same input can be stopped before its own exit)."""
+    from tests.parity import run_script
+
+    script = tmp_path / "refuse.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    print('refused: bad input', flush=True)\n"
+                      "    sys.exit(1)\n"
+                      "time.sleep(60)\n")
+    started = time.monotonic()
+    proc = run_script(2, str(script), [], timeout=120)
+    assert proc.returncode == 1, proc.stdout
+    assert "refused: bad input" in proc.stdout
+    assert time.monotonic() - started < 40  # stopped, not waited for
