@@ -53,6 +53,7 @@ from job import REPO, run_training
 
 from glm5_train.job_config import compose_job
 from glm5_train.plan import inputs_from_job
+from glm5_train.plan.elementwise import COUNTED_WIDTHS
 from glm5_train.plan.step_time import (
     ClusterSpec,
     load_cluster,
@@ -65,13 +66,9 @@ from glm5_train.plan.step_time import (
 BASE = ["model=glm5_tiny", "train.warmup_iters=0", "train.global_batch_size=4",
         "train.micro_batch_size=1", "checkpoint.save=null"]
 # A GLM-5 of the tiny one's depth at widths where a CPU step is bound by its matmuls (about
-# 0.8 TFLOP per step at 512 tokens), not by operator dispatch: the regime the model prices.
-COMPUTE_BOUND = ["model.hidden_size=1024", "model.intermediate_size=2048",
-                 "model.moe_intermediate_size=512", "model.q_lora_rank=512",
-                 "model.kv_lora_rank=256", "model.num_attention_heads=8",
-                 "model.num_key_value_heads=8", "model.qk_nope_head_dim=64",
-                 "model.qk_rope_head_dim=32", "model.v_head_dim=64", "model.index_n_heads=8",
-                 "model.index_head_dim=64", "model.index_topk=128"]
+# 0.8 TFLOP per step at 512 tokens), not by operator dispatch: the regime the model prices,
+# and the widths its element-wise constants were counted at.
+COMPUTE_BOUND = COUNTED_WIDTHS
 WIDTHS = {"tiny": [], "compute_bound": COMPUTE_BOUND}
 DISTRIBUTED = "parallel.use_distributed_optimizer=true"
 # name -> (ranks, overrides): the parity matrix's layouts and the README's main-job layout

@@ -11,6 +11,7 @@ import pytest
 from glm5_train.job_config import compose_job
 from glm5_train.plan import inputs_from_job, job_plan
 from glm5_train.plan.elementwise import (
+    COUNTED_WIDTHS,
     SWIGLU,
     TORCH_ADAMW_STEP_BYTES,
     layer_elementwise,
@@ -20,13 +21,6 @@ from glm5_train.plan.elementwise import (
 from glm5_train.plan.step_time import ADAMW_STEP_BYTES, ClusterSpec, Link, optimizer_seconds
 from tests.parity import run_script
 
-# The bench's compute-bound widths (bench/step_time_vs_measured.py), at 256 tokens.
-COMPUTE_BOUND = ["model.hidden_size=1024", "model.intermediate_size=2048",
-                 "model.moe_intermediate_size=512", "model.q_lora_rank=512",
-                 "model.kv_lora_rank=256", "model.num_attention_heads=8",
-                 "model.num_key_value_heads=8", "model.qk_nope_head_dim=64",
-                 "model.qk_rope_head_dim=32", "model.v_head_dim=64", "model.index_n_heads=8",
-                 "model.index_head_dim=64", "model.index_topk=128"]
 BASE = ["model=glm5_tiny", "train.warmup_iters=0", "train.global_batch_size=4",
         "train.micro_batch_size=1", "checkpoint.save=null", "train.train_iters=1"]
 MEMORY = ClusterSpec("memory", "test", peak_tflops=1.0, compute_tflops=1.0, memory_gbs=1.0,
@@ -60,7 +54,7 @@ def _counted(path) -> tuple[int, int, int]:
 # planned / counted bytes, (element-wise, sparse attention): the range each must fall in
 @pytest.mark.parametrize("name, ranks, overrides, within", [
     # the widths the constants were counted at (a regression guard: 0.99 / 0.99 when written)
-    ("compute_bound", 1, [*COMPUTE_BOUND, "train.seq_length=256", "parallel=single"],
+    ("compute_bound", 1, [*COUNTED_WIDTHS, "train.seq_length=256", "parallel=single"],
      ((0.95, 1.05), (0.93, 1.05))),
     # other widths, TP2 + SP and EP2: 0.95 / 0.63 and 1.00 / 0.66 when written (the sparse
     # attention's shortfall at these widths is not explained yet)

@@ -25,6 +25,16 @@ from __future__ import annotations
 from glm5_train.model.config import GLM5Config
 from glm5_train.plan.inputs import MemoryInputs
 
+# The widths the constants were counted at, as overrides of model=glm5_tiny (its depth):
+# bench/step_time_vs_measured.py's --width compute_bound, and tests/test_elementwise.py's
+# regression count.
+COUNTED_WIDTHS = ("model.hidden_size=1024", "model.intermediate_size=2048",
+                  "model.moe_intermediate_size=512", "model.q_lora_rank=512",
+                  "model.kv_lora_rank=256", "model.num_attention_heads=8",
+                  "model.num_key_value_heads=8", "model.qk_nope_head_dim=64",
+                  "model.qk_rope_head_dim=32", "model.v_head_dim=64", "model.index_n_heads=8",
+                  "model.index_head_dim=64", "model.index_topk=128")
+
 # (forward, backward) bytes per element, fp32, counted (module docstring):
 # RMSNorm in fp32 (pow, mean, the rsqrt scale, the weight), hidden and latent norms alike; its
 # backward is autograd's over the same operators.
