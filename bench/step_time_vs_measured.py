@@ -4,22 +4,25 @@ of the parity matrix: how far the prediction is from this machine's step, and wh
     python bench/step_time_vs_measured.py [--steps 6] [--repeats 2] [--layouts single,tp2,...]
         [--width tiny|compute_bound] [--seq-length 64]
 
-1. A cluster spec for this machine, measured by ``tools/calibrate_cluster.py`` on 2 gloo
-   ranks right before and right after each layout's runs, the two averaged (micro-benchmarks:
-   a matmul rate, a batched small matmul's at the sparse attention's shape, copy bandwidth,
-   an all-gather's bandwidth and an all-reduce's latency; never the layouts below). This
-   machine's speed drifts by tens of percent over minutes, so each layout is predicted on
-   the spec measured around it.
+1. A cluster spec for this machine, measured by ``tools/calibrate_cluster.py`` before each
+   layout's first run and after each of its runs (micro-benchmarks: a matmul rate, a
+   batched small matmul's at the sparse attention's shape, copy bandwidth, an all-gather's
+   bandwidth and an all-reduce's latency; never the layouts below). It runs as many gloo
+   ranks as the layout keeps cores busy (one for one process, else the cores), each figure
+   timed as a synchronized job runs (its ``--sync-ms`` default). This machine's speed
+   drifts by up to 2x over tens of minutes, so each run is predicted on the average of the
+   two specs measured right around it.
 2. Each layout (the tiny GLM-5, 4 sequences of 64 tokens per step, as tests/parity.py runs
    it; ``--width compute_bound`` widens it to hidden 1024, enough at ``--seq-length 512`` for
    a CPU step to be bound by its matmuls rather than by operator dispatch) trained
    ``--steps`` steps, ``--repeats`` times; its step time is the median of each run's steps
    after the first two (warm-up), and the spread is the range over the runs.
-3. The model's prediction for the same job on the measured spec; where the layout has more
+3. The model's prediction for the same job on each run's spec; where the layout has more
    ranks than the machine has cores, each rank at its share of the core (``shared_cores``).
 
-Prints per layout the measured step (and spread), the predicted step, the ratio predicted /
-measured, the last run's phase split (forward-backward, grad sync, optimizer: the busiest
+Prints per layout the measured step (the median of the runs, and their spread), the
+predicted step (the median of the runs' predictions), the layout's ratio predicted /
+measured (the median of the runs' ratios) and each run's ratio, the last run's phase split (forward-backward, grad sync, optimizer: the busiest
 rank's, medians over the steps after the warm-up) and its collective calls per step (the
 busiest rank's); then, per layout, where the time went on the busiest rank (the one its
 collectives held least) against the model's busiest rank (the one that waits least), in ms: communication by the model's kinds (measured: the time each
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import math
 import os
 import statistics
@@ -86,9 +90,9 @@ WARMUP_STEPS = 2
 
 
 def calibrated_spec(workdir: str, name: str, job, ranks: int) -> str:
-    """A spec measured now, its batched matmul at the shape of the layout's sparse attention
-    on one rank (queries per micro-batch on the rank, heads on the rank, latent width,
-    picks)."""
+    """A spec measured now on as many ranks as the layout keeps cores busy, its batched
+    matmul at the shape of the layout's sparse attention on one rank (queries per
+    micro-batch on the rank, heads on the rank, latent width, picks)."""
     cfg, inputs = job.model, inputs_from_job(job, ranks // job.parallel.world_size_needed(1))
     head_parallel = inputs.cp_comm == "head_parallel"
     queries = inputs.micro_batch_size * inputs.seq_length // (1 if head_parallel else inputs.cp)
@@ -96,7 +100,9 @@ def calibrated_spec(workdir: str, name: str, job, ranks: int) -> str:
     shape = (queries, heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
              min(cfg.index_topk, inputs.seq_length))
     out = os.path.join(workdir, f"{name}_{len(os.listdir(workdir))}.yaml")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    busy = min(ranks, len(os.sched_getaffinity(0)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(busy),
            os.path.join(REPO, "tools", "calibrate_cluster.py"), "--out", out,
            "--bmm-shape", ",".join(map(str, shape))]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -183,7 +189,8 @@ def main() -> None:
         raise SystemExit(f"--layouts: unknown {unknown}; choose from {', '.join(LAYOUTS)}")
     with tempfile.TemporaryDirectory(prefix="glm5_step_time_") as workdir:
         print(f"{'layout':>22} {'measured s':>10} {'spread':>7} {'predicted s':>11} "
-              f"{'ratio':>7} {'fwd-bwd/sync/opt ms':>22} {'calls':>6}  spec")
+              f"{'ratio':>7} {'run ratios':>11} {'fwd-bwd/sync/opt ms':>22} {'calls':>6}  "
+              "spec (last run's)")
         worst = 1.0  # the ratio farthest from 1, either way
         splits = []
         for name in names:
@@ -191,25 +198,30 @@ def main() -> None:
             job_overrides = [*BASE, f"train.seq_length={args.seq_length}", *WIDTHS[args.width],
                              f"train.train_iters={args.steps}", *overrides]
             job = compose_job(job_overrides)
-            before = load_cluster(calibrated_spec(workdir, name, job, ranks))
-            runs = [run_training(ranks, job_overrides, os.path.join(workdir, f"{name}_{i}"), name)
-                    for i in range(args.repeats)]
-            cluster = averaged(before, load_cluster(calibrated_spec(workdir, name, job, ranks)))
+            specs = [load_cluster(calibrated_spec(workdir, name, job, ranks))]
+            runs = []
+            for i in range(args.repeats):  # each run between two calibrations
+                runs.append(run_training(ranks, job_overrides,
+                                         os.path.join(workdir, f"{name}_{i}"), name))
+                specs.append(load_cluster(calibrated_spec(workdir, name, job, ranks)))
             steps = [measured_step(r) for r in runs]
             measured = statistics.median(steps)
             spread = (max(steps) - min(steps)) / measured
             dp = ranks // job.parallel.world_size_needed(1)
-            step = predict_step_time(job, dp, shared_cores(cluster, ranks))
-            predicted = step.step_seconds
-            ratio = predicted / measured
+            around = [shared_cores(averaged(a, b), ranks) for a, b in itertools.pairwise(specs)]
+            predictions = [predict_step_time(job, dp, cluster) for cluster in around]
+            ratios = [p.step_seconds / m for p, m in zip(predictions, steps)]
+            ratio = statistics.median(ratios)
+            predicted = statistics.median(p.step_seconds for p in predictions)
             splits.append(f"{name:>22}  " + split_text(measured_median_split(runs[-1]),
-                                                       predicted_split(step)))
+                                                       predicted_split(predictions[-1])))
             if abs(math.log(ratio)) > abs(math.log(worst)):
                 worst = ratio
             metered = [r for r in runs[-1] if "comm_by_group" in r][-1]
             print(f"{name:>22} {measured:>10.3f} {spread:>7.1%} {predicted:>11.4f} "
-                  f"{ratio:>7.3f} {phase_ms(runs[-1]):>22} {calls_per_step(metered):>6}  "
-                  f"{spec_text(cluster)}", flush=True)
+                  f"{ratio:>7.3f} {'/'.join(f'{r:.2f}' for r in ratios):>11} "
+                  f"{phase_ms(runs[-1]):>22} {calls_per_step(metered):>6}  "
+                  f"{spec_text(around[-1])}", flush=True)
         print("where the busiest rank's step went, ms measured/predicted (last run):")
         for line in splits:
             print(line)

@@ -125,6 +125,7 @@ def test_the_calibration_wrote_a_spec_on_the_device(dry_run):
     part = dry_run[0]["parts"]["calibrate"]
     assert part["result"]["compute_tflops"] > 0 and part["result"]["memory_gbs"] > 0
     assert part["result"]["batched_matmul_tflops"] > 0
+    assert part["result"]["compute_tflops_synchronized"] > 0  # the --sync-ms path ran
     assert part["result"]["device"] == "CPU" and "compute_tflops (bf16)" in part["not_measured"]
     # the step-time model's compute term priced for the stack stack_mfu measured (its planner
     # FLOPs at the spec's rate), one row per measured length; CPU figures, so not GPU ones

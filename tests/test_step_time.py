@@ -281,7 +281,8 @@ def test_model_flops_per_step_count_every_rank_without_recompute():
 def test_a_measured_cluster_spec_loads_and_prices_a_plan(tmp_path):
     """tools/calibrate_cluster.py on 2 gloo ranks of this machine (small sizes): rank 0 writes
     a spec with every key the step-time model reads, positive rates, one node's link for both
-    levels, and the model prices a plan on it."""
+    levels, timed as a synchronized job (the CPU default), and the model prices a plan on
+    it."""
     out = tmp_path / "cpu.yaml"
     proc = run_script(2, "tools/calibrate_cluster.py", ["--out", str(out), "--matmul-size",
                                                         "128", "--message-mib", "1",
@@ -292,4 +293,19 @@ def test_a_measured_cluster_spec_loads_and_prices_a_plan(tmp_path):
     assert spec.compute_tflops > 0 and spec.memory_gbs > 0
     assert spec.intra_node.gbs > 0 and spec.intra_node.latency_us > 0
     assert spec.inter_node == spec.intra_node and "one node" in spec.note
+    assert "synchronized job: 50 ms chunks" in spec.note
     assert predict_step_time(_tiny("parallel=pp2"), 1, spec).step_seconds > 0
+
+
+def test_the_calibration_times_each_ranks_median_call_when_asked(tmp_path):
+    """``--sync-ms 0`` (the GPU default): each rank's median call averaged over the ranks,
+    said in the spec's note."""
+    out = tmp_path / "median.yaml"
+    proc = run_script(2, "tools/calibrate_cluster.py", ["--out", str(out), "--matmul-size",
+                                                        "128", "--message-mib", "1",
+                                                        "--repeats", "3", "--seconds", "0.2",
+                                                        "--sync-ms", "0"])
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    spec = load_cluster(str(out))
+    assert spec.compute_tflops > 0 and spec.memory_gbs > 0 and spec.batched_matmul_tflops > 0
+    assert "each rank's median call, averaged over the ranks" in spec.note

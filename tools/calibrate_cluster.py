@@ -19,8 +19,22 @@ What it measures (micro-benchmarks, never the layouts the model then predicts):
 Each figure is timed for at least ``--repeats`` calls and ``--seconds`` of wall time: on a
 shared or virtual machine a few calls catch the cores at one moment (five 512-wide matmuls
 gave 0.06-0.11 TFLOP/s on this 2-core machine from run to run; two seconds of them,
-averaged over the ranks, 0.113-0.127). Rank 0 prints each figure and writes the YAML;
-``--out`` is required. Exit status 0; 2 for a
+averaged over the ranks, 0.113-0.127).
+
+How the compute and memory figures are timed (``--sync-ms``):
+- On CPUs (default 50 ms): as a training step runs them. Every rank works in chunks of about
+  ``--sync-ms``, each closed by a 4-byte all-reduce over all ranks, and the figure is the
+  work done per wall second of the whole run. A step that synchronizes goes at its slowest
+  rank's pace and pays for every slow moment of either core; a median of each rank's calls
+  drops both. On this 2-core virtual machine one pinned core's matmul rate moves by 15-20%
+  between 2-second windows, and two ranks in 20-850 ms chunks closed by an all-reduce took
+  1.2-1.5x their median chunk times, averaged.
+- On GPUs (default 0): each rank's median call, averaged over the ranks (kernels do not
+  have a core's slow moments; the rate is the device's).
+
+Run it with as many processes as the job will have busy cores: one process measures one
+core alone (a one-process job), the link figures then are a placeholder (no link).
+Rank 0 prints each figure and writes the YAML; ``--out`` is required. Exit status 0; 2 for a
 bad command line.
 """
 
@@ -28,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import socket
 import sys
@@ -65,7 +80,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=None,
                    help="wall seconds each compute and memory figure is timed for, at least "
                         "(default: 2 on CPUs, 0.5 on GPUs)")
-    return p.parse_args(argv)
+    p.add_argument("--sync-ms", type=float, default=None,
+                   help="time the compute and memory figures as a synchronized job runs them: "
+                        "chunks of about this many ms closed by an all-reduce, work per wall "
+                        "second (default: 50 on CPUs; 0 on GPUs: each rank's median call)")
+    args = p.parse_args(argv)
+    if args.sync_ms is not None and args.sync_ms < 0:
+        p.error(f"--sync-ms {args.sync_ms:g}: must be 0 (each rank's median call) or a "
+                "positive chunk length in ms, e.g. --sync-ms 50")
+    return args
 
 
 def timed(fn, repeats: int, device: torch.device, seconds: float = 0.0) -> float:
@@ -83,6 +106,42 @@ def timed(fn, repeats: int, device: torch.device, seconds: float = 0.0) -> float
     return sorted(times)[len(times) // 2]
 
 
+def synchronized(fn, repeats: int, seconds: float, chunk_seconds: float,
+                 device: torch.device) -> float:
+    """Wall seconds per call of ``fn`` when every rank runs it in chunks of about
+    ``chunk_seconds``, each closed by a 4-byte all-reduce, for at least ``repeats`` calls and
+    ``seconds``: the pace
+    of a job that synchronizes (its slowest rank's, slow moments included). The same figure
+    on every rank."""
+    wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    wait()
+    started = time.perf_counter()
+    for _ in range(3):
+        fn()
+    wait()
+    one = max_over_ranks((time.perf_counter() - started) / 3, device)
+    per_chunk = max(1, round(chunk_seconds / one))
+    # the same count on every rank
+    chunks = max(2, math.ceil(seconds / (per_chunk * one)), math.ceil(repeats / per_chunk))
+    tiny = torch.ones(1, device=device)
+    dist.all_reduce(tiny)
+    wait()
+    started = time.perf_counter()
+    for _ in range(chunks):
+        for _ in range(per_chunk):
+            fn()
+        dist.all_reduce(tiny)
+    wait()
+    return max_over_ranks(time.perf_counter() - started, device) / (chunks * per_chunk)
+
+
+def max_over_ranks(value: float, device: torch.device) -> float:
+    slowest = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.item()
+
+
 def mean_over_ranks(value: float, device: torch.device) -> float:
     """Every rank's figure averaged: the rates the layouts' ranks see, not one core's."""
     total = torch.tensor([value], dtype=torch.float64, device=device)
@@ -90,27 +149,27 @@ def mean_over_ranks(value: float, device: torch.device) -> float:
     return total.item() / dist.get_world_size()
 
 
-def matmul_tflops(device: torch.device, size: int, repeats: int, seconds: float = 0.0) -> float:
+def matmul_tflops(device: torch.device, size: int, timer) -> float:
+    """``timer(fn)``: the seconds one call of ``fn`` takes (``timed`` or ``synchronized``)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    return 2 * size ** 3 / timed(lambda: a @ b, repeats, device, seconds) / 1e12
+    return 2 * size ** 3 / timer(lambda: a @ b) / 1e12
 
 
-def batched_matmul_tflops(device: torch.device, shape: str, repeats: int,
-                          seconds: float = 0.0) -> float:
+def batched_matmul_tflops(device: torch.device, shape: str, timer) -> float:
     batch, rows, inner, cols = (int(x) for x in shape.split(","))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = torch.randn(batch, rows, inner, device=device, dtype=dtype)
     b = torch.randn(batch, inner, cols, device=device, dtype=dtype)
     flops = 2 * batch * rows * inner * cols
-    return flops / timed(lambda: torch.bmm(a, b), repeats, device, seconds) / 1e12
+    return flops / timer(lambda: torch.bmm(a, b)) / 1e12
 
 
-def copy_gbs(device: torch.device, nbytes: int, repeats: int, seconds: float = 0.0) -> float:
+def copy_gbs(device: torch.device, nbytes: int, timer) -> float:
     src = torch.empty(nbytes // 4, device=device, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    return 2 * nbytes / timed(lambda: dst.copy_(src), repeats, device, seconds) / 1e9
+    return 2 * nbytes / timer(lambda: dst.copy_(src)) / 1e9
 
 
 def link(group, device: torch.device, nbytes: int, repeats: int) -> dict[str, float]:
@@ -163,9 +222,16 @@ def main(argv: list[str] | None = None) -> int:
     size = args.matmul_size or (8192 if cuda else 512)
     nbytes = int((args.message_mib or (256 if cuda else 8)) * 2**20)
     seconds = args.seconds if args.seconds is not None else (0.5 if cuda else 2.0)
-    rate = matmul_tflops(device, size, args.repeats, seconds)
-    memory = copy_gbs(device, 16 * nbytes, args.repeats, seconds)
-    batched = batched_matmul_tflops(device, args.bmm_shape, args.repeats, seconds)
+    sync_ms = args.sync_ms if args.sync_ms is not None else (0.0 if cuda else 50.0)
+    if sync_ms > 0:
+        def timer(fn):
+            return synchronized(fn, args.repeats, seconds, sync_ms / 1e3, device)
+    else:
+        def timer(fn):
+            return timed(fn, args.repeats, device, seconds)
+    rate = matmul_tflops(device, size, timer)
+    memory = copy_gbs(device, 16 * nbytes, timer)
+    batched = batched_matmul_tflops(device, args.bmm_shape, timer)
     spec = {"compute_tflops": round(mean_over_ranks(rate, device), 3),
             "memory_gbs": round(mean_over_ranks(memory, device), 1),
             "batched_matmul_tflops": round(mean_over_ranks(batched, device), 4)}
@@ -175,18 +241,22 @@ def main(argv: list[str] | None = None) -> int:
     spec["inter_node"] = (link(across, device, nbytes, args.repeats) if across is not None
                           else dict(spec["intra_node"]))
     if dist.get_rank() == 0:
-        write_spec(args, spec, device, world, per_node)
+        write_spec(args, spec, device, world, per_node, sync_ms)
     dist.destroy_process_group()
     return 0
 
 
-def write_spec(args, spec: dict, device: torch.device, world: int, per_node: int) -> None:
+def write_spec(args, spec: dict, device: torch.device, world: int, per_node: int,
+               sync_ms: float) -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     nodes = world // per_node
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     note = (f"measured by tools/calibrate_cluster.py on {socket.gethostname()} at {when}: "
             f"{nodes} node(s) x {per_node} rank(s)"
-            + ("; one node, so the inter-node link is the intra-node one" if nodes == 1 else ""))
+            + ("; one node, so the inter-node link is the intra-node one" if nodes == 1 else "")
+            + (f"; compute and memory timed as a synchronized job: {sync_ms:g} ms chunks "
+               "closed by an all-reduce" if sync_ms > 0 else
+               "; compute and memory: each rank's median call, averaged over the ranks"))
     lines = [f"name: {os.path.splitext(os.path.basename(args.out))[0]}",
              f"device: {name}",
              f"peak_tflops: {args.peak_tflops or spec['compute_tflops']}",

@@ -195,20 +195,19 @@ def part_stack_mfu(ctx: Context) -> dict:
 def part_calibrate(ctx: Context) -> dict:
     """tools/calibrate_cluster.py in one process on the device: the step-time model's spec
     measured (bf16 matmul at 8192, a 4 GiB copy; dry run: fp32 at 128, 16 MiB); the spec
-    loads, its rates are positive, and on CUDA it names the device for MFU."""
-    out = os.path.join(tempfile.mkdtemp(prefix="calibrate_"), "measured.yaml")
+    loads, its rates are positive, and on CUDA it names the device for MFU. Then once more,
+    briefly, timed as a synchronized job (``--sync-ms 20``: its CUDA synchronisation and
+    all-reduce between chunks), whose matmul rate is recorded beside the first."""
     sizes = (["--matmul-size", "128", "--message-mib", "1", "--seconds", "0.2"] if ctx.dry_run
              else [])
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "calibrate_cluster.py"),
-                           "--out", out, "--repeats", "3", *sizes], capture_output=True,
-                          text=True, timeout=max(10.0, ctx.seconds - 5), check=False,
-                          env={k: v for k, v in os.environ.items() if k not in DIST_ENV})
-    if proc.returncode != 0:
-        ctx.problems.append(f"calibrate_cluster exit {proc.returncode}: {proc.stderr[-1500:]}")
+    spec = _calibrated(ctx, sizes)
+    synced = _calibrated(ctx, [*sizes, "--sync-ms", "20", "--seconds", "0.2"])
+    if spec is None or synced is None:
         return {}
-    spec = load_cluster(out)
-    if not (spec.compute_tflops > 0 and spec.memory_gbs > 0 and spec.batched_matmul_tflops > 0):
-        ctx.problems.append(f"calibrate_cluster: rates not positive: {spec}")
+    for measured in (spec, synced):
+        if not (measured.compute_tflops > 0 and measured.memory_gbs > 0
+                and measured.batched_matmul_tflops > 0):
+            ctx.problems.append(f"calibrate_cluster: rates not positive: {measured}")
     if ctx.device.type == "cuda" and torch.cuda.get_device_name() not in spec.cuda_names:
         ctx.problems.append(f"calibrate_cluster: cuda_names {spec.cuda_names} miss the device")
     if ctx.device.type != "cuda":
@@ -216,7 +215,22 @@ def part_calibrate(ctx: Context) -> dict:
         ctx.cuda_only("stack_vs_model (GPU figures)")
     return {"compute_tflops": spec.compute_tflops, "memory_gbs": spec.memory_gbs,
             "batched_matmul_tflops": spec.batched_matmul_tflops,
+            "compute_tflops_synchronized": synced.compute_tflops,
             "device": spec.device, "stack_vs_model": stack_vs_model(ctx, spec)}
+
+
+def _calibrated(ctx: Context, args: list[str]):
+    """The spec tools/calibrate_cluster.py measures with ``args`` in one process, or None
+    (the failure in ``ctx.problems``)."""
+    out = os.path.join(tempfile.mkdtemp(prefix="calibrate_"), "measured.yaml")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "calibrate_cluster.py"),
+                           "--out", out, "--repeats", "3", *args], capture_output=True,
+                          text=True, timeout=max(10.0, ctx.seconds - 5), check=False,
+                          env={k: v for k, v in os.environ.items() if k not in DIST_ENV})
+    if proc.returncode != 0:
+        ctx.problems.append(f"calibrate_cluster exit {proc.returncode}: {proc.stderr[-1500:]}")
+        return None
+    return load_cluster(out)
 
 
 def stack_vs_model(ctx: Context, spec) -> list[dict]:
@@ -295,8 +309,9 @@ PARTS: tuple[Part, ...] = (
          ("dense attention: SDPA flash on CUDA", "sparse_mla dispatch (supports)")),
     Part("stack_mfu", part_stack_mfu, 40, 100,
          ("TE specs (importable?)", "h200_perf one-process NCCL group")),
-    Part("calibrate", part_calibrate, 15, 40,
-         ("calibrate_cluster NCCL + bf16 matmul + cuda_names",)),
+    Part("calibrate", part_calibrate, 20, 50,
+         ("calibrate_cluster NCCL + bf16 matmul + cuda_names",
+          "calibrate_cluster --sync-ms: synchronize + all-reduce per chunk")),
 )
 
 
