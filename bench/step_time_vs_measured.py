@@ -8,7 +8,7 @@ of the parity matrix: how far the prediction is from this machine's step, and wh
    layout's first run and after each of its runs (micro-benchmarks: a matmul rate, a
    batched small matmul's at the sparse attention's shape, copy bandwidth, an all-gather's
    bandwidth and an all-reduce's latency; never the layouts below). It runs as many gloo
-   ranks as the layout keeps cores busy (one for one process, else the cores), each figure
+   ranks as the layout keeps cores busy (its ranks, at most the machine's cores), each figure
    timed as a synchronized job runs (its ``--sync-ms`` default). This machine's speed
    drifts by up to 2x over tens of minutes, so each run is predicted on the average of the
    two specs measured right around it.
@@ -22,10 +22,12 @@ of the parity matrix: how far the prediction is from this machine's step, and wh
 
 Prints per layout the measured step (the median of the runs, and their spread), the
 predicted step (the median of the runs' predictions), the layout's ratio predicted /
-measured (the median of the runs' ratios) and each run's ratio, the last run's phase split (forward-backward, grad sync, optimizer: the busiest
-rank's, medians over the steps after the warm-up) and its collective calls per step (the
+measured (the median of the runs' ratios) and each run's ratio, the last run's phase split
+(forward-backward, grad sync, optimizer: the busiest rank's, medians over the steps after
+the warm-up) and its collective calls per step (the
 busiest rank's); then, per layout, where the time went on the busiest rank (the one its
-collectives held least) against the model's busiest rank (the one that waits least), in ms: communication by the model's kinds (measured: the time each
+collectives held least) against the model's busiest rank (the one that waits least), in ms:
+communication by the model's kinds (measured: the time each
 collective held the rank, metrics.jsonl's ``comm_by_purpose``; the pipeline's waits are its
 bubble, so the model's bubble is added to its pipeline sends there), the rest (compute and
 the optimizer; the model's own compute, optimizer and any bubble of a layout without a
@@ -184,14 +186,17 @@ def main() -> None:
     parser.add_argument("--width", choices=sorted(WIDTHS), default="tiny")
     parser.add_argument("--seq-length", type=int, default=64)
     args = parser.parse_args()
+    if args.repeats < 1 or args.steps < 1:
+        raise SystemExit(f"--repeats {args.repeats} --steps {args.steps}: each must be at "
+                         "least 1 (e.g. --repeats 2 --steps 6)")
     names = args.layouts.split(",")
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown:
         raise SystemExit(f"--layouts: unknown {unknown}; choose from {', '.join(LAYOUTS)}")
     with tempfile.TemporaryDirectory(prefix="glm5_step_time_") as workdir:
         print(f"{'layout':>22} {'measured s':>10} {'spread':>7} {'predicted s':>11} "
-              f"{'ratio':>7} {'run ratios':>11} {'fwd-bwd/sync/opt ms':>22} {'calls':>6}  "
-              "spec (last run's)")
+              f"{'ratio':>7} {'run ratios':>14} {'fwd-bwd/sync/opt ms':>22} {'calls':>6}  "
+              "spec (around the last run)")
         worst = 1.0  # the ratio farthest from 1, either way
         splits = []
         for name in names:
@@ -220,9 +225,9 @@ def main() -> None:
                 worst = ratio
             metered = [r for r in runs[-1] if "comm_by_group" in r][-1]
             print(f"{name:>22} {measured:>10.3f} {spread:>7.1%} {predicted:>11.4f} "
-                  f"{ratio:>7.3f} {'/'.join(f'{r:.2f}' for r in ratios):>11} "
+                  f"{ratio:>7.3f} {'/'.join(f'{r:.2f}' for r in ratios):>14} "
                   f"{phase_ms(runs[-1]):>22} {calls_per_step(metered):>6}  "
-                  f"{spec_text(around[-1])}", flush=True)
+                  f"{spec_text(averaged(specs[-2], specs[-1]))}", flush=True)
         print("where the busiest rank's step went, ms measured/predicted (last run):")
         for line in splits:
             print(line)

@@ -5,11 +5,11 @@ machines you will train on, in place of the presets' assumed rates.
     python tools/plan_step_time.py +experiment=glm5_sft_202k --cluster my_cluster.yaml
 
 What it measures (micro-benchmarks, never the layouts the model then predicts):
-- ``compute_tflops``: a square matmul's rate (bf16 on GPUs, fp32 on CPUs), the mean over the
-  ranks of each one's median;
-- ``memory_gbs``: a large tensor copy's bytes read + written per second, the same way;
+- ``compute_tflops``: a square matmul's rate (bf16 on GPUs, fp32 on CPUs), timed as
+  ``--sync-ms`` says (below);
+- ``memory_gbs``: a large tensor copy's bytes read + written per second, timed the same way;
 - ``batched_matmul_tflops``: one batched call of many small matmuls (``--bmm-shape``; the
-  sparse attention's torch path runs one [heads, D] x [D, K] product per query), the same way;
+  sparse attention's torch path runs one [heads, D] x [D, K] product per query), the same;
 - ``intra_node``: bytes per second one rank sends in an all-gather among the ranks of its node
   (its bus bandwidth), and one small all-reduce's time as the latency;
 - ``inter_node``: the same among one rank per node (with one node: the intra-node figures,
@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "chunks of about this many ms closed by an all-reduce, work per wall "
                         "second (default: 50 on CPUs; 0 on GPUs: each rank's median call)")
     args = p.parse_args(argv)
-    if args.sync_ms is not None and args.sync_ms < 0:
+    if args.sync_ms is not None and not 0 <= args.sync_ms < math.inf:
         p.error(f"--sync-ms {args.sync_ms:g}: must be 0 (each rank's median call) or a "
                 "positive chunk length in ms, e.g. --sync-ms 50")
     return args
@@ -251,9 +251,14 @@ def write_spec(args, spec: dict, device: torch.device, world: int, per_node: int
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     nodes = world // per_node
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    if world == 1:
+        links = "; one process, so no link was measured (placeholder figures)"
+    elif nodes == 1:
+        links = "; one node, so the inter-node link is the intra-node one"
+    else:
+        links = ""
     note = (f"measured by tools/calibrate_cluster.py on {socket.gethostname()} at {when}: "
-            f"{nodes} node(s) x {per_node} rank(s)"
-            + ("; one node, so the inter-node link is the intra-node one" if nodes == 1 else "")
+            f"{nodes} node(s) x {per_node} rank(s)" + links
             + (f"; compute and memory timed as a synchronized job: {sync_ms:g} ms chunks "
                "closed by an all-reduce" if sync_ms > 0 else
                "; compute and memory: each rank's median call, averaged over the ranks"))

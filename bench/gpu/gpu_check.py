@@ -33,7 +33,8 @@ so:
   TE specs where TE imports).
 - ``calibrate``: tools/calibrate_cluster.py's spec of this device, and the step-time model's
   compute term checked against the stack measured above (``stack_vs_model``: the planner's
-  FLOPs of that stack at the measured rate, predicted / measured seconds per step).
+  FLOPs of that stack at the measured rate, predicted / measured seconds per step); then a
+  brief second calibration timed as a synchronized job (``compute_tflops_synchronized``).
 
 JSON (``--out``): ``schema`` ("gpu_check/1"), ``dry_run``, ``device``, ``budget_s``, ``order``
 (the parts in run order), ``parts``: per part ``status`` (pending / ok / failed / skipped),
@@ -196,17 +197,21 @@ def part_calibrate(ctx: Context) -> dict:
     """tools/calibrate_cluster.py in one process on the device: the step-time model's spec
     measured (bf16 matmul at 8192, a 4 GiB copy; dry run: fp32 at 128, 16 MiB); the spec
     loads, its rates are positive, and on CUDA it names the device for MFU. Then once more,
-    briefly, timed as a synchronized job (``--sync-ms 20``: its CUDA synchronisation and
-    all-reduce between chunks), whose matmul rate is recorded beside the first."""
+    briefly, timed as a synchronized job (``--sync-ms 20``: an all-reduce closes each chunk,
+    the device synchronized around the timed loop), whose matmul rate is recorded beside
+    the first. The two share the part's time: the second gets what the first left; when it
+    fails, the first's figures stand and the failure is a problem."""
     sizes = (["--matmul-size", "128", "--message-mib", "1", "--seconds", "0.2"] if ctx.dry_run
              else [])
-    spec = _calibrated(ctx, sizes)
-    synced = _calibrated(ctx, [*sizes, "--sync-ms", "20", "--seconds", "0.2"])
-    if spec is None or synced is None:
+    deadline = time.monotonic() + ctx.seconds - 5
+    spec = _calibrated(ctx, sizes, deadline)
+    if spec is None:
         return {}
+    synced = _calibrated(ctx, [*sizes, "--sync-ms", "20", "--seconds", "0.2"], deadline)
     for measured in (spec, synced):
-        if not (measured.compute_tflops > 0 and measured.memory_gbs > 0
-                and measured.batched_matmul_tflops > 0):
+        if measured is not None and not (measured.compute_tflops > 0
+                                         and measured.memory_gbs > 0
+                                         and measured.batched_matmul_tflops > 0):
             ctx.problems.append(f"calibrate_cluster: rates not positive: {measured}")
     if ctx.device.type == "cuda" and torch.cuda.get_device_name() not in spec.cuda_names:
         ctx.problems.append(f"calibrate_cluster: cuda_names {spec.cuda_names} miss the device")
@@ -215,18 +220,26 @@ def part_calibrate(ctx: Context) -> dict:
         ctx.cuda_only("stack_vs_model (GPU figures)")
     return {"compute_tflops": spec.compute_tflops, "memory_gbs": spec.memory_gbs,
             "batched_matmul_tflops": spec.batched_matmul_tflops,
-            "compute_tflops_synchronized": synced.compute_tflops,
+            "compute_tflops_synchronized": synced.compute_tflops if synced else None,
             "device": spec.device, "stack_vs_model": stack_vs_model(ctx, spec)}
 
 
-def _calibrated(ctx: Context, args: list[str]):
-    """The spec tools/calibrate_cluster.py measures with ``args`` in one process, or None
-    (the failure in ``ctx.problems``)."""
+def _calibrated(ctx: Context, args: list[str], deadline: float):
+    """The spec tools/calibrate_cluster.py measures with ``args`` in one process before
+    ``deadline`` (time.monotonic), or None (the failure in ``ctx.problems``)."""
     out = os.path.join(tempfile.mkdtemp(prefix="calibrate_"), "measured.yaml")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "calibrate_cluster.py"),
-                           "--out", out, "--repeats", "3", *args], capture_output=True,
-                          text=True, timeout=max(10.0, ctx.seconds - 5), check=False,
-                          env={k: v for k, v in os.environ.items() if k not in DIST_ENV})
+    left = deadline - time.monotonic()
+    if left < 5:
+        ctx.problems.append(f"calibrate_cluster {' '.join(args)}: {left:.0f} s left of the part")
+        return None
+    try:
+        proc = subprocess.run(
+            [sys.executable, os.path.join(REPO, "tools", "calibrate_cluster.py"), "--out", out,
+             "--repeats", "3", *args], capture_output=True, text=True, timeout=left,
+            check=False, env={k: v for k, v in os.environ.items() if k not in DIST_ENV})
+    except subprocess.TimeoutExpired:
+        ctx.problems.append(f"calibrate_cluster {' '.join(args)}: past the part's {left:.0f} s")
+        return None
     if proc.returncode != 0:
         ctx.problems.append(f"calibrate_cluster exit {proc.returncode}: {proc.stderr[-1500:]}")
         return None
@@ -311,7 +324,7 @@ PARTS: tuple[Part, ...] = (
          ("TE specs (importable?)", "h200_perf one-process NCCL group")),
     Part("calibrate", part_calibrate, 20, 50,
          ("calibrate_cluster NCCL + bf16 matmul + cuda_names",
-          "calibrate_cluster --sync-ms: synchronize + all-reduce per chunk")),
+          "calibrate_cluster --sync-ms: all-reduce per chunk, synchronize around")),
 )
 
 
