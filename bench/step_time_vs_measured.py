@@ -74,8 +74,8 @@ BASE = ["model=glm5_tiny", "train.warmup_iters=0", "train.global_batch_size=4",
 # A GLM-5 of the tiny one's depth at widths where a CPU step is bound by its matmuls (about
 # 0.8 TFLOP per step at 512 tokens), not by operator dispatch: the regime the model prices,
 # and the widths its element-wise constants were counted at.
-COMPUTE_BOUND = COUNTED_WIDTHS
-WIDTHS = {"tiny": [], "compute_bound": COMPUTE_BOUND}
+WIDTHS = {"tiny": [], "compute_bound": COUNTED_WIDTHS}
+CORES = len(os.sched_getaffinity(0))
 DISTRIBUTED = "parallel.use_distributed_optimizer=true"
 # name -> (ranks, overrides): the parity matrix's layouts and the README's main-job layout
 LAYOUTS = {
@@ -102,9 +102,8 @@ def calibrated_spec(workdir: str, name: str, job, ranks: int) -> str:
     shape = (queries, heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
              min(cfg.index_topk, inputs.seq_length))
     out = os.path.join(workdir, f"{name}_{len(os.listdir(workdir))}.yaml")
-    busy = min(ranks, len(os.sched_getaffinity(0)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(busy),
+           str(min(ranks, CORES)),
            os.path.join(REPO, "tools", "calibrate_cluster.py"), "--out", out,
            "--bmm-shape", ",".join(map(str, shape))]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -142,7 +141,7 @@ def shared_cores(cluster: ClusterSpec, ranks: int) -> ClusterSpec:
     """The spec as each of ``ranks`` processes sees it when they outnumber the cores: the
     calibration measured one rank per core, so k ranks per core each get 1/k of its compute
     and memory rates (the main job's 4 ranks on this machine's 2 cores)."""
-    shared = max(1.0, ranks / len(os.sched_getaffinity(0)))
+    shared = max(1.0, ranks / CORES)
     return dataclasses.replace(cluster, compute_tflops=cluster.compute_tflops / shared,
                                batched_matmul_tflops=cluster.batched_matmul_tflops / shared,
                                memory_gbs=cluster.memory_gbs / shared)

@@ -91,10 +91,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def device_wait(device: torch.device):
+    """What makes a wall-clock reading hold the work launched before it: the device's
+    synchronize on CUDA, nothing on CPUs."""
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
 def timed(fn, repeats: int, device: torch.device, seconds: float = 0.0) -> float:
     """The median wall seconds of ``fn`` over at least ``repeats`` calls and ``seconds`` of
     calls, after one warm-up call."""
-    wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    wait = device_wait(device)
     fn()
     wait()
     times = []
@@ -110,10 +116,9 @@ def synchronized(fn, repeats: int, seconds: float, chunk_seconds: float,
                  device: torch.device) -> float:
     """Wall seconds per call of ``fn`` when every rank runs it in chunks of about
     ``chunk_seconds``, each closed by a 4-byte all-reduce, for at least ``repeats`` calls and
-    ``seconds``: the pace
-    of a job that synchronizes (its slowest rank's, slow moments included). The same figure
-    on every rank."""
-    wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    ``seconds``: the pace of a job that synchronizes (its slowest rank's, slow moments
+    included). The same figure on every rank."""
+    wait = device_wait(device)
     fn()
     wait()
     started = time.perf_counter()
@@ -136,17 +141,20 @@ def synchronized(fn, repeats: int, seconds: float, chunk_seconds: float,
     return max_over_ranks(time.perf_counter() - started, device) / (chunks * per_chunk)
 
 
+def _reduced(value: float, device: torch.device, op) -> float:
+    """``value`` all-reduced over every rank with ``op``."""
+    out = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(out, op=op)
+    return out.item()
+
+
 def max_over_ranks(value: float, device: torch.device) -> float:
-    slowest = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.item()
+    return _reduced(value, device, dist.ReduceOp.MAX)
 
 
 def mean_over_ranks(value: float, device: torch.device) -> float:
     """Every rank's figure averaged: the rates the layouts' ranks see, not one core's."""
-    total = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(total)
-    return total.item() / dist.get_world_size()
+    return _reduced(value, device, dist.ReduceOp.SUM) / dist.get_world_size()
 
 
 def matmul_tflops(device: torch.device, size: int, timer) -> float:
