@@ -6,8 +6,9 @@ of the parity matrix: how far the prediction is from this machine's step, and wh
 
 1. A cluster spec for this machine, measured by ``tools/calibrate_cluster.py`` before each
    layout's first run and after each of its runs (micro-benchmarks: a matmul rate, a
-   batched small matmul's at the sparse attention's shape, copy bandwidth, an all-gather's
-   bandwidth and an all-reduce's latency; never the layouts below). It runs as many gloo
+   batched small matmul's at the sparse attention's shape, copy bandwidth, an all-gather's,
+   a reduce-scatter's and an all-reduce's bandwidth and a small all-reduce's latency; never
+   the layouts below). It runs as many gloo
    ranks as the layout keeps cores busy (its ranks, at most the machine's cores), each figure
    timed as a synchronized job runs (its ``--sync-ms`` default). This machine's speed
    drifts by up to 2x over tens of minutes, so each run is predicted on the average of the
@@ -118,9 +119,9 @@ def averaged(first: ClusterSpec, second: ClusterSpec) -> ClusterSpec:
     def mean(a: float, b: float) -> float:
         return (a + b) / 2
 
-    def link(a, b):
-        return dataclasses.replace(a, gbs=mean(a.gbs, b.gbs),
-                                   latency_us=mean(a.latency_us, b.latency_us))
+    def link(a, b):  # every rate and the latency
+        return dataclasses.replace(a, **{f.name: mean(getattr(a, f.name), getattr(b, f.name))
+                                         for f in dataclasses.fields(a)})
 
     return dataclasses.replace(
         first, compute_tflops=mean(first.compute_tflops, second.compute_tflops),
@@ -131,8 +132,10 @@ def averaged(first: ClusterSpec, second: ClusterSpec) -> ClusterSpec:
 
 
 def spec_text(cluster: ClusterSpec) -> str:
-    link = (f"{cluster.intra_node.gbs:.2f} GB/s at {cluster.intra_node.latency_us:.0f} us"
-            if cluster.intra_node.latency_us else "no link (one process)")
+    intra = cluster.intra_node
+    link = (f"{intra.gbs:.2f}/{intra.rate('reduce_scatter') / 1e9:.2f}/"
+            f"{intra.rate('all_reduce') / 1e9:.2f} GB/s (gather/scatter/reduce) at "
+            f"{intra.latency_us:.0f} us" if intra.latency_us else "no link (one process)")
     return (f"{cluster.compute_tflops:.3f}/{cluster.batched_matmul_tflops:.3f} TFLOP/s, "
             f"{cluster.memory_gbs:.1f} GB/s, {link}")
 

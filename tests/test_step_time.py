@@ -41,6 +41,18 @@ def test_a_group_with_one_rank_per_node_runs_at_the_inter_node_rate():
     assert collective_seconds("reduce_scatter", 1e9, 4, 4, EASY) == pytest.approx(0.1)
 
 
+def test_a_reduce_scatter_and_an_all_reduce_go_at_their_own_rates_where_the_spec_gives_them():
+    """gloo runs a reduce-scatter as an all-reduce of the whole input: a measured spec gives
+    each op its rate; the others, and a spec without them, go at the all-gather's."""
+    own = dataclasses.replace(EASY, intra_node=Link(100.0, 0.0, reduce_scatter_gbs=50.0,
+                                                    all_reduce_gbs=200.0))
+    assert collective_seconds("reduce_scatter", 1e9, 4, 1, own) == pytest.approx(0.02)
+    assert collective_seconds("all_reduce", 1e9, 4, 1, own) == pytest.approx(0.005)
+    assert collective_seconds("all_gather", 1e9, 4, 1, own) == pytest.approx(0.01)
+    assert collective_seconds("all_to_all", 3e9, 4, 1, own) == pytest.approx(0.03)
+    assert collective_seconds("reduce_scatter", 1e9, 4, 1, EASY) == pytest.approx(0.01)
+
+
 def test_an_all_to_all_over_two_nodes_sends_the_other_nodes_rows_across():
     # 8 ranks, 4 per node: of the 7 rows a rank sends, 3 stay inside and 4 cross.
     seconds = collective_seconds("all_to_all", 7e9, 8, 1, EASY)
@@ -291,7 +303,9 @@ def test_a_measured_cluster_spec_loads_and_prices_a_plan(tmp_path):
     spec = load_cluster(str(out))
     assert spec.gpus_per_node == 2 and spec.device == "CPU"
     assert spec.compute_tflops > 0 and spec.memory_gbs > 0
-    assert spec.intra_node.gbs > 0 and spec.intra_node.latency_us > 0
+    link = spec.intra_node
+    assert link.gbs > 0 and link.latency_us > 0
+    assert link.reduce_scatter_gbs > 0 and link.all_reduce_gbs > 0  # each op measured
     assert spec.inter_node == spec.intra_node and "one node" in spec.note
     assert "synchronized job: 50 ms chunks" in spec.note
     assert predict_step_time(_tiny("parallel=pp2"), 1, spec).step_seconds > 0

@@ -11,7 +11,9 @@ What it measures (micro-benchmarks, never the layouts the model then predicts):
 - ``batched_matmul_tflops``: one batched call of many small matmuls (``--bmm-shape``; the
   sparse attention's torch path runs one [heads, D] x [D, K] product per query), the same;
 - ``intra_node``: bytes per second one rank sends in an all-gather among the ranks of its node
-  (its bus bandwidth), and one small all-reduce's time as the latency;
+  (its bus bandwidth), in a reduce-scatter and in an all-reduce (each op's own rate: gloo
+  runs a reduce-scatter as an all-reduce of the whole input), and one small all-reduce's time
+  as the latency;
 - ``inter_node``: the same among one rank per node (with one node: the intra-node figures,
   said in the note).
 
@@ -181,21 +183,31 @@ def copy_gbs(device: torch.device, nbytes: int, timer) -> float:
 
 
 def link(group, device: torch.device, nbytes: int, repeats: int) -> dict[str, float]:
-    """One rank's send rate in an all-gather over ``group`` ((n - 1) x its piece sent) and
-    a 4-byte all-reduce's time (the latency), both the group's slowest rank's."""
+    """One rank's send rate over ``group`` in an all-gather of ``nbytes`` pieces ((n - 1) x
+    its piece sent), in a reduce-scatter back to those pieces (the same bytes by the meter's
+    rules) and in an all-reduce of the gathered tensor (2 (n - 1) / n of it), and a 4-byte
+    all-reduce's time (the latency), each the group's slowest rank's. The three rates differ
+    where the backend runs the ops differently (gloo: a reduce-scatter is an all-reduce of
+    the whole input)."""
     size = dist.get_world_size(group)
     piece = torch.ones(nbytes // 4, device=device)
     out = torch.empty(size * piece.numel(), device=device)
-    # torch 2.13 renamed the tensor all-gather; earlier releases have the old name only
+    # torch 2.13 renamed the tensor collectives; earlier releases have the old names only
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     gather = timed(lambda: all_gather(out, piece, group=group), repeats, device)
+    scatter = timed(lambda: reduce_scatter(piece, out, group=group), repeats, device)
+    reduce = timed(lambda: dist.all_reduce(out, group=group), repeats, device)
     tiny = torch.ones(1, device=device)
     latency = timed(lambda: dist.all_reduce(tiny, group=group), max(repeats, 20), device)
-    slowest = torch.tensor([gather, latency], dtype=torch.float64, device=device)
+    slowest = torch.tensor([gather, scatter, reduce, latency], dtype=torch.float64,
+                           device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    gather, latency = slowest.tolist()
-    return {"gbs": round((size - 1) * nbytes / gather / 1e9, 3),
-            "latency_us": round(latency * 1e6, 1)}
+    gather, scatter, reduce, latency = slowest.tolist()
+    sent = (size - 1) * nbytes
+    return {"gbs": round(sent / gather / 1e9, 3), "latency_us": round(latency * 1e6, 1),
+            "reduce_scatter_gbs": round(sent / scatter / 1e9, 3),
+            "all_reduce_gbs": round(2 * sent / reduce / 1e9, 3)}
 
 
 def node_groups(world: int, per_node: int):
@@ -278,8 +290,7 @@ def write_spec(args, spec: dict, device: torch.device, world: int, per_node: int
              f"batched_matmul_tflops: {spec['batched_matmul_tflops']}",
              f"gpus_per_node: {per_node}"]
     for level in ("intra_node", "inter_node"):
-        lines += [f"{level}:", f"  gbs: {spec[level]['gbs']}",
-                  f"  latency_us: {spec[level]['latency_us']}"]
+        lines += [f"{level}:"] + [f"  {key}: {value}" for key, value in spec[level].items()]
     if device.type == "cuda":
         lines.append(f"cuda_names: [{name!r}]")
     lines.append(f"note: {note!r}")

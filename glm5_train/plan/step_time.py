@@ -13,9 +13,10 @@ How the parts combine:
   ``Streamed`` parts) its matmuls at the spec's batched-matmul rate and its gathers and
   scatters at the memory rate (``streamed_seconds``); on CPU plans, the element-wise operators'
   bytes (``glm5_train.plan.elementwise``) at the memory rate.
-- A collective: its bytes at the rate of the links it crosses. The group's ranks are placed as
-  megatron-core places them (order tp-cp-ep-dp-pp; experts etp-ep-edp-pp), on nodes of
-  ``gpus_per_node`` consecutive ranks. Bytes inside a node go at the intra-node rate, bytes
+- A collective: its bytes at the rate of the links it crosses (a reduce-scatter's and an
+  all-reduce's at their own rates where the spec gives them: ``Link``). The group's ranks
+  are placed as megatron-core places them (order tp-cp-ep-dp-pp; experts etp-ep-edp-pp), on
+  nodes of ``gpus_per_node`` consecutive ranks. Bytes inside a node go at the intra-node rate, bytes
   between nodes at the inter-node rate (``parallel.hierarchical_all_to_all.level_bytes``'s
   split), the two levels one after the other.
 - Each micro-batch's forward and backward take their compute plus their exposed collectives.
@@ -97,13 +98,24 @@ GROUP_KINDS = {"tp": "tensor_parallel", "expt_tp": "tensor_parallel",
 @dataclass(frozen=True)
 class Link:
     """One level of the network as one rank sees it: bytes per second it sends (per
-    direction, what collectives reach) and the time one message takes to start."""
+    direction, what collectives reach) in an all-gather, and the time one message takes to
+    start. A reduce-scatter or an all-reduce may send its bytes at another rate: gloo runs a
+    tensor reduce-scatter as an all-reduce of the whole input, about 1.5-2x an all-gather's
+    time for the bytes counted (``tools/calibrate_cluster.py`` measures each); 0 means at
+    ``gbs`` (NCCL's rings run all three at one bus bandwidth: the GPU presets)."""
 
     gbs: float
     latency_us: float
+    reduce_scatter_gbs: float = 0.0
+    all_reduce_gbs: float = 0.0
 
-    def seconds(self, sent: float, messages: int = 0) -> float:
-        return sent / (self.gbs * 1e9) + messages * self.latency_us * 1e-6
+    def rate(self, op: str) -> float:
+        """Bytes per second ``op``'s counted bytes go at."""
+        own = {"reduce_scatter": self.reduce_scatter_gbs, "all_reduce": self.all_reduce_gbs}
+        return (own.get(op) or self.gbs) * 1e9
+
+    def seconds(self, sent: float, messages: int = 0, op: str = "all_gather") -> float:
+        return sent / self.rate(op) + messages * self.latency_us * 1e-6
 
 
 @dataclass(frozen=True)
@@ -186,7 +198,8 @@ def collective_seconds(op: str, sent: float, size: int, stride: int,
     shares = level_bytes(split_as, size * (size - 1), size, local)
     whole = shares["intra"] + shares["inter"]
     inter = sent * shares["inter"] / whole
-    return (cluster.intra_node.seconds(sent - inter) + cluster.inter_node.seconds(inter))
+    return (cluster.intra_node.seconds(sent - inter, op=op)
+            + cluster.inter_node.seconds(inter, op=op))
 
 
 def comm_seconds(comm: Comm, inp: MemoryInputs, pp: int, cluster: ClusterSpec,
@@ -400,7 +413,8 @@ def _step_tail(job: JobConfig, inputs: MemoryInputs, layout: PipelineLayout, ran
         exposed_reduce = _overlapped_reduction(ops, reduce_chunks, buckets)
     else:
         exposed_reduce = sum(reduce_chunks)
-    hidden["grad_reduction"] = hidden.get("grad_reduction", 0.0) + sum(reduce_chunks) - exposed_reduce
+    hidden["grad_reduction"] = (hidden.get("grad_reduction", 0.0) + sum(reduce_chunks)
+                                - exposed_reduce)
     tp_step = comm_seconds(tensor_parallel_step_comm(job, inputs, layout, rank), inputs, pp,
                            cluster).get("tensor_parallel", 0.0)
     exposed_gather = (_overlapped_gather(ops, gather_chunks, buckets) if overlaps.param_gather
