@@ -100,8 +100,10 @@ class Link:
     """One level of the network as one rank sees it: bytes per second it sends (per
     direction, what collectives reach) in an all-gather, and the time one message takes to
     start. A reduce-scatter or an all-reduce may send its bytes at another rate: gloo runs a
-    tensor reduce-scatter as an all-reduce of the whole input, about 1.5-2x an all-gather's
-    time for the bytes counted (``tools/calibrate_cluster.py`` measures each); 0 means at
+    tensor reduce-scatter as an all-reduce of the whole input (1.3-2.1x an all-gather's time
+    for the bytes counted at 0.75-4 MiB pieces on 2 ranks, about the same at 8-16 MiB), and
+    its big all-reduce goes 2.5-3x faster per counted byte than its all-gather
+    (``tools/calibrate_cluster.py`` measures each); 0 means at
     ``gbs`` (NCCL's rings run all three at one bus bandwidth: the GPU presets)."""
 
     gbs: float
