@@ -39,7 +39,8 @@ What it shows on this 2-core machine (docs/step_time.md): the tiny model's step 
 operator dispatch and by gloo's per-call cost between compute, neither of which a FLOPs and
 bytes model holds, so the prediction is one to two orders of magnitude short; at
 ``--width compute_bound --seq-length 512 --repeats 3`` six of the eight layouts come within
-15% and TP2 and CP2, the layouts with the most collective calls, at 0.64-0.76; at
+15% and TP2 and CP2, the layouts with the most collective calls, at 0.72-0.76 (0.64 and
+0.74 in a later ``--repeats 1`` run, each op at its own rate); at
 ``--seq-length 1024`` (about 18 minutes at ``--repeats 1``) all eight came within 0.81-1.09
 in one run, six of them within 15%, and a layout's ratio moved by up to 0.18 between runs.
 """

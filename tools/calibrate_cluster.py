@@ -76,7 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the batched matmul: batch,rows,inner,cols (default 512,8,576,128: "
                         "queries, heads, GLM-5's latent width, picks)")
     p.add_argument("--message-mib", type=float, default=None,
-                   help="all-gather bytes per rank in MiB (default: 256 on GPUs, 8 on CPUs)")
+                   help="each rank's piece of the link collectives in MiB (the all-reduce runs on "
+                        "the gathered tensor, world x it; default: 256 on GPUs, 8 on CPUs)")
     p.add_argument("--repeats", type=int, default=5,
                    help="timed repetitions of each, at least (default 5)")
     p.add_argument("--seconds", type=float, default=None,
