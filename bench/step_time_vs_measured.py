@@ -8,9 +8,9 @@ of the parity matrix: how far the prediction is from this machine's step, and wh
    layout's first run and after each of its runs (micro-benchmarks: a matmul rate, a
    batched small matmul's at the sparse attention's shape, copy bandwidth, an all-gather's,
    a reduce-scatter's and an all-reduce's bandwidth and a small all-reduce's latency; never
-   the layouts below). It runs as many gloo
-   ranks as the layout keeps cores busy (its ranks, at most the machine's cores), each figure
-   timed as a synchronized job runs (its ``--sync-ms`` default). This machine's speed
+   the layouts below). It runs as many gloo ranks as the layout keeps cores busy (its
+   ranks, at most the machine's cores), each figure timed as a synchronized job runs (its
+   ``--sync-ms`` default). This machine's speed
    drifts by up to 2x over tens of minutes, so each run is predicted on the average of the
    two specs measured right around it.
 2. Each layout (the tiny GLM-5, 4 sequences of 64 tokens per step, as tests/parity.py runs
@@ -25,15 +25,14 @@ Prints per layout the measured step (the median of the runs, and their spread), 
 predicted step (the median of the runs' predictions), the layout's ratio predicted /
 measured (the median of the runs' ratios) and each run's ratio, the last run's phase split
 (forward-backward, grad sync, optimizer: the busiest rank's, medians over the steps after
-the warm-up) and its collective calls per step (the
-busiest rank's); then, per layout, where the time went on the busiest rank (the one its
-collectives held least) against the model's busiest rank (the one that waits least), in ms:
-communication by the model's kinds (measured: the time each
-collective held the rank, metrics.jsonl's ``comm_by_purpose``; the pipeline's waits are its
-bubble, so the model's bubble is added to its pipeline sends there), the rest (compute and
-the optimizer; the model's own compute, optimizer and any bubble of a layout without a
-pipeline); then ``ours=<the ratio farthest from 1> baseline=1.0 ratio=<same>`` (the target:
-0.85-1.15 on every layout).
+the warm-up) and its collective calls per step (the busiest rank's); then, per layout, where
+the time went on the busiest rank (the one its collectives held least) against the model's
+busiest rank (the one that waits least), in ms: communication by the model's kinds
+(measured: the time each collective held the rank, metrics.jsonl's ``comm_by_purpose``; the
+pipeline's waits are its bubble, so the model's bubble is added to its pipeline sends
+there), the rest (compute and the optimizer; the model's own compute, optimizer and any
+bubble of a layout without a pipeline); then ``ours=<the ratio farthest from 1>
+baseline=1.0 ratio=<same>`` (the target: 0.85-1.15 on every layout).
 
 What it shows on this 2-core machine (docs/step_time.md): the tiny model's step is bound by
 operator dispatch and by gloo's per-call cost between compute, neither of which a FLOPs and
@@ -136,9 +135,8 @@ def averaged(first: ClusterSpec, second: ClusterSpec) -> ClusterSpec:
 
 def spec_text(cluster: ClusterSpec) -> str:
     intra = cluster.intra_node
-    link = (f"{intra.gbs:.2f}/{intra.rate('reduce_scatter') / 1e9:.2f}/"
-            f"{intra.rate('all_reduce') / 1e9:.2f} GB/s (gather/scatter/reduce) at "
-            f"{intra.latency_us:.0f} us" if intra.latency_us else "no link (one process)")
+    link = (f"{intra.rates_text('.2f')} at {intra.latency_us:.0f} us" if intra.latency_us
+            else "no link (one process)")
     return (f"{cluster.compute_tflops:.3f}/{cluster.batched_matmul_tflops:.3f} TFLOP/s, "
             f"{cluster.memory_gbs:.1f} GB/s, {link}")
 

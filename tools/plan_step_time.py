@@ -98,15 +98,6 @@ def parse_overlaps(text: str | None) -> Overlaps | None:
     return Overlaps(**{n: True for n in names})
 
 
-def link_text(link) -> str:
-    """A link's all-gather rate, and its reduce-scatter's and all-reduce's where they differ
-    (a measured gloo spec)."""
-    rates = [link.gbs] + [link.rate(op) / 1e9 for op in ("reduce_scatter", "all_reduce")]
-    if len(set(rates)) == 1:
-        return f"{link.gbs:g} GB/s"
-    return "{:g}/{:g}/{:g} GB/s (gather/scatter/reduce)".format(*rates)
-
-
 def predict(overrides: list[str], dp: int | None, cluster, overlaps: Overlaps | None):
     job = compose_job(overrides)
     dp = dp or job.parallel.data_parallel_size or 1
@@ -167,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
          f"{cluster.device}; {job.train.global_batch_size} x {job.train.seq_length} tokens per "
          f"step"),
         f"cluster {cluster.name}: {cluster.compute_tflops:g} of {cluster.peak_tflops:g} TFLOP/s, "
-        f"intra-node {link_text(cluster.intra_node)}, inter-node {link_text(cluster.inter_node)} "
+        f"intra-node {cluster.intra_node.rates_text()}, inter-node "
+        f"{cluster.inter_node.rates_text()} "
         f"per GPU ({cluster.note})" if cluster.note else f"cluster {cluster.name}",
         f"layout: {result.layout.to_string()}", "",
         "seconds per step, by pipeline rank (exposed communication only):",

@@ -119,6 +119,14 @@ class Link:
     def seconds(self, sent: float, messages: int = 0, op: str = "all_gather") -> float:
         return sent / self.rate(op) + messages * self.latency_us * 1e-6
 
+    def rates_text(self, fmt: str = "g") -> str:
+        """The all-gather's GB/s, and the reduce-scatter's and all-reduce's beside it where
+        any differs (a measured gloo spec)."""
+        rates = [self.rate(op) / 1e9 for op in ("all_gather", "reduce_scatter", "all_reduce")]
+        if len(set(rates)) == 1:
+            return f"{rates[0]:{fmt}} GB/s"
+        return "/".join(f"{r:{fmt}}" for r in rates) + " GB/s (gather/scatter/reduce)"
+
 
 @dataclass(frozen=True)
 class ClusterSpec:
